@@ -1,0 +1,40 @@
+# The two commands of the quick start: `make run` and `make test`. Both set up .venv
+# on a fresh machine first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.hurray-setup
+
+.PHONY: setup redis run test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@# The CPU build of torch lies on this machine's disk; installing it first keeps
+	@# pip from resolving `torch` to a multi-GB CUDA build.
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+# redis-server from Debian, for the Redis tier's tests (when missing and running as root).
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = "0" ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; \
+	  else echo "redis-server missing: install Debian's redis-server package"; exit 1; fi; }
+
+run: setup
+	$(VENV)/bin/hurray-store demo
+
+test: setup redis
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check hurray_store tests tools
+	$(VENV)/bin/mypy
+
+bench: setup
+	$(PY) tools/bench_format.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache

@@ -1,0 +1,32 @@
+"""The Hurray codec: per-layer block-paged objects and segment manifests.
+
+The only package of hurray_store that imports ``hurray`` (pyhurray). Pure: bytes and
+memoryviews in and out, no files, sockets or event loops.
+"""
+
+from hurray_store.format.codec import (
+    EncodedLayer,
+    LayerKV,
+    decode_layer,
+    encode_layer,
+    encode_layer_buffers,
+    parse_layer,
+    quantize_int8,
+    supported_dtypes,
+)
+from hurray_store.format.manifest import Manifest, ManifestLayer, ManifestSeq, checksum
+
+__all__ = [
+    "EncodedLayer",
+    "LayerKV",
+    "Manifest",
+    "ManifestLayer",
+    "ManifestSeq",
+    "checksum",
+    "decode_layer",
+    "encode_layer",
+    "encode_layer_buffers",
+    "parse_layer",
+    "quantize_int8",
+    "supported_dtypes",
+]

@@ -23,24 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _bench import gbps, table, timeit  # noqa: E402
 
-from hurray_store.format import LayerKV, decode_layer, encode_layer, encode_layer_buffers  # noqa: E402
-
-
-def shared_prefix_layer(seqs: int, tokens: int, heads: int, dim: int, page: int, dtype: torch.dtype) -> LayerKV:
-    per_seq = tokens // page
-    shared = per_seq // 2
-    num_pages = shared + seqs * (per_seq - shared)
-    g = torch.Generator().manual_seed(0)
-    keys = torch.randn(num_pages, page, heads, dim, generator=g).to(dtype)
-    values = torch.randn(num_pages, page, heads, dim, generator=g).to(dtype)
-    tables = []
-    nxt = shared
-    for _ in range(seqs):
-        own = list(range(nxt, nxt + per_seq - shared))
-        nxt += per_seq - shared
-        tables += list(range(shared)) + own
-    seq_ptr = torch.arange(seqs + 1) * per_seq
-    return LayerKV(0, keys, values, torch.tensor(tables), seq_ptr)
+from hurray_store.format import decode_layer, encode_layer, encode_layer_buffers  # noqa: E402
+from hurray_store.synthetic import shared_prefix_layer  # noqa: E402
 
 
 def main() -> None:
@@ -53,7 +37,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     a = ap.parse_args()
     torch.set_num_threads(1)  # the references (memcpy) are single-threaded too
-    layer = shared_prefix_layer(a.seqs, a.tokens, a.heads, a.dim, a.page, torch.float16)
+    layer = shared_prefix_layer(seqs=a.seqs, tokens=a.tokens, heads=a.heads, dim=a.dim, page_size=a.page)
     obj = encode_layer(layer)
     n = len(obj)
     src = np.frombuffer(obj, dtype=np.uint8)

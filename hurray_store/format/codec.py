@@ -67,7 +67,7 @@ _TORCH_TO_HURRAY = {
     torch.float32: hurray.float32,
 }
 _HURRAY_TO_TORCH = {h.name: t for t, h in _TORCH_TO_HURRAY.items()}
-_INDEX_NP = {"uint32": np.dtype("<u4"), "uint64": np.dtype("<u8")}
+_INDEX_NP: dict[str, np.dtype] = {"uint32": np.dtype("<u4"), "uint64": np.dtype("<u8")}
 
 # Offsets inside a rank-3 block-paged descriptor, from metadata.md (fixed header, shape,
 # byte_offset) and block-paged.md (layout fields):
@@ -185,7 +185,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def validate_index(bt: np.ndarray, sp: np.ndarray, num_pages: int, num_seqs: int) -> None:
@@ -355,7 +355,7 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     clips: per slot, ``|x - q*scale| <= scale/2`` with ``scale ~ absmax(slot)/127``.
     """
     slots = x.shape[0] * x.shape[1]
-    xf = x.reshape(slots, -1).float()
+    xf = x.reshape(slots, x.shape[2] * x.shape[3]).float()
     amax = xf.abs().amax(dim=1) if xf.shape[1] else torch.zeros(slots)
     eps = torch.finfo(x.dtype).eps
     tiny = torch.finfo(x.dtype).tiny
@@ -379,6 +379,12 @@ def encode_layer_buffers(layer: LayerKV, *, quantization: str | None = None) -> 
             f"layer dtype must be one of {[str(d) for d in _TORCH_TO_HURRAY]}, got {layer.dtype}"
         )
     num_pages, page_size, heads, dim = (int(s) for s in layer.keys.shape)
+    if quantization == "int8" and (page_size < 2 or page_size & (page_size - 1)):
+        # Hurray's per-block-affine scheme needs block_size (= page_size) a power of two.
+        raise errors.QuantizationError(
+            f"int8 quantization needs page_size a power of two >= 2 (the per-block-affine "
+            f"block size), got {page_size}"
+        )
     bt_np = layer.block_table.detach().cpu().numpy()
     sp_np = layer.seq_ptr.detach().cpu().numpy()
     validate_index(bt_np, sp_np, num_pages, layer.num_seqs)
@@ -390,15 +396,9 @@ def encode_layer_buffers(layer: LayerKV, *, quantization: str | None = None) -> 
     hname = _TORCH_TO_HURRAY[layer.dtype].name
 
     parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    for t in (layer.keys, layer.values):
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if quantization == "int8":
-            q, sc = quantize_int8(t)
-            parts.append((q, sc))
-        else:
-            parts.append((t.contiguous(), None))
+    for src in (layer.keys, layer.values):
+        t = src.detach().cpu()
+        parts.append(quantize_int8(t) if quantization == "int8" else (t.contiguous(), None))
 
     buffers: list[bytes | memoryview] = []
     offsets: dict[str, int] = {}
@@ -407,7 +407,7 @@ def encode_layer_buffers(layer: LayerKV, *, quantization: str | None = None) -> 
     for role, (pool, sc) in zip(("key", "value"), parts, strict=True):
         pool_v = _byte_view(pool)
         sizes = [pool_v.nbytes, len(bt_b), len(sp_b)]
-        sc_v = None
+        sc_v: memoryview | None = None
         if sc is not None:
             sc_v = _byte_view(sc)
             sizes.append(sc_v.nbytes)
@@ -505,12 +505,29 @@ def _decode_descriptor(mv: memoryview, off: int, what: str) -> tuple[hurray.Desc
         raise errors.TruncatedError(
             f"{what}: descriptor declares {dlen} bytes, only {n - off} remain at offset {off}"
         )
+    # Checks on the fixed header that name the problem more precisely than pyhurray's
+    # decoder would (it rejects these too, as a generic invalid descriptor).
+    (flags,) = struct.unpack_from("<I", head, 10)
+    layout_tag, rank = head[15], struct.unpack_from("<I", head, 16)[0]
+    if layout_tag != BLOCK_PAGED_TAG:
+        raise errors.LayoutError(f"{what}: expected layout tag 0x0A (block-paged), got {layout_tag:#04x}")
+    if rank != 3:
+        raise errors.RankError(f"{what}: block-paged tensors must be rank 3 [total_tokens, heads, head_dim], got rank {rank}")
+    if flags & 0x2:
+        raise errors.ShardError(f"{what}: a block-paged descriptor must not carry a shard (HAS_SHARD is set)")
+    if dlen >= _OFF_NUM_SEQS:
+        (paged_axis,) = struct.unpack_from("<I", mv, off + 64)
+        if paged_axis != 0:
+            raise errors.PagedAxisError(f"{what}: paged_axis must be 0, got {paged_axis}")
     try:
         d = hurray.Descriptor.decode(bytes(mv[off : off + dlen]))
     except BaseException as e:  # pyo3 panics derive from BaseException
         if isinstance(e, KeyboardInterrupt | SystemExit | GeneratorExit):
             raise
-        raise _fail_descriptor(f"{what}: pyhurray rejects the descriptor at offset {off}: {e}", e) from e
+        msg = f"{what}: pyhurray rejects the descriptor at offset {off}: {e}"
+        if "quantization" in str(e):  # its decoder enforces the block-paged quantization rules
+            raise errors.QuantizationError(msg) from e
+        raise _fail_descriptor(msg, e) from e
     if d.encoded_len != dlen:
         raise errors.DescriptorError(
             f"{what}: descriptor_length says {dlen} bytes, its fields take {d.encoded_len}"
@@ -644,7 +661,7 @@ def _check_pair(k: ParsedTensor, v: ParsedTensor, mv: memoryview) -> None:
         raise errors.LayerMismatchError(
             f"key and value must name one layer, got key layer {kl.layer_index}, value layer {vl.layer_index}"
         )
-    if kl.layer_index == UINT32_MAX:
+    if kl.layer_index is None or kl.layer_index == UINT32_MAX:
         raise errors.LayerMismatchError("layer_index must name a layer, got 0xFFFFFFFF (not layer-scoped)")
     for f in ("page_size", "num_pages", "num_seqs", "block_table_index_type"):
         a, b = getattr(kl, f), getattr(vl, f)

@@ -232,10 +232,10 @@ class Manifest:
             for _ in range(r.count("<I", 4 + 2 + 48)):
                 (layer_index,) = r.unpack("<I")
                 key = bytes(r.short_bytes()).decode("utf-8")
-                vals = r.unpack("<QQQQQQ")
+                size, csum, kpo, vpo, kso, vso = r.unpack("<QQQQQQ")
                 kc = r.array("<u8", num_pages)
                 vc = r.array("<u8", num_pages)
-                layers.append(ManifestLayer(layer_index, key, *vals, tuple(kc.tolist()), tuple(vc.tolist())))
+                layers.append(ManifestLayer(layer_index, key, size, csum, kpo, vpo, kso, vso, tuple(kc.tolist()), tuple(vc.tolist())))
             if r.pos != end:
                 raise errors.ManifestError(f"manifest: {end - r.pos} unparsed bytes at the end of the body")
         except UnicodeDecodeError as e:

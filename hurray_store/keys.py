@@ -1,0 +1,54 @@
+"""Deterministic prefix hashing of token pages (layer L1).
+
+``h_0 = H(root, page_0)``, ``h_i = H(h_{i-1}, page_i)`` with ``H`` = SHA-256 truncated to
+16 bytes, ``root = SHA-256(tag, spec fingerprint, salt)``, and a page's tokens encoded as
+little-endian uint32. Never Python's ``hash``, never a random seed: the same tokens give
+the same hashes in every process and on every machine; another salt (tenant) gives
+unrelated ones. Only full pages are hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from hurray_store.spec import KVSpec
+
+HASH_LEN = 16
+_ROOT_TAG = b"hurray_store/page-hash/v1"
+
+
+def root_hash(spec: KVSpec, salt: bytes = b"") -> bytes:
+    if not isinstance(salt, bytes | bytearray):
+        raise TypeError(f"salt must be bytes, got {type(salt).__name__}")
+    return hashlib.sha256(_ROOT_TAG + spec.fingerprint() + struct.pack("<I", len(salt)) + bytes(salt)).digest()
+
+
+def token_array(token_ids: Sequence[int]) -> np.ndarray:
+    """Token ids as little-endian uint32, refusing ids outside [0, 2**32)."""
+    arr = np.asarray(token_ids, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be a flat sequence of ints, got shape {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return arr.astype("<u4")
+
+
+def page_hashes(spec: KVSpec, token_ids: Sequence[int], *, salt: bytes = b"") -> list[bytes]:
+    """One 16-byte chained hash per FULL page of ``token_ids`` (a partial last page is
+    not hashed)."""
+    toks = token_array(token_ids)
+    p = spec.page_size
+    n = toks.size // p
+    raw = toks[: n * p].tobytes()
+    step = 4 * p
+    prev = root_hash(spec, salt)
+    out = []
+    sha = hashlib.sha256
+    for i in range(n):
+        prev = sha(prev + raw[i * step : (i + 1) * step]).digest()[:HASH_LEN]
+        out.append(prev)
+    return out

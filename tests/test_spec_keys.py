@@ -1,0 +1,117 @@
+"""KVSpec, its fingerprint, and prefix hashing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hurray_store import KVSpec, SpecError
+from hurray_store.keys import page_hashes, root_hash
+
+SPEC = KVSpec("tiny-llama", 4, 2, 64, 4, torch.float16)
+
+
+def test_fingerprint_golden_vector() -> None:
+    assert SPEC.fingerprint().hex() == "3bcbac95e487a5249cf9b08ded1d2c15377f0a7890f93e176b298e6e6aac83dd"
+
+
+def test_fingerprint_is_sha256_of_the_documented_encoding() -> None:
+    def text(s: str) -> bytes:
+        return struct.pack("<I", len(s.encode())) + s.encode()
+
+    enc = (text("hurray_store/kvspec/v1") + text("tiny-llama") + text("") + struct.pack("<QQQQ", 4, 2, 64, 4)
+           + text("float16") + struct.pack("<QQ", 0, 1))
+    assert SPEC.canonical() == enc
+    assert SPEC.fingerprint() == hashlib.sha256(enc).digest()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [dict(model="other"), dict(num_layers=5), dict(num_kv_heads=4), dict(head_dim=128), dict(page_size=16),
+     dict(dtype=torch.bfloat16), dict(revision="r2"), dict(tp_rank=1, tp_size=2), dict(tp_size=2)],
+)
+def test_every_field_changes_the_fingerprint(change) -> None:
+    fields = dict(model="tiny-llama", num_layers=4, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.float16)
+    assert KVSpec(**{**fields, **change}).fingerprint() != SPEC.fingerprint()
+
+
+@pytest.mark.parametrize(
+    "bad, msg",
+    [(dict(num_layers=0), "num_layers"), (dict(head_dim=-1), "head_dim"), (dict(page_size=0), "page_size"),
+     (dict(dtype=torch.int8), "dtype"), (dict(model=""), "model"), (dict(tp_rank=1), "tp_rank"),
+     (dict(num_kv_heads=2.0), "num_kv_heads")],
+)
+def test_invalid_specs_are_refused(bad, msg) -> None:
+    fields = dict(model="m", num_layers=1, num_kv_heads=1, head_dim=1, page_size=1, dtype=torch.float32)
+    with pytest.raises(SpecError, match=msg):
+        KVSpec(**{**fields, **bad})
+
+
+def test_spec_is_frozen() -> None:
+    with pytest.raises(AttributeError):
+        SPEC.page_size = 8  # type: ignore[misc]
+
+
+def test_page_hash_golden_vectors() -> None:
+    assert [h.hex() for h in page_hashes(SPEC, list(range(10)))] == [
+        "9a85303246b9fb4d8955bab8ad4920f7",
+        "16e5be5e212d55ad3e1c82e4d4e496c7",
+    ]
+    assert [h.hex() for h in page_hashes(SPEC, list(range(10)), salt=b"tenant-a")] == [
+        "775b993496568a77b5236c0e6f7cda5f",
+        "ed77217aa53a800c7d7bf4ec8b066a4a",
+    ]
+
+
+def test_hash_chain_definition() -> None:
+    toks = [5, 6, 7, 8, 9, 10, 11, 12]
+    h0 = hashlib.sha256(root_hash(SPEC) + struct.pack("<4I", *toks[:4])).digest()[:16]
+    h1 = hashlib.sha256(h0 + struct.pack("<4I", *toks[4:])).digest()[:16]
+    assert page_hashes(SPEC, toks) == [h0, h1]
+
+
+def test_partial_last_page_is_not_hashed() -> None:
+    toks = list(range(100, 111))  # 11 tokens, page 4: two full pages
+    hs = page_hashes(SPEC, toks)
+    assert len(hs) == 2
+    assert hs == page_hashes(SPEC, toks + [0])[:2] == page_hashes(SPEC, toks[:8])
+    assert page_hashes(SPEC, [1, 2, 3]) == []
+
+
+def test_prefix_property() -> None:
+    a = page_hashes(SPEC, [1] * 8 + [2] * 4)
+    b = page_hashes(SPEC, [1] * 8 + [3] * 4)
+    assert a[:2] == b[:2] and a[2] != b[2]
+
+
+def test_salt_separates_tenants() -> None:
+    toks = list(range(32))
+    a, b = page_hashes(SPEC, toks, salt=b"a"), page_hashes(SPEC, toks, salt=b"b")
+    assert not set(a) & set(b)
+
+
+def test_token_ids_out_of_range() -> None:
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        page_hashes(SPEC, [1, 2, 3, 2**32])
+    with pytest.raises(ValueError):
+        page_hashes(SPEC, [-1, 0, 0, 0])
+
+
+def test_same_hashes_in_processes_with_different_hash_seeds() -> None:
+    code = (
+        "import torch; from hurray_store import KVSpec; from hurray_store.keys import page_hashes;"
+        "s = KVSpec('m', 2, 2, 8, 16, torch.bfloat16, revision='x');"
+        "print(s.fingerprint().hex(), *[h.hex() for h in page_hashes(s, list(range(1000)), salt=b'z')])"
+    )
+    outs = set()
+    for seed in ("0", "1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    assert len(outs) == 1
+    assert len(next(iter(outs)).split()) == 1 + 1000 // 16

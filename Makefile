@@ -35,6 +35,7 @@ lint: setup
 
 bench: setup
 	$(PY) tools/bench_format.py
+	$(PY) tools/bench_paging.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache

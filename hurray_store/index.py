@@ -127,30 +127,32 @@ class PrefixIndex:
         todo[first_idx] = True
         todo &= ~present
         idx = np.flatnonzero(todo)
-        pos = (q[idx, 0] & np.uint64(self._mask)).astype(np.int64)
-        placed = np.empty(0, dtype=np.int64)
-        placed_slots = []
+        slots = self._place(q[idx])
+        self._hk[slots] = q[idx]
+        self._seg[slots] = num
+        self._sq[slots] = seq
+        self._pg[slots] = first_page + idx
+        if slots.size:
+            self._seg_slots.setdefault(num, []).append(slots)
+        self._count += int(idx.size)
+        return int(idx.size)
+
+    def _place(self, keys: np.ndarray) -> np.ndarray:
+        """Claim an empty slot for each key (linear probing); returns the slots."""
+        final = np.empty(keys.shape[0], dtype=np.int64)
+        idx = np.arange(keys.shape[0])
+        pos = (keys[:, 0] & np.uint64(self._mask)).astype(np.int64)
         while idx.size:
-            free = self._state[pos] == _EMPTY
-            # Of several entries aiming at one empty slot, the first takes it.
-            cand = np.flatnonzero(free)
+            cand = np.flatnonzero(self._state[pos] == _EMPTY)
+            # Of several keys aiming at one empty slot, the first takes it.
             _, win = np.unique(pos[cand], return_index=True)
             won = cand[win]
-            slots = pos[won]
-            self._hk[slots] = q[idx[won]]
-            self._state[slots] = _USED
-            self._seg[slots] = num
-            self._sq[slots] = seq
-            self._pg[slots] = first_page + idx[won]
-            placed_slots.append(slots)
-            placed = np.concatenate([placed, idx[won]])
+            self._state[pos[won]] = _USED
+            final[idx[won]] = pos[won]
             keep = np.ones(idx.size, dtype=bool)
             keep[won] = False
             idx, pos = idx[keep], (pos[keep] + 1) & self._mask
-        if placed_slots:
-            self._seg_slots.setdefault(num, []).append(np.concatenate(placed_slots).astype(np.int64))
-        self._count += int(placed.size)
-        return int(placed.size)
+        return final
 
     def _segment_number(self, segment_id: bytes) -> int:
         num = self._seg_num.get(segment_id)
@@ -192,20 +194,7 @@ class PrefixIndex:
         self._seg_slots = {}
         order = np.argsort(seg, kind="stable")
         keys, seg, sq, pg = keys[order], seg[order], sq[order], pg[order]
-        idx = np.arange(keys.shape[0])
-        pos = (keys[:, 0] & np.uint64(self._mask)).astype(np.int64)
-        final = np.empty(keys.shape[0], dtype=np.int64)
-        while idx.size:
-            free = self._state[pos] == _EMPTY
-            cand = np.flatnonzero(free)
-            _, win = np.unique(pos[cand], return_index=True)
-            won = cand[win]
-            slots = pos[won]
-            self._state[slots] = _USED
-            final[idx[won]] = slots
-            keep = np.ones(idx.size, dtype=bool)
-            keep[won] = False
-            idx, pos = idx[keep], (pos[keep] + 1) & self._mask
+        final = self._place(keys)
         self._hk[final], self._seg[final], self._sq[final], self._pg[final] = keys, seg, sq, pg
         self._count = int(final.size)
         if final.size:

@@ -40,10 +40,10 @@ class PagedKVPool:
         """Wrap an engine's own KV tensors (no copy). All pages start free."""
         if len(layers) != spec.num_layers:
             raise PagingError(f"expected {spec.num_layers} layer tensors, got {len(layers)}")
-        ref = layers[0]
+        num_blocks = layers[0].shape[1] if layers[0].dim() == 5 else -1
+        want = (2, num_blocks, spec.page_size, spec.num_kv_heads, spec.head_dim)
         for i, t in enumerate(layers):
-            want = (2, ref.shape[1], spec.page_size, spec.num_kv_heads, spec.head_dim) if ref.dim() == 5 else None
-            if t.dim() != 5 or tuple(t.shape) != want:
+            if tuple(t.shape) != want:
                 raise PagingError(
                     f"layer {i}: expected [2, num_blocks, {spec.page_size}, {spec.num_kv_heads}, {spec.head_dim}], "
                     f"got {tuple(t.shape)}"

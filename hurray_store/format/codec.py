@@ -78,6 +78,7 @@ _INDEX_NP: dict[str, np.dtype] = {"uint32": np.dtype("<u4"), "uint64": np.dtype(
 #  (byte_size u64 first)
 _OFF_SHAPE0 = 20
 _OFF_NUM_PAGES = 56
+_OFF_PAGED_AXIS = 64
 _OFF_NUM_SEQS = 68
 _OFF_HANDLES = 85
 _HANDLE_LEN = 16
@@ -477,12 +478,6 @@ class ParsedTensor:
     table_len: int
 
 
-def _fail_descriptor(msg: str, cause: BaseException | None = None) -> errors.DescriptorError:
-    err = errors.DescriptorError(msg)
-    err.__cause__ = cause
-    return err
-
-
 def _decode_descriptor(mv: memoryview, off: int, what: str) -> tuple[hurray.Descriptor, int]:
     n = len(mv)
     if n - off < FIXED_HEADER_LEN:
@@ -515,8 +510,9 @@ def _decode_descriptor(mv: memoryview, off: int, what: str) -> tuple[hurray.Desc
         raise errors.RankError(f"{what}: block-paged tensors must be rank 3 [total_tokens, heads, head_dim], got rank {rank}")
     if flags & 0x2:
         raise errors.ShardError(f"{what}: a block-paged descriptor must not carry a shard (HAS_SHARD is set)")
-    if dlen >= _OFF_NUM_SEQS:
-        (paged_axis,) = struct.unpack_from("<I", mv, off + 64)
+    if dlen >= _OFF_PAGED_AXIS + 4:
+        # Kept even when permissive: a LayerKV has nowhere to put another paged axis.
+        (paged_axis,) = struct.unpack_from("<I", mv, off + _OFF_PAGED_AXIS)
         if paged_axis != 0:
             raise errors.PagedAxisError(f"{what}: paged_axis must be 0, got {paged_axis}")
     try:
@@ -527,7 +523,7 @@ def _decode_descriptor(mv: memoryview, off: int, what: str) -> tuple[hurray.Desc
         msg = f"{what}: pyhurray rejects the descriptor at offset {off}: {e}"
         if "quantization" in str(e):  # its decoder enforces the block-paged quantization rules
             raise errors.QuantizationError(msg) from e
-        raise _fail_descriptor(msg, e) from e
+        raise errors.DescriptorError(msg) from e
     if d.encoded_len != dlen:
         raise errors.DescriptorError(
             f"{what}: descriptor_length says {dlen} bytes, its fields take {d.encoded_len}"
@@ -535,22 +531,12 @@ def _decode_descriptor(mv: memoryview, off: int, what: str) -> tuple[hurray.Desc
     return d, dlen
 
 
-def _parse_tensor(mv: memoryview, off: int, what: str, *, permissive: bool) -> ParsedTensor:
+def _parse_tensor(mv: memoryview, off: int, what: str) -> ParsedTensor:
+    # Layout tag, rank, shard and paged_axis were checked on the header bytes already.
     d, dlen = _decode_descriptor(mv, off, what)
     lay = d.layout
-    if not isinstance(lay, hurray.BlockPagedLayout):
-        raise errors.LayoutError(f"{what}: expected a block-paged layout (tag 0x0A), got {lay!r}")
-    if d.ndim != 3:
-        raise errors.RankError(
-            f"{what}: block-paged tensors must be rank 3 [total_tokens, heads, head_dim], got rank {d.ndim}"
-        )
     if any(s is None for s in d.shape):
         raise errors.RankError(f"{what}: dynamic dimensions are not allowed, got shape {d.shape}")
-    if d.shard is not None:
-        raise errors.ShardError(f"{what}: a block-paged descriptor must not carry a shard, got {d.shard!r}")
-    if lay.paged_axis != 0:
-        # Kept even when permissive: a LayerKV has nowhere to put another paged axis.
-        raise errors.PagedAxisError(f"{what}: paged_axis must be 0, got {lay.paged_axis}")
     if d.extension_type is not None:
         raise errors.DtypeError(f"{what}: extension element types are not KV data, got {d.extension_type!r}")
     if d.byte_offset != 0:
@@ -692,12 +678,12 @@ def parse_layer(data: bytes | bytearray | memoryview, *, permissive: bool = Fals
     mv = memoryview(data)
     if mv.ndim != 1 or mv.itemsize != 1:
         mv = mv.cast("B")
-    k = _parse_tensor(mv, 0, "key tensor", permissive=permissive)
+    k = _parse_tensor(mv, 0, "key tensor")
     if k.end == len(mv):
         raise errors.TensorCountError(
             f"expected two tensors (key, value), the stream ends after one ({len(mv)} bytes)"
         )
-    v = _parse_tensor(mv, k.end, "value tensor", permissive=permissive)
+    v = _parse_tensor(mv, k.end, "value tensor")
     if v.end != len(mv):
         raise errors.TensorCountError(
             f"expected exactly two tensors, {len(mv) - v.end} bytes follow the value tensor"

@@ -108,3 +108,16 @@ class PagingError(HurrayStoreError, ValueError):
 
 class PoolExhaustedError(HurrayStoreError, MemoryError):
     """The paged pool has fewer free pages than asked for; nothing was allocated."""
+
+
+# --- configuration and store -----------------------------------------------------------
+
+
+class ConfigError(HurrayStoreError, ValueError):
+    """A config file or dict that does not match the schema; the message names the
+    dotted key (``tiers.disk.capacity_bytes``) and what was expected."""
+
+
+class TierUnavailableError(HurrayStoreError, ConnectionError):
+    """A tier's backing service cannot be reached. Tiers catch this themselves and turn
+    it into a miss or a skipped write; it never reaches the store's caller."""

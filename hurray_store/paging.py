@@ -272,14 +272,8 @@ def restore(
     wanted = [snap.block_tables[s][:c] for s, c in zip(sel, counts, strict=True)]
     needed, local_tables, _ = compact(wanted)
     n = int(needed.numel())
-    new_ids = pool.allocate(n)  # raises before anything is allocated
+    new_ids = allocate_shared(pool, local_tables, n)  # raises before anything is allocated
     try:
-        # A page shared by k distinct sequences is held k times (as vLLM counts holders).
-        holders = np.zeros(n, dtype=np.int64)
-        for t in local_tables:
-            for j in set(t):
-                holders[j] += 1
-        extra = [new_ids[j] for j in range(n) for _ in range(int(holders[j]) - 1)]
         if n:
             dst = torch.tensor(new_ids, dtype=torch.long, device=pool.device)
             whole = n == snap.num_pages and bool(torch.equal(needed, torch.arange(n)))
@@ -288,9 +282,28 @@ def restore(
                 for role, src in ((0, lay.keys), (1, lay.values)):
                     part = src if whole else src.index_select(0, needed)
                     kv[role].index_copy_(0, dst, part.to(pool.device, non_blocking=True))
-        if extra:
-            pool.incref(extra)
     except BaseException:
-        pool.free(new_ids)
+        release_shared(pool, new_ids, local_tables)
         raise
     return [[new_ids[j] for j in t] for t in local_tables]
+
+
+def allocate_shared(pool: PagedKVPool, local_tables: Sequence[Sequence[int]], n: int) -> list[int]:
+    """Allocate ``n`` pages for tables over local ids ``0..n-1``; a page held by k
+    distinct tables gets reference count k (as vLLM counts holders). All or nothing."""
+    new_ids = pool.allocate(n)
+    holders = np.zeros(n, dtype=np.int64)
+    for t in local_tables:
+        if len(t):
+            holders[np.unique(np.asarray(t, dtype=np.int64))] += 1
+    extra = np.repeat(np.asarray(new_ids, dtype=np.int64), np.maximum(holders - 1, 0))
+    if extra.size:
+        pool.incref(extra.tolist())
+    return new_ids
+
+
+def release_shared(pool: PagedKVPool, new_ids: Sequence[int], local_tables: Sequence[Sequence[int]]) -> None:
+    """Undo ``allocate_shared``: drop every holder's reference."""
+    refs = [new_ids[j] for t in local_tables for j in set(t)]
+    unheld = set(range(len(new_ids))) - {j for t in local_tables for j in t}
+    pool.free(refs + [new_ids[j] for j in unheld])

@@ -1,0 +1,353 @@
+"""The store's configuration: frozen dataclasses and the one loader (layer L1).
+
+A config is one YAML file (or a dict of the same shape). ``load_config`` checks every
+key against the dataclasses below, converts values, resolves relative paths against the
+file's own folder, and applies environment overrides; nothing else in the package reads
+the environment. A bad key or value raises ConfigError naming the dotted key.
+
+Environment overrides: ``HURRAY_STORE__<KEY>__<KEY>...=<YAML value>``, for example
+``HURRAY_STORE__TIERS__DISK__CAPACITY_BYTES=10737418240`` or
+``HURRAY_STORE__POLICY__WRITE_MODE=back``. A list (``tiers``) is indexed by the entry's
+``name`` or its position. Values are parsed as YAML scalars, so ``true``, ``42`` and
+``null`` mean what they mean in the file.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from hurray_store.errors import ConfigError
+
+ENV_PREFIX = "HURRAY_STORE__"
+
+
+def _doc(text: str, default: Any = MISSING) -> Any:
+    if default is MISSING:
+        return field(metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+# --------------------------------------------------------------------------- tiers
+
+
+@dataclass(frozen=True, slots=True)
+class GpuTierConfig:
+    """Decoded layer objects as tensors on a torch device."""
+
+    capacity_bytes: int = _doc("byte budget of the tier on the device; LRU eviction beyond it")
+    name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
+    device: str = _doc("torch device: cuda:0 on a GPU machine; cpu stands in for it without one", "cuda:0")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTierConfig:
+    """Encoded objects in host memory."""
+
+    capacity_bytes: int = _doc("byte budget of the tier in host memory; LRU eviction beyond it")
+    name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
+    pin_memory: Literal["auto", "true", "false"] = _doc(
+        "page-lock objects for fast device copies: auto pins when CUDA is present", "auto"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierConfig:
+    """One file per object under ``path``, written atomically."""
+
+    path: str = _doc("root folder; relative paths resolve against the config file's folder")
+    capacity_bytes: int = _doc("byte budget of the files; LRU eviction beyond it")
+    name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
+    fsync: bool = _doc("fsync each file (and its folder) before the rename that publishes it", False)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTierConfig:
+    """Redis or Redis Cluster through redis-py's asyncio clients."""
+
+    url: str = _doc(
+        "redis://[:password@]host:port/db, rediss:// for TLS, or "
+        "redis+cluster://host:port,host:port for a cluster"
+    )
+    name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
+    cluster: bool = _doc("use the cluster client even with a redis:// URL", False)
+    key_prefix: str = _doc("prefix of every key this tier writes (and SCANs at start)", "hurray:")
+    ttl_s: int | None = _doc("expire objects after this many seconds; null keeps them", None)
+    capacity_bytes: int | None = _doc(
+        "byte budget with our LRU eviction; null leaves eviction to Redis' maxmemory policy", None
+    )
+    timeout_s: float = _doc("socket connect and read timeout per operation", 2.0)
+    max_connections: int = _doc("connection pool size", 16)
+    pipeline_batch: int = _doc("commands per pipeline round trip for batched range reads", 256)
+    backoff_initial_s: float = _doc("first wait before retrying after an outage", 0.5)
+    backoff_max_s: float = _doc("longest wait between retries during an outage", 30.0)
+
+
+TIER_CONFIGS: dict[str, type] = {
+    "gpu": GpuTierConfig,
+    "cpu": CpuTierConfig,
+    "disk": DiskTierConfig,
+    "redis": RedisTierConfig,
+}
+TierConfig = GpuTierConfig | CpuTierConfig | DiskTierConfig | RedisTierConfig
+
+
+def tier_type(cfg: TierConfig) -> str:
+    return next(k for k, v in TIER_CONFIGS.items() if isinstance(cfg, v))
+
+
+# --------------------------------------------------------------------------- store
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    write_mode: Literal["through", "back"] = _doc(
+        "through: every lower tier receives each put asynchronously; back: an object "
+        "moves down only when it is evicted (and on flush)",
+        "through",
+    )
+    promote_on_hit: bool = _doc("copy an object read whole from a lower tier into the tiers above it", True)
+    max_pending_bytes: int = _doc("write-through bytes in flight before put waits for them", 1 << 30)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    tiers: tuple[TierConfig, ...] = _doc("tiers, fastest first; a put lands in the first")
+    namespace: str = _doc("first component of every object key; stores sharing tiers share a namespace", "hurray")
+    salt: str = _doc("tenant salt mixed into every page hash: another salt never sees these pages", "")
+    quantization: Literal["none", "int8"] = _doc("store pages as int8 with per-slot scales, or as they are", "none")
+    max_segment_bytes: int = _doc("largest segment one put writes; bigger batches are split", 256 << 20)
+    policy: PolicyConfig = _doc("placement, write-through, promotion", PolicyConfig())
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def default_config_dict() -> dict[str, Any]:
+    """The embedded default: CPU memory and a disk tier under ./.hurray-cache."""
+    return {
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": 4 << 30},
+            {"type": "disk", "path": ".hurray-cache", "capacity_bytes": 64 << 30, "fsync": False},
+        ]
+    }
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | StoreConfig | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> StoreConfig:
+    """Load a StoreConfig from a YAML path, a dict, or None (the embedded default).
+
+    Relative paths resolve against the file's folder (the current folder for a dict).
+    ``env`` defaults to ``os.environ``; pass ``{}`` to ignore the environment.
+    """
+    if isinstance(source, StoreConfig):
+        return source
+    base = Path.cwd()
+    if source is None:
+        raw: Any = default_config_dict()
+    elif isinstance(source, Mapping):
+        raw = _plain(source)
+    else:
+        p = Path(source)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from e
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+        if raw is None:
+            raw = {}
+        base = p.resolve().parent
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config is a mapping of keys, got {type(raw).__name__}")
+    _apply_env(raw, os.environ if env is None else env)
+    cfg = _build(StoreConfig, raw, "")
+    return _resolve_paths(cfg, base)
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        parts = [p.lower() for p in var[len(ENV_PREFIX) :].split("__")]
+        where = "environment " + var
+        if not all(parts):
+            raise ConfigError(f"{where}: empty key component")
+        try:
+            value = yaml.safe_load(env[var])
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where}: not a YAML value: {e}") from e
+        node: Any = raw
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                idx = _list_index(node, part)
+                if idx is None:
+                    raise ConfigError(f"{where}: no entry {part!r} in {'.'.join(parts[:i]) or 'the config'}")
+                if last:
+                    node[idx] = value
+                else:
+                    node = node[idx]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = value
+                else:
+                    node = node.setdefault(part, {})
+            else:
+                raise ConfigError(f"{where}: {'.'.join(parts[:i])} is not a mapping")
+
+
+def _list_index(items: list[Any], part: str) -> int | None:
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and str(item.get("name") or item.get("type")).lower() == part:
+            return i
+    if part.isdigit() and int(part) < len(items):
+        return int(part)
+    return None
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    for k in raw:
+        if k not in known:
+            raise ConfigError(f"{_join(where, str(k))}: unknown key (expected one of {sorted(known)})")
+    kwargs: dict[str, Any] = {}
+    for name, f in known.items():
+        key = _join(where, name)
+        if name not in raw:
+            if f.default is MISSING:
+                raise ConfigError(f"{key}: required key is missing")
+            continue
+        if name == "tiers":
+            kwargs[name] = _tiers(raw[name], key)
+        else:
+            kwargs[name] = _convert(hints[name], raw[name], key)
+    return cls(**kwargs)
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{where}: expected a non-empty list of tiers")
+    out: list[TierConfig] = []
+    names: set[str] = set()
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where}.{i}: expected a mapping with a type")
+        kind = item.get("type")
+        label = f"{where}.{item.get('name') or kind or i}"
+        if kind not in TIER_CONFIGS:
+            if kind == "remote":
+                raise ConfigError(f"{label}.type: the remote tier (a cache server client) is not in this version")
+            raise ConfigError(f"{label}.type: expected one of {sorted(TIER_CONFIGS)}, got {kind!r}")
+        body = {k: v for k, v in item.items() if k != "type"}
+        cfg = _build(TIER_CONFIGS[kind], body, label)
+        if not cfg.name:
+            cfg = _replace(cfg, name=kind)
+        if cfg.name in names:
+            raise ConfigError(f"{label}.name: two tiers are named {cfg.name!r}; give each a distinct name")
+        names.add(cfg.name)
+        for k in ("capacity_bytes",):
+            v = getattr(cfg, k)
+            if v is not None and v < 1:
+                raise ConfigError(f"{label}.{k}: expected a positive number of bytes, got {v}")
+        out.append(cfg)
+    return tuple(out)
+
+
+def _replace(cfg: Any, **changes: Any) -> Any:
+    values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    values.update(changes)
+    return type(cfg)(**values)
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, where)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        v = str(value).lower() if isinstance(value, bool) else value
+        if v not in allowed:
+            raise ConfigError(f"{where}: expected one of {list(allowed)}, got {value!r}")
+        return v
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if value < 0:
+            raise ConfigError(f"{where}: expected a non-negative integer, got {value}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ConfigError(f"{where}: expected a non-negative number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and hasattr(tp, "__dataclass_fields__"):
+        return _build(tp, value, where)
+    raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover - schema bug
+
+
+def _resolve_paths(cfg: StoreConfig, base: Path) -> StoreConfig:
+    tiers = tuple(
+        _replace(t, path=str((base / t.path).resolve())) if isinstance(t, DiskTierConfig) else t
+        for t in cfg.tiers
+    )
+    return _replace(cfg, tiers=tiers)
+
+
+def schema() -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) of every key, for docs and the docs test."""
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in fields(cls):
+            key = _join(prefix, f.name)
+            if f.name == "tiers":
+                rows.append((key, "(required)", f.metadata["doc"]))
+                for kind, tcls in TIER_CONFIGS.items():
+                    walk(tcls, f"tiers[type={kind}]")
+            elif hasattr(f.type, "__dataclass_fields__") or f.name == "policy":
+                walk(PolicyConfig, key)
+            else:
+                d = "(required)" if f.default is MISSING else repr(f.default)
+                rows.append((key, d, f.metadata["doc"]))
+
+    walk(StoreConfig, "")
+    return rows

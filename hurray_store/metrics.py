@@ -1,0 +1,91 @@
+"""Per-tier counters, and their prometheus_client view (layer L1).
+
+The counters below are the one source of truth: ``store.stats()`` reads them, and a
+custom collector hands the same numbers to Prometheus on each scrape, so the two can
+never disagree. Latency goes to a prometheus Histogram (per tier and operation) and
+its count and sum into the stats.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+COUNTERS = (
+    ("hits", "objects (or byte ranges of one object) found"),
+    ("misses", "objects looked for and not found"),
+    ("bytes_read", "bytes read from the tier"),
+    ("bytes_written", "bytes written to the tier"),
+    ("evictions", "objects evicted by the byte budget"),
+    ("verification_failures", "objects that failed a checksum, fingerprint or token check"),
+    ("skipped_writes", "writes not made (tier down, disk full, too big)"),
+)
+
+
+@dataclass(slots=True)
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    verification_failures: int = 0
+    skipped_writes: int = 0
+    op_count: int = 0
+    op_seconds: float = 0.0
+
+
+class StoreMetrics:
+    def __init__(self, tier_names: list[str], gauges: Callable[[], dict[str, dict[str, float]]]) -> None:
+        self.registry = CollectorRegistry()
+        self.tiers = {n: TierCounters() for n in tier_names}
+        self._gauges = gauges
+        self.latency = Histogram(
+            "hurray_store_tier_op_seconds",
+            "latency of one tier operation",
+            ["tier", "op"],
+            registry=self.registry,
+            buckets=(1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
+        )
+        self.registry.register(_Collector(self))
+
+    @contextmanager
+    def timed(self, tier: str, op: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            c = self.tiers[tier]
+            c.op_count += 1
+            c.op_seconds += dt
+            self.latency.labels(tier, op).observe(dt)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {n: asdict(c) for n, c in self.tiers.items()}
+
+
+class _Collector(Collector):
+    def __init__(self, m: StoreMetrics) -> None:
+        self.m = m
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        for name, doc in COUNTERS:
+            fam = CounterMetricFamily(f"hurray_store_tier_{name}", doc, labels=["tier"])
+            for tier, c in self.m.tiers.items():
+                fam.add_metric([tier], getattr(c, name))
+            yield fam
+        gauges = self.m._gauges()
+        for gname in ("objects", "bytes", "capacity_bytes"):
+            g = GaugeMetricFamily(f"hurray_store_tier_{gname}", f"tier {gname} now", labels=["tier"])
+            for tier, vals in gauges.items():
+                v = vals.get(gname)
+                if v is not None:
+                    g.add_metric([tier], float(v))
+            yield g

@@ -1,0 +1,971 @@
+"""TieredStore: the one orchestrator (layer L4).
+
+Two levels. The object level moves keyed objects through the tiers under the policy
+(``put_object``, ``get_object``, ``get_object_ranges``, ``contains_object``,
+``delete_object``); the LMCache adapter and the server build on it. The prefix level,
+on top, stores batches of paged sequences as segments and hands them back re-paged::
+
+    put(pool, token_ids, block_tables)      full pages the store lacks -> segments
+      per segment: layer objects (all tiers), then the manifest: the commit point
+    lookup(spec, token_ids)                 index only: tokens retrieve can deliver
+    retrieve(pool, token_ids)               index -> manifests (verified) -> page byte
+                                            ranges (verified) -> pages of ``pool``
+
+Keys, inside the configured namespace ``ns``::
+
+    ns/s/{<segment id hex>}/<layer>     layer object     } one policy group: they
+    ns/s/{<segment id hex>}/m           manifest         } enter and leave a tier together
+    ns/o/<key>                          object-level key   (a group of its own)
+
+The ``{...}`` is a Redis Cluster hash tag: a segment's objects share one slot.
+
+Everything runs on one event loop; the index and the policy books are only touched
+between awaits, so concurrent puts and retrieves on one store are safe. Nothing a tier
+does (down, full, corrupt) raises into ``put``/``retrieve``: it is a miss or a skipped
+write, counted and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from hurray_store import keys as keymod
+from hurray_store.config import StoreConfig, load_config
+from hurray_store.errors import FormatError, PagingError
+from hurray_store.format import Manifest, ManifestLayer, ManifestSeq, checksum, encode_layer_buffers
+from hurray_store.index import PrefixIndex
+from hurray_store.metrics import StoreMetrics
+from hurray_store.paging import PagedKVPool, allocate_shared, release_shared, snapshot
+from hurray_store.policy import Policy, TierInfo, Victim
+from hurray_store.spec import KVSpec
+from hurray_store.tiers import Blob, Buffer, Range, Tier, blob_nbytes, host_view, open_tier
+
+log = logging.getLogger(__name__)
+_MANIFEST_CACHE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    pages_referenced: int  # full pages over all sequences (a shared page once per sequence)
+    pages_written: int  # distinct pages this put wrote
+    pages_already_stored: int  # full pages the store held before this put
+    segments: int
+    bytes_per_tier: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class RetrieveResult:
+    block_tables: list[list[int]]  # per sequence, the pool pages holding its delivered tokens
+    num_tokens: list[int]  # per sequence, tokens delivered (whole pages)
+    bytes_read: int = 0  # from the tiers
+    bytes_delivered: int = 0  # into the pool
+
+
+@dataclass(frozen=True, slots=True)
+class RetrievedLayer:
+    """One layer is in the pool. ``block_tables``/``num_tokens`` are as known now; a
+    verification failure in a later layer can still shorten them, so the last item
+    yielded is the final word."""
+
+    layer_index: int
+    block_tables: list[list[int]]
+    num_tokens: list[int]
+
+
+@dataclass(slots=True)
+class _Planned:
+    """What a retrieve needs from one segment."""
+
+    manifest: Manifest
+    pages: list[int] = field(default_factory=list)  # segment page ids needed, sorted
+    dest: dict[int, int] = field(default_factory=dict)  # segment page -> local dest index
+
+
+class TieredStore:
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.tiers: list[Tier] = [open_tier(t) for t in config.tiers]
+        self.policy = Policy(
+            [TierInfo(t.name, getattr(c, "capacity_bytes", None), t.persistent) for t, c in zip(self.tiers, config.tiers, strict=True)],
+            write_mode=config.policy.write_mode,
+            promote_on_hit=config.policy.promote_on_hit,
+        )
+        self.index = PrefixIndex()
+        self.metrics = StoreMetrics([t.name for t in self.tiers], self._gauges)
+        self.ns = config.namespace
+        self.quantization = None if config.quantization == "none" else config.quantization
+        self._manifests: OrderedDict[bytes, Manifest] = OrderedDict()
+        self._inflight: dict[bytes, asyncio.Future[None]] = {}
+        self._writing: set[tuple[int, str]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pending_bytes = 0
+        self._pending_cv = asyncio.Condition()
+        self._opened = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self) -> TieredStore:
+        for t in self.tiers:
+            await t.open()
+        for i, t in enumerate(self.tiers):
+            if t.persistent:
+                await self._rebuild(i)
+        self._opened = True
+        return self
+
+    async def close(self) -> None:
+        try:
+            await self.flush()
+        finally:
+            for t in self.tiers:
+                await t.close()
+
+    async def __aenter__(self) -> TieredStore:
+        if not self._opened:
+            await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def flush(self) -> None:
+        """Wait for write-through and promotions in flight; in write-back mode, move
+        groups that only volatile tiers hold down to the first persistent tier."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        for group, src, dst in self.policy.flush_targets():
+            await self._copy_group(group, src, dst)
+
+    # ------------------------------------------------------------------ keys
+
+    def _seg_prefix(self, seg_hex: str) -> str:
+        return f"{self.ns}/s/{{{seg_hex}}}/"
+
+    def _layer_key(self, seg_hex: str, layer: int) -> str:
+        return f"{self._seg_prefix(seg_hex)}{layer}"
+
+    def _manifest_key(self, seg_hex: str) -> str:
+        return f"{self._seg_prefix(seg_hex)}m"
+
+    def _obj_key(self, key: str) -> str:
+        return f"{self.ns}/o/{key}"
+
+    @staticmethod
+    def _seg_group(seg_hex: str) -> str:
+        return f"s:{seg_hex}"
+
+    def _salt(self, salt: bytes | str | None) -> bytes:
+        s = self.config.salt if salt is None else salt
+        b = s.encode() if isinstance(s, str) else bytes(s)
+        # int8 pages are not the exact pages: keep them in a hash space of their own.
+        return b + b"\x00int8" if self.quantization else b
+
+    # ------------------------------------------------------------------ object level
+
+    async def put_object(self, key: str, data: Buffer | Sequence[Buffer]) -> bool:
+        """Store one object (the concatenation of ``data`` when it is a list) in the
+        top tier that can hold it, and write-through below. False: stored nowhere."""
+        bufs = list(data) if isinstance(data, list | tuple) else [data]
+        k = self._obj_key(key)
+        return bool(await self._put_group(k, {k: bufs}, depth=0))
+
+    async def get_object(self, key: str) -> Blob | None:
+        k = self._obj_key(key)
+        for i in self.policy.holders(k):
+            with self.metrics.timed(self.tiers[i].name, "get"):
+                got = await self.tiers[i].get(k)
+            if got is None:
+                self._missing(i, k)
+                continue
+            self._hit(i, blob_nbytes(got))
+            self.policy.touch([k])
+            return got
+        self._miss_all(k)
+        return None
+
+    async def get_object_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
+        k = self._obj_key(key)
+        for i in self.policy.holders(k):
+            with self.metrics.timed(self.tiers[i].name, "get_ranges"):
+                got = await self.tiers[i].get_ranges(k, ranges)
+            if got is None:
+                self._missing(i, k)
+                continue
+            self._hit(i, sum(blob_nbytes(b) for b in got))
+            self.policy.touch([k])
+            return got
+        self._miss_all(k)
+        return None
+
+    async def contains_object(self, key: str) -> bool:
+        return bool(self.policy.holders(self._obj_key(key)))
+
+    async def delete_object(self, key: str) -> None:
+        k = self._obj_key(key)
+        for i in self.policy.holders(k):
+            self.policy.forget(i, k)
+            await self.tiers[i].delete(k)
+
+    def _hit(self, tier: int, nbytes: int) -> None:
+        c = self.metrics.tiers[self.tiers[tier].name]
+        c.hits += 1
+        c.bytes_read += nbytes
+
+    def _miss_all(self, key: str) -> None:
+        for t in self.tiers:
+            self.metrics.tiers[t.name].misses += 1
+
+    def _missing(self, tier: int, key: str) -> None:
+        """A tier the books say holds ``key`` does not have it (expired, evicted by
+        Redis, deleted by hand): drop the books' entry unless a write is on its way."""
+        self.metrics.tiers[self.tiers[tier].name].misses += 1
+        group = self.policy.group_of(tier, key)
+        if group is not None and (tier, group) not in self._writing and self.tiers[tier].available:
+            self.policy.forget(tier, group)
+            self._after_group_left(group)
+
+    # ------------------------------------------------------------------ groups
+
+    async def _put_group(self, group: str, items: Mapping[str, Sequence[Buffer]], *, depth: int, commit: Any = None) -> list[int]:
+        """Write a group to the first tier that takes it, run ``commit()`` (the index
+        insert), then write it through to the lower tiers in the background. Returns
+        the tiers written or queued (empty: stored nowhere)."""
+        sizes = {k: sum(memoryview(b).nbytes for b in bufs) for k, bufs in items.items()}
+        total = sum(sizes.values())
+        start = self.policy.place(total)
+        top = None
+        if start is not None:
+            for i in range(start, len(self.tiers)):
+                if await self._write_group(i, group, items, sizes, depth):
+                    top = i
+                    break
+        if top is None:
+            log.warning("group %s (%d bytes) stored in no tier", group, total)
+            return []
+        if commit is not None:
+            commit()
+        targets = self.policy.write_through_targets(top)
+        if targets:
+            async with self._pending_cv:
+                await self._pending_cv.wait_for(
+                    lambda: self._pending_bytes == 0 or self._pending_bytes + total <= self.config.policy.max_pending_bytes
+                )
+                self._pending_bytes += total
+            self._spawn(self._write_through(group, items, sizes, depth, targets, total))
+        return [top, *targets]
+
+    async def _write_through(self, group: str, items: Mapping[str, Sequence[Buffer]], sizes: dict[str, int], depth: int, targets: list[int], total: int) -> None:
+        try:
+            for i in targets:
+                await self._write_group(i, group, items, sizes, depth)
+        finally:
+            async with self._pending_cv:
+                self._pending_bytes -= total
+                self._pending_cv.notify_all()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _write_group(self, tier: int, group: str, items: Mapping[str, Sequence[Buffer]], sizes: dict[str, int], depth: int) -> bool:
+        """Admit, evict what the policy says, write the objects in order (the last one
+        is the group's commit point). On any failure the tier holds none of it."""
+        t = self.tiers[tier]
+        c = self.metrics.tiers[t.name]
+        if not t.available:
+            c.skipped_writes += 1
+            return False
+        adm = self.policy.admit(tier, group, sizes, depth=depth)
+        if not adm.accepted:
+            c.skipped_writes += 1
+            log.info("tier %s: skipped %s: %s", t.name, group, adm.reason)
+            return False
+        self._writing.add((tier, group))
+        try:
+            await self._evict(tier, adm.victims)
+            written = []
+            for k, bufs in items.items():
+                with self.metrics.timed(t.name, "put"):
+                    ok = await t.put(k, bufs)
+                if not ok:
+                    c.skipped_writes += 1
+                    self.policy.forget(tier, group)
+                    for w in written:
+                        await t.delete(w)
+                    return False
+                written.append(k)
+                c.bytes_written += sizes[k]
+            return True
+        finally:
+            self._writing.discard((tier, group))
+
+    async def _evict(self, tier: int, victims: Iterable[Victim]) -> None:
+        t = self.tiers[tier]
+        for v in victims:
+            if v.demote_to is not None:
+                items = await self._read_group(tier, v.sizes)
+                if items is not None:
+                    await self._write_group(v.demote_to, v.group, items, dict(v.sizes), self.policy.depth(v.group))
+            for k in v.sizes:
+                await t.delete(k)
+            self.metrics.tiers[t.name].evictions += len(v.sizes)
+            self._after_group_left(v.group)
+
+    async def _read_group(self, tier: int, sizes: Mapping[str, int]) -> dict[str, list[Buffer]] | None:
+        t = self.tiers[tier]
+        out: dict[str, list[Buffer]] = {}
+        for k, n in sizes.items():
+            got = await t.get(k)
+            if got is None or blob_nbytes(got) != n:
+                return None
+            out[k] = [host_view(got.cpu()) if isinstance(got, torch.Tensor) else host_view(got)]
+        return out
+
+    async def _copy_group(self, group: str, src: int, dst: int) -> None:
+        sizes = self.policy.group_keys(src, group)
+        items = await self._read_group(src, sizes)
+        if items is not None:
+            await self._write_group(dst, group, items, sizes, self.policy.depth(group))
+
+    def _after_group_left(self, group: str) -> None:
+        """A group left a tier; a segment no tier holds leaves the index."""
+        if group.startswith("s:") and not self.policy.group_holders(group):
+            seg = bytes.fromhex(group[2:])
+            self.index.remove_segment(seg)
+            self._manifests.pop(seg, None)
+
+    # ------------------------------------------------------------------ restart
+
+    async def _rebuild(self, tier: int) -> None:
+        """Books and index from what a persistent tier holds: committed segments are
+        recorded; layer objects without a manifest (a writer killed before its commit)
+        are deleted; bad manifests are quarantined."""
+        t = self.tiers[tier]
+        seg_root = f"{self.ns}/s/{{"
+        obj_root = f"{self.ns}/o/"
+        segs: dict[str, dict[str, int]] = {}
+        n_obj = 0
+        async for key, size in t.scan():
+            if key.startswith(seg_root):
+                seg_hex = key[len(seg_root) :].split("}", 1)[0]
+                segs.setdefault(seg_hex, {})[key] = size
+            elif key.startswith(obj_root):
+                self.policy.record(tier, key, {key: size})
+                n_obj += 1
+        with_manifest = [h for h, ks in segs.items() if self._manifest_key(h) in ks]
+        orphans = [k for h, ks in segs.items() if self._manifest_key(h) not in ks for k in ks]
+        found = 0
+        batch = 256
+        for b in range(0, len(with_manifest), batch):
+            part = with_manifest[b : b + batch]
+            blobs = await t.get_many([self._manifest_key(h) for h in part])
+            for seg_hex, blob in zip(part, blobs, strict=True):
+                m = self._parse_manifest(tier, seg_hex, blob)
+                have = segs[seg_hex]
+                if m is None or any(have.get(lay.key) != lay.object_size for lay in m.layers):
+                    if m is not None:
+                        log.warning("tier %s: segment %s lacks layer objects; dropped", t.name, seg_hex)
+                    orphans += [k for k in have if k != self._manifest_key(seg_hex)]
+                    continue
+                self.policy.record(tier, self._seg_group(seg_hex), have, depth=_depth(m))
+                self._index_manifest(m)
+                found += 1
+        if orphans:
+            await t.delete_many(orphans)
+        log.info("tier %s: found %d segments and %d objects; removed %d uncommitted objects", t.name, found, n_obj, len(orphans))
+
+    def _parse_manifest(self, tier: int, seg_hex: str, blob: Blob | None) -> Manifest | None:
+        if blob is None:
+            return None
+        try:
+            m = Manifest.from_bytes(host_view(blob.cpu() if isinstance(blob, torch.Tensor) else blob))
+            if m.segment_id.hex() != seg_hex:
+                raise FormatError(f"manifest names segment {m.segment_id.hex()}, stored as {seg_hex}")
+            if any(lay.key != self._layer_key(seg_hex, lay.layer_index) for lay in m.layers):
+                raise FormatError("manifest names layer objects outside its segment")
+            return m
+        except FormatError as e:
+            self._verification_failed(tier, self._seg_group(seg_hex), self._manifest_key(seg_hex), f"manifest: {e}")
+            return None
+
+    def _verification_failed(self, tier: int, group: str, key: str, why: str) -> None:
+        t = self.tiers[tier]
+        self.metrics.tiers[t.name].verification_failures += 1
+        log.warning("tier %s: %s failed verification (%s); quarantined, treated as a miss", t.name, key, why)
+        sizes = self.policy.forget(tier, group)
+        self._spawn(self._quarantine(tier, key, [k for k in sizes if k != key]))
+        self._after_group_left(group)
+
+    async def _quarantine(self, tier: int, key: str, others: list[str]) -> None:
+        t = self.tiers[tier]
+        await t.quarantine(key)
+        if others:
+            await t.delete_many(others)
+
+    def _index_manifest(self, m: Manifest) -> None:
+        for s, seq in enumerate(m.sequences):
+            if seq.page_hashes:
+                self.index.insert(m.segment_id, s, seq.first_page, list(seq.page_hashes))
+
+    # ------------------------------------------------------------------ prefix level: put
+
+    async def put(
+        self,
+        pool: PagedKVPool,
+        token_ids: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int] | None = None,
+        *,
+        salt: bytes | str | None = None,
+    ) -> PutResult:
+        """Store the full pages of these sequences that the store does not hold yet.
+
+        ``token_ids[s]`` are the tokens whose KV sits in ``block_tables[s]``'s pages;
+        ``seq_lens[s]`` (default ``len(token_ids[s])``) of them are valid. Only full
+        pages are stored (only they can be matched). Raises PagingError for malformed
+        input; a tier failing is a skipped write, never an exception.
+        """
+        spec = pool.spec
+        P = spec.page_size
+        if len(token_ids) != len(block_tables):
+            raise PagingError(f"{len(token_ids)} token lists but {len(block_tables)} block tables")
+        lens = [len(t) for t in token_ids] if seq_lens is None else list(seq_lens)
+        if len(lens) != len(token_ids):
+            raise PagingError(f"{len(token_ids)} sequences but {len(lens)} seq_lens")
+        for s, (toks, n) in enumerate(zip(token_ids, lens, strict=True)):
+            if not 0 <= n <= len(toks):
+                raise PagingError(f"sequence {s}: seq_len {n} outside [0, {len(toks)} tokens]")
+            if len(block_tables[s]) < n // P:
+                raise PagingError(f"sequence {s}: {n // P} full pages need a block table of at least that length, got {len(block_tables[s])}")
+        salt_b = self._salt(salt)
+        toks = [keymod.token_array(t[: (n // P) * P]) for t, n in zip(token_ids, lens, strict=True)]
+        hashes = [keymod.page_hashes(spec, t, salt=salt_b) for t in toks]
+        # Wait for concurrent puts of the same pages, so a page is written once.
+        while True:
+            waits = {self._inflight[h] for hs in hashes for h in hs if h in self._inflight}
+            if not waits:
+                break
+            await asyncio.gather(*(asyncio.shield(w) for w in waits), return_exceptions=True)
+        firsts = []
+        for hs in hashes:
+            present = [h in self.index for h in hs]
+            firsts.append(present.index(False) if False in present else len(hs))
+        referenced = sum(len(hs) for hs in hashes)
+        already = sum(sum(h in self.index for h in hs) for hs in hashes)
+        # Claim the pages this put writes (first claim wins inside the batch too).
+        claimed: dict[bytes, tuple[int, int]] = {}  # hash -> (seq, position) of its first use
+        loop = asyncio.get_running_loop()
+        mine: dict[bytes, asyncio.Future[None]] = {}
+        for s, hs in enumerate(hashes):
+            for i in range(firsts[s], len(hs)):
+                if hashes[s][i] not in claimed:
+                    claimed[hashes[s][i]] = (s, i)
+                    fut = loop.create_future()
+                    mine[hashes[s][i]] = fut
+                    self._inflight[hashes[s][i]] = fut
+        bytes_per_tier = {t.name: 0 for t in self.tiers}
+        written = 0
+        nseg = 0
+        try:
+            for group in self._split(spec, hashes, firsts):
+                n_w, per_tier = await self._put_segment(pool, group, toks, hashes, firsts, claimed, block_tables)
+                written += n_w
+                nseg += 1 if n_w else 0
+                for k, v in per_tier.items():  # written, or queued for write-through
+                    bytes_per_tier[k] += v
+        finally:
+            for h, fut in mine.items():
+                self._inflight.pop(h, None)
+                fut.set_result(None)
+        return PutResult(referenced, written, already, nseg, bytes_per_tier)
+
+    def _split(self, spec: KVSpec, hashes: list[list[bytes]], firsts: list[int]) -> list[list[int]]:
+        """Sequences with pages to write, grouped into segments: sequences that share
+        a page to write stay together; groups are packed up to max_segment_bytes."""
+        todo = [s for s in range(len(hashes)) if firsts[s] < len(hashes[s])]
+        parent = {s: s for s in todo}
+
+        def find(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        owner: dict[bytes, int] = {}
+        for s in todo:
+            for h in hashes[s][firsts[s] :]:
+                if h in owner:
+                    parent[find(s)] = find(owner[h])
+                else:
+                    owner[h] = s
+        comps: dict[int, list[int]] = {}
+        for s in todo:
+            comps.setdefault(find(s), []).append(s)
+        page_cost = 2 * spec.page_bytes * spec.num_layers
+        out: list[list[int]] = []
+        cur: list[int] = []
+        cur_pages: set[bytes] = set()
+        for comp in comps.values():
+            pages = {h for s in comp for h in hashes[s][firsts[s] :]}
+            if cur and len(cur_pages | pages) * page_cost > self.config.max_segment_bytes:
+                out.append(cur)
+                cur, cur_pages = [], set()
+            cur += comp
+            cur_pages |= pages
+        if cur:
+            out.append(cur)
+        return out
+
+    async def _put_segment(
+        self,
+        pool: PagedKVPool,
+        seqs: list[int],
+        toks: list[np.ndarray],
+        hashes: list[list[bytes]],
+        firsts: list[int],
+        claimed: dict[bytes, tuple[int, int]],
+        block_tables: Sequence[Sequence[int]],
+    ) -> tuple[int, dict[str, int]]:
+        spec = pool.spec
+        P = spec.page_size
+        # A page is taken from the pool page of its hash's first use, so equal content
+        # is one page even when the engine did not share it.
+        vtables = []
+        for s in seqs:
+            row = []
+            for i in range(firsts[s], len(hashes[s])):
+                cs, ci = claimed[hashes[s][i]]
+                row.append(int(block_tables[cs][ci]))
+            vtables.append(row)
+        snap = snapshot(pool, vtables, [len(r) * P for r in vtables])
+        seg_id = _segment_id([hashes[s][-1] for s in seqs], [firsts[s] for s in seqs])
+        seg_hex = seg_id.hex()
+        encoded = [encode_layer_buffers(lay, quantization=self.quantization) for lay in snap.layers]
+        layers = []
+        for lay, enc in zip(snap.layers, encoded, strict=True):
+            mv = [memoryview(b).cast("B") for b in enc.buffers]
+            obj_sum = checksum(*mv)
+            kc, vc = _page_sums(enc, snap.num_pages)
+            layers.append(
+                ManifestLayer(
+                    lay.layer_index, self._layer_key(seg_hex, lay.layer_index), enc.nbytes, obj_sum,
+                    enc.key_pool_offset, enc.value_pool_offset, enc.key_scales_offset, enc.value_scales_offset, kc, vc,
+                )
+            )
+        m = Manifest(
+            fingerprint=spec.fingerprint(),
+            segment_id=seg_id,
+            quantization=self.quantization,
+            page_size=P,
+            num_pages=snap.num_pages,
+            page_bytes=encoded[0].page_bytes,
+            scale_bytes=encoded[0].scale_bytes,
+            sequences=tuple(
+                ManifestSeq(
+                    tuple(toks[s].tolist()), firsts[s], int(toks[s].size), tuple(hashes[s][firsts[s] :]), tuple(snap.block_tables[j])
+                )
+                for j, s in enumerate(seqs)
+            ),
+            layers=tuple(layers),
+        )
+        mbytes = m.to_bytes()
+        items: dict[str, Sequence[Buffer]] = {lay.key: enc.buffers for lay, enc in zip(layers, encoded, strict=True)}
+        items[self._manifest_key(seg_hex)] = [mbytes]
+
+        def commit() -> None:
+            self._index_manifest(m)
+            self._cache_manifest(m)
+
+        where = await self._put_group(self._seg_group(seg_hex), items, depth=_depth(m), commit=commit)
+        total = sum(lay.object_size for lay in layers) + len(mbytes)
+        return (snap.num_pages if where else 0), {self.tiers[i].name: total for i in where}
+
+    def _cache_manifest(self, m: Manifest) -> None:
+        self._manifests[m.segment_id] = m
+        self._manifests.move_to_end(m.segment_id)
+        while len(self._manifests) > _MANIFEST_CACHE:
+            self._manifests.popitem(last=False)
+
+    # ------------------------------------------------------------------ prefix level: read
+
+    async def lookup(self, spec: KVSpec, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> list[int]:
+        """Per sequence, the leading tokens (whole pages) ``retrieve`` can deliver now."""
+        salt_b = self._salt(salt)
+        return [self.index.longest_prefix(keymod.page_hashes(spec, t, salt=salt_b)).num_pages * spec.page_size for t in token_ids]
+
+    async def retrieve(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> RetrieveResult:
+        """Re-page the longest stored prefix of each sequence into ``pool``."""
+        last: RetrievedLayer | None = None
+        stream = self._retrieve(pool, token_ids, salt)
+        async for item in stream:
+            if isinstance(item, RetrieveResult):
+                return item
+            last = item
+        raise AssertionError(f"retrieve ended without a result after {last}")  # pragma: no cover
+
+    async def retrieve_layers(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> AsyncIterator[RetrievedLayer]:
+        """``retrieve``, one layer at a time: each item says that layer is in the pool."""
+        async for item in self._retrieve(pool, token_ids, salt):
+            if isinstance(item, RetrievedLayer):
+                yield item
+
+    async def _retrieve(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], salt: bytes | str | None) -> AsyncIterator[RetrievedLayer | RetrieveResult]:
+        spec = pool.spec
+        P = spec.page_size
+        salt_b = self._salt(salt)
+        toks = [keymod.token_array(t) for t in token_ids]
+        matches = [self.index.longest_prefix(keymod.page_hashes(spec, t, salt=salt_b)) for t in toks]
+        # Plan: per sequence the (segment, segment page) of each matched position.
+        plans: dict[bytes, _Planned | None] = {}
+        for mt in matches:
+            for seg in dict.fromkeys(mt.segment_ids):
+                if seg not in plans:
+                    plans[seg] = None
+        groups = [self._seg_group(s.hex()) for s in plans]
+        self.policy.pin(groups)
+        try:
+            for seg in plans:
+                m = await self._manifest(seg, spec)
+                plans[seg] = None if m is None else _Planned(m)
+            refs: list[list[tuple[bytes, int]]] = []
+            for s, mt in enumerate(matches):
+                row: list[tuple[bytes, int]] = []
+                for seg, q, pos in zip(mt.segment_ids, mt.seqs.tolist(), mt.pages.tolist(), strict=True):
+                    pl = plans[seg]
+                    if pl is None:
+                        break
+                    ms = pl.manifest.sequences[q]
+                    j = pos - ms.first_page
+                    if not 0 <= j < len(ms.block_table) or ms.token_ids[pos * P : (pos + 1) * P] != tuple(toks[s][pos * P : (pos + 1) * P].tolist()):
+                        self._verification_failed_all(seg, "token ids differ from the request's")
+                        plans[seg] = None
+                        break
+                    row.append((seg, ms.block_table[j]))
+                refs.append(row)
+            # Drop references into segments that failed after a row was built.
+            refs = [_cut(row, plans) for row in refs]
+            distinct: dict[tuple[bytes, int], int] = {}
+            local = [[distinct.setdefault(r, len(distinct)) for r in row] for row in refs]
+            for (seg, page), d in distinct.items():
+                pl = plans[seg]
+                assert pl is not None
+                pl.dest[page] = d
+            for pl in plans.values():
+                if pl is not None:
+                    pl.pages = sorted(pl.dest)
+            n = len(distinct)
+            new_ids = allocate_shared(pool, local, n)
+            self.policy.touch(self._seg_group(s.hex()) for s in plans if plans[s] is not None)
+            bad: set[int] = set()
+            read_bytes = 0
+            whole_reads: dict[bytes, set[int]] = {}
+            try:
+                dst = torch.tensor(new_ids, dtype=torch.long, device=pool.device)
+                for li in range(spec.num_layers):
+                    for seg, pl in plans.items():
+                        if pl is None or not pl.pages:
+                            continue
+                        nb, whole_tier = await self._load_layer(pool, li, seg, pl, dst, bad)
+                        read_bytes += nb
+                        if whole_tier is not None:
+                            whole_reads.setdefault(seg, set()).add(whole_tier)
+                        else:
+                            whole_reads[seg] = {-1}
+                    yield RetrievedLayer(li, *self._delivered(local, new_ids, bad, P))
+            except BaseException:
+                release_shared(pool, new_ids, local)
+                raise
+            # Truncate each sequence at its first bad page and give back what it loses.
+            lost = []
+            for t in local:
+                cut = next((i for i, d in enumerate(t) if d in bad), len(t))
+                keep = set(t[:cut])
+                lost += [new_ids[d] for d in set(t[cut:]) - keep]
+                del t[cut:]
+            if lost:
+                pool.free(lost)
+            tables = [[new_ids[d] for d in t] for t in local]
+            delivered = len({d for t in local for d in t})
+            for seg, tiers in whole_reads.items():
+                pl = plans[seg]
+                if pl is not None and len(tiers) == 1 and (ti := next(iter(tiers))) > 0:
+                    self._promote(seg, ti)
+            yield RetrieveResult(tables, [len(t) * P for t in tables], read_bytes, delivered * 2 * spec.num_layers * spec.page_bytes)
+        finally:
+            self.policy.unpin(groups)
+
+    def _delivered(self, local: list[list[int]], new_ids: list[int], bad: set[int], P: int) -> tuple[list[list[int]], list[int]]:
+        tables = []
+        for t in local:
+            cut = next((i for i, d in enumerate(t) if d in bad), len(t))
+            tables.append([new_ids[d] for d in t[:cut]])
+        return tables, [len(t) * P for t in tables]
+
+    def _verification_failed_all(self, seg: bytes, why: str) -> None:
+        group = self._seg_group(seg.hex())
+        for i in self.policy.group_holders(group):
+            self._verification_failed(i, group, self._manifest_key(seg.hex()), why)
+        self.index.remove_segment(seg)
+        self._manifests.pop(seg, None)
+
+    async def _manifest(self, seg: bytes, spec: KVSpec) -> Manifest | None:
+        """The segment's manifest, verified against ``spec``; None (and the segment
+        dropped) when no tier has a good one."""
+        seg_hex = seg.hex()
+        m = self._manifests.get(seg)
+        if m is None:
+            key = self._manifest_key(seg_hex)
+            for i in self.policy.holders(key):
+                blob = await self.tiers[i].get(key)
+                if blob is None:
+                    self._missing(i, key)
+                    continue
+                self._hit(i, blob_nbytes(blob))
+                m = self._parse_manifest(i, seg_hex, blob)
+                if m is not None:
+                    break
+        if m is None:
+            self.index.remove_segment(seg)
+            return None
+        why = _mismatch(m, spec)
+        if why:
+            self._verification_failed_all(seg, why)
+            return None
+        self._cache_manifest(m)
+        return m
+
+    async def _load_layer(self, pool: PagedKVPool, li: int, seg: bytes, pl: _Planned, dst: torch.Tensor, bad: set[int]) -> tuple[int, int | None]:
+        """Read this segment's needed pages of layer ``li`` from the fastest tier that
+        has good bytes, verify each page, copy into the pool. Returns (bytes read, the
+        tier index when the object was read whole, else None)."""
+        m = pl.manifest
+        lay_pos = next(i for i, lay in enumerate(m.layers) if lay.layer_index == li)
+        lay = m.layers[lay_pos]
+        group = self._seg_group(seg.hex())
+        runs = _runs(pl.pages)
+        whole_ok = len(pl.pages) == m.num_pages
+        nread = 0
+        for i in self.policy.holders(lay.key):
+            t = self.tiers[i]
+            whole = whole_ok and bool(self.policy.promote_targets(i, group)) and not t.on_device
+            with self.metrics.timed(t.name, "get_ranges"):
+                if whole:
+                    blob = await t.get(lay.key)
+                    parts = None if blob is None else [blob]
+                else:
+                    ranges = [r for a, b in runs for role in ("key", "value") for r in _run_range(m, lay_pos, role, a, b)]
+                    parts = await t.get_ranges(lay.key, ranges)
+            if parts is None:
+                self._missing(i, lay.key)
+                continue
+            got = sum(blob_nbytes(p) for p in parts)
+            nread += got
+            self._hit(i, got)
+            pages = self._verify_pages(i, m, lay_pos, runs, parts, whole)
+            if pages is None:
+                self._verification_failed(i, group, lay.key, f"layer {li}: a page checksum differs")
+                continue
+            keys_t, vals_t = pages
+            self._scatter(pool, li, m, keys_t, vals_t, dst[[pl.dest[p] for p in pl.pages]])
+            return nread, (i if whole else None)
+        bad.update(pl.dest[p] for p in pl.pages)
+        return nread, None
+
+    def _verify_pages(self, tier: int, m: Manifest, lay_pos: int, runs: list[tuple[int, int]], parts: list[Blob], whole: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Page tensors (uint8, [n, page_bytes(+scales)]) of the needed pages, per role,
+        or None when a checksum differs. Device blobs are trusted (see docs/store.md)."""
+        lay = m.layers[lay_pos]
+        pb, sb = m.page_bytes, m.scale_bytes
+        on_device = self.tiers[tier].on_device
+        if whole:
+            blob = parts[0]
+            if blob_nbytes(blob) != lay.object_size:
+                return None
+            if not on_device and checksum(host_view(blob)) != lay.object_checksum:
+                return None
+            parts = [
+                blob[off : off + ln]
+                for a, b in runs
+                for role in ("key", "value")
+                for off, ln in _run_range(m, lay_pos, role, a, b)
+            ]
+        out: dict[str, list[torch.Tensor]] = {"key": [], "value": []}
+        it = iter(parts)
+        for a, b in runs:
+            for role, sums in (("key", lay.key_page_checksums), ("value", lay.value_page_checksums)):
+                pool_part = next(it)
+                scale_part = next(it) if sb else None
+                n = b - a
+                if not on_device:
+                    pv = host_view(pool_part)
+                    sv = host_view(scale_part) if scale_part is not None else None
+                    for j in range(n):
+                        h = xxhash.xxh3_64()
+                        h.update(pv[j * pb : (j + 1) * pb])
+                        if sv is not None:
+                            h.update(sv[j * sb : (j + 1) * sb])
+                        if h.intdigest() != sums[a + j]:
+                            return None
+                out[role].append(_u8(pool_part).view(n, pb))
+                if scale_part is not None:
+                    out[role].append(_u8(scale_part).view(n, sb))
+        if sb:
+            # Interleave back to per-role [n, pb + sb] rows: pool bytes then scale bytes.
+            return _with_scales(out["key"]), _with_scales(out["value"])
+        return _cat(out["key"]), _cat(out["value"])
+
+    def _scatter(self, pool: PagedKVPool, li: int, m: Manifest, keys_u8: torch.Tensor, vals_u8: torch.Tensor, dst: torch.Tensor) -> None:
+        spec = pool.spec
+        shape = (-1, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        kv = pool.layers[li]
+        for role, src in ((0, keys_u8), (1, vals_u8)):
+            src = src.to(pool.device, non_blocking=True)
+            if m.scale_bytes:
+                q = src[:, : m.page_bytes].contiguous().view(torch.int8).view(src.shape[0], spec.page_size, -1)
+                sc = src[:, m.page_bytes :].contiguous().view(spec.dtype).view(src.shape[0], spec.page_size, 1)
+                pages = (q.float() * sc.float()).to(spec.dtype).view(shape)
+            else:
+                pages = src.contiguous().view(spec.dtype).view(shape)
+            kv[role].index_copy_(0, dst, pages)
+
+    def _promote(self, seg: bytes, hit_tier: int) -> None:
+        group = self._seg_group(seg.hex())
+        targets = self.policy.promote_targets(hit_tier, group)
+        if targets:
+            self._spawn(self._promote_to(group, hit_tier, targets))
+
+    async def _promote_to(self, group: str, src: int, targets: list[int]) -> None:
+        sizes = self.policy.group_keys(src, group)
+        items = await self._read_group(src, sizes)
+        if items is None:
+            return
+        for i in targets:
+            await self._write_group(i, group, items, sizes, self.policy.depth(group))
+
+    # ------------------------------------------------------------------ stats
+
+    def _gauges(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for i, t in enumerate(self.tiers):
+            cap = self.policy.tiers[i].capacity_bytes
+            out[t.name] = {"objects": self.policy.num_objects(i), "bytes": self.policy.used_bytes(i), "capacity_bytes": cap}
+        return out  # type: ignore[return-value]
+
+    def stats(self) -> dict[str, Any]:
+        """Per tier: objects, bytes, capacity, hits, misses, bytes read and written,
+        evictions, verification failures, skipped writes, operation count and time;
+        and the index size."""
+        counters = self.metrics.snapshot()
+        gauges = self._gauges()
+        tiers = {}
+        for t in self.tiers:
+            tiers[t.name] = {**gauges[t.name], **counters[t.name], "available": t.available}
+        return {"tiers": tiers, "index_pages": len(self.index), "segments": len(self.index.segments()), "pending_write_bytes": self._pending_bytes}
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _depth(m: Manifest) -> int:
+    return max((s.first_page + len(s.block_table) for s in m.sequences), default=0)
+
+
+def _segment_id(last_hashes: list[bytes], firsts: list[int]) -> bytes:
+    """One sequence: the hash of its last stored page. Several: a hash over theirs."""
+    if len(last_hashes) == 1 and firsts[0] == 0:
+        return last_hashes[0]
+    h = xxhash.xxh3_128()
+    for lh, f in zip(last_hashes, firsts, strict=True):
+        h.update(lh)
+        h.update(f.to_bytes(8, "little"))
+    return h.digest()
+
+
+def _page_sums(enc: Any, num_pages: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per page and role, xxh3-64 over the page's bytes then its scales."""
+    obj = [memoryview(b).cast("B") for b in enc.buffers]
+    # Buffers are descriptor, pool, block table, seq_ptr[, scales] per role.
+    per_role = 5 if enc.scale_bytes else 4
+    out = []
+    for r in range(2):
+        pool = obj[r * per_role + 1]
+        sc = obj[r * per_role + 4] if enc.scale_bytes else None
+        sums = []
+        for p in range(num_pages):
+            h = xxhash.xxh3_64()
+            h.update(pool[p * enc.page_bytes : (p + 1) * enc.page_bytes])
+            if sc is not None:
+                h.update(sc[p * enc.scale_bytes : (p + 1) * enc.scale_bytes])
+            sums.append(h.intdigest())
+        out.append(tuple(sums))
+    return out[0], out[1]
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Sorted page ids as half-open runs of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for p in pages:
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
+
+
+def _run_range(m: Manifest, lay_pos: int, role: str, a: int, b: int) -> list[tuple[int, int]]:
+    first = m.page_range(lay_pos, role, a)
+    return [(off, ln * (b - a)) for off, ln in first]
+
+
+def _u8(b: Blob) -> torch.Tensor:
+    if isinstance(b, torch.Tensor):
+        return b
+    mv = host_view(b)
+    return torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
+def _with_scales(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([torch.cat([ts[i], ts[i + 1]], dim=1) for i in range(0, len(ts), 2)])
+
+
+def _cut(row: list[tuple[bytes, int]], plans: Mapping[bytes, _Planned | None]) -> list[tuple[bytes, int]]:
+    for i, (seg, _) in enumerate(row):
+        if plans[seg] is None:
+            return row[:i]
+    return row
+
+
+def _mismatch(m: Manifest, spec: KVSpec) -> str:
+    if m.fingerprint != spec.fingerprint():
+        return "fingerprint differs from the pool's spec"
+    if m.page_size != spec.page_size:
+        return f"page_size {m.page_size}, the pool has {spec.page_size}"
+    elem = 1 if m.quantization else torch.empty(0, dtype=spec.dtype).element_size()
+    if m.page_bytes != spec.page_size * spec.num_kv_heads * spec.head_dim * elem:
+        return f"page_bytes {m.page_bytes} do not match the spec"
+    if sorted(lay.layer_index for lay in m.layers) != list(range(spec.num_layers)):
+        return "the manifest does not hold every layer of the spec"
+    return ""
+
+
+async def open_store(config: str | os.PathLike[str] | Mapping[str, Any] | StoreConfig | None = None) -> TieredStore:
+    """Open a store from a YAML path, a dict, a StoreConfig, or None (the embedded
+    default: CPU memory and ./.hurray-cache on disk). Persistent tiers are scanned and
+    the index rebuilt; an unreachable Redis is a warning, not a failure."""
+    store = TieredStore(load_config(config))
+    return await store.open()

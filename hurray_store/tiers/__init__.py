@@ -1,0 +1,32 @@
+"""Tiers and their registry: every tier opens from its config entry through ``open_tier``."""
+
+from __future__ import annotations
+
+from hurray_store.config import TierConfig, tier_type
+from hurray_store.tiers.base import Blob, Buffer, Range, Tier, blob_nbytes, host_view
+from hurray_store.tiers.disk import DiskTier
+from hurray_store.tiers.memory import CpuTier, GpuTier
+
+TIER_TYPES: dict[str, type[Tier]] = {}
+
+
+def register(cls: type[Tier]) -> type[Tier]:
+    TIER_TYPES[cls.kind] = cls
+    return cls
+
+
+for _cls in (GpuTier, CpuTier, DiskTier):
+    register(_cls)
+
+
+def open_tier(cfg: TierConfig) -> Tier:
+    """The tier for one config entry (not yet opened: ``await tier.open()``)."""
+    kind = tier_type(cfg)
+    if kind == "redis" and kind not in TIER_TYPES:
+        from hurray_store.tiers.redis import RedisTier  # redis-py loads only when used
+
+        register(RedisTier)
+    return TIER_TYPES[kind](cfg)
+
+
+__all__ = ["TIER_TYPES", "Blob", "Buffer", "Range", "Tier", "blob_nbytes", "host_view", "open_tier", "register"]

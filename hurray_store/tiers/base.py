@@ -1,0 +1,103 @@
+"""The one async tier interface (layer L2).
+
+A tier moves opaque bytes under string keys. A miss is ``None``; a write the tier could
+not make (service down, disk full) returns ``False`` after logging why; exceptions are
+for broken contracts. Batch methods default to gathering the primitives; a tier
+overrides them only to go faster (Redis pipelines them).
+
+Host tiers return ``memoryview``/``bytes``; a device tier returns ``torch.Tensor``
+(uint8) views, so a retrieve copies device to device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+Buffer = bytes | bytearray | memoryview
+Blob = bytes | bytearray | memoryview | torch.Tensor
+Range = tuple[int, int]  # (offset, length)
+
+
+def blob_nbytes(b: Blob) -> int:
+    if isinstance(b, torch.Tensor):
+        return b.numel() * b.element_size()
+    return memoryview(b).nbytes
+
+
+def host_view(b: Blob) -> memoryview:
+    """A byte view of a host blob (a tensor on the CPU included)."""
+    if isinstance(b, torch.Tensor):
+        return memoryview(b.contiguous().view(torch.uint8).numpy()).cast("B")
+    mv = memoryview(b)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+class Tier(ABC):
+    """Base of every tier. Subclasses set ``kind`` and ``persistent`` and take their
+    config dataclass as the only constructor argument."""
+
+    kind: ClassVar[str]
+    persistent: ClassVar[bool] = False
+    on_device: ClassVar[bool] = False
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.name: str = cfg.name or self.kind
+
+    @property
+    def available(self) -> bool:
+        """False while the backing service is known to be down."""
+        return True
+
+    async def open(self) -> None:
+        """Connect or create; an unreachable service is logged, never raised."""
+
+    async def close(self) -> None:
+        """Release connections and files."""
+
+    @abstractmethod
+    async def get(self, key: str) -> Blob | None: ...
+
+    @abstractmethod
+    async def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
+        """The bytes of each ``(offset, length)`` range; ``None`` when the object is
+        missing or shorter than a range asks."""
+
+    @abstractmethod
+    async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        """Store the concatenation of ``buffers`` under ``key``, atomically: a reader
+        sees the old object, no object, or the whole new one."""
+
+    @abstractmethod
+    async def delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    async def contains(self, key: str) -> bool: ...
+
+    async def scan(self) -> AsyncIterator[tuple[str, int]]:
+        """Every key this tier holds and its size; persistent tiers only."""
+        return
+        yield  # pragma: no cover
+
+    async def quarantine(self, key: str) -> None:
+        """Take a corrupt object out of service (default: delete it)."""
+        await self.delete(key)
+
+    # ------------------------------------------------------------------ batches
+
+    async def get_many(self, keys: Sequence[str]) -> list[Blob | None]:
+        return list(await asyncio.gather(*(self.get(k) for k in keys)))
+
+    async def get_ranges_many(self, items: Sequence[tuple[str, Sequence[Range]]]) -> list[list[Blob] | None]:
+        return list(await asyncio.gather(*(self.get_ranges(k, r) for k, r in items)))
+
+    async def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        return list(await asyncio.gather(*(self.put(k, b) for k, b in items)))
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        await asyncio.gather(*(self.delete(k) for k in keys))

@@ -1,0 +1,183 @@
+"""The ``disk`` tier: one file per object under a root folder (layer L3).
+
+::
+
+    <path>/objects/<2 hex of xxh3(key)>/<key, %-quoted>     published objects
+    <path>/objects/<..>/.tmp.<pid>.<n>.<name>              writes in progress
+    <path>/quarantine/<name>.<unix time>                   objects that failed verification
+
+A write goes to a temp file in the object's own folder, optionally fsyncs it, and is
+published by ``os.replace`` (atomic on POSIX), then the folder is fsynced when
+``fsync`` is on. Readers never see a partial object. ``open`` removes temp files a
+killed process left behind. Each operation is one trip to aiofiles' thread pool
+(``aiofiles.os.wrap``): about 80 us a trip, so never one trip per page.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+import aiofiles.os
+import xxhash
+
+from hurray_store.config import DiskTierConfig
+from hurray_store.tiers.base import Blob, Buffer, Range, Tier
+
+log = logging.getLogger(__name__)
+_TMP = ".tmp."
+_counter = itertools.count()
+
+
+class DiskTier(Tier):
+    kind = "disk"
+    persistent = True
+
+    def __init__(self, cfg: DiskTierConfig) -> None:
+        super().__init__(cfg)
+        self.root = Path(cfg.path)
+        self.objects = self.root / "objects"
+        self.quarantine_dir = self.root / "quarantine"
+        self.fsync = cfg.fsync
+        self._put = aiofiles.os.wrap(self._put_sync)
+        self._read = aiofiles.os.wrap(self._read_sync)
+        self._ranges = aiofiles.os.wrap(self._ranges_sync)
+        self._scan = aiofiles.os.wrap(self._scan_sync)
+
+    def path_of(self, key: str) -> Path:
+        shard = f"{xxhash.xxh3_64_intdigest(key.encode()) & 0xFF:02x}"
+        return self.objects / shard / quote(key, safe="")
+
+    async def open(self) -> None:
+        await aiofiles.os.makedirs(self.objects, exist_ok=True)
+        await aiofiles.os.makedirs(self.quarantine_dir, exist_ok=True)
+
+    # ------------------------------------------------------------------ sync bodies
+
+    def _put_sync(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        dst = self.path_of(key)
+        tmp = dst.with_name(f"{_TMP}{os.getpid()}.{next(_counter)}.{dst.name[:100]}")
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+                while views:
+                    n = os.writev(fd, views[:1024])
+                    # Drop what was written; a short write resumes mid-buffer.
+                    while views and n >= len(views[0]):
+                        n -= len(views[0])
+                        views.pop(0)
+                    if n:
+                        views[0] = views[0][n:]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, dst)
+            if self.fsync:
+                dfd = os.open(dst.parent, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+            return True
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("disk tier %s: write of %s skipped: the disk is full (%s)", self.name, key, e.strerror)
+            else:
+                log.warning("disk tier %s: write of %s skipped: %s", self.name, key, e)
+            return False
+
+    def _read_sync(self, key: str) -> bytearray | None:
+        try:
+            with open(self.path_of(key), "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                buf = bytearray(size)
+                if f.readinto(buf) != size:
+                    return None
+                return buf
+        except FileNotFoundError:
+            return None
+
+    def _ranges_sync(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
+        try:
+            fd = os.open(self.path_of(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            out: list[Blob] = []
+            for off, ln in ranges:
+                buf = bytearray(ln)
+                if os.preadv(fd, [buf], off) != ln:
+                    return None  # the file is shorter than the manifest says
+                out.append(buf)
+            return out
+        finally:
+            os.close(fd)
+
+    def _scan_sync(self) -> tuple[list[tuple[str, int]], int]:
+        found: list[tuple[str, int]] = []
+        removed = 0
+        if not self.objects.is_dir():
+            return found, 0
+        for shard in os.scandir(self.objects):
+            if not shard.is_dir():
+                continue
+            for e in os.scandir(shard.path):
+                if e.name.startswith(_TMP):
+                    try:
+                        os.unlink(e.path)
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
+                elif e.is_file():
+                    found.append((unquote(e.name), e.stat().st_size))
+        return found, removed
+
+    # ------------------------------------------------------------------ interface
+
+    async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        return bool(await self._put(key, buffers))
+
+    async def get(self, key: str) -> Blob | None:
+        return await self._read(key)  # type: ignore[no-any-return]
+
+    async def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
+        return await self._ranges(key, ranges)  # type: ignore[no-any-return]
+
+    async def delete(self, key: str) -> None:
+        try:
+            await aiofiles.os.remove(self.path_of(key))
+        except FileNotFoundError:
+            pass
+
+    async def contains(self, key: str) -> bool:
+        return await aiofiles.os.path.exists(self.path_of(key))
+
+    async def scan(self) -> AsyncIterator[tuple[str, int]]:
+        """Every published object; removes temp files left by a killed writer."""
+        found, removed = await self._scan()
+        if removed:
+            log.info("disk tier %s: removed %d unfinished temp files", self.name, removed)
+        for item in found:
+            yield item
+
+    async def quarantine(self, key: str) -> None:
+        src = self.path_of(key)
+        dst = self.quarantine_dir / f"{src.name[:200]}.{int(time.time() * 1000)}"
+        try:
+            await aiofiles.os.replace(src, dst)
+            log.warning("disk tier %s: moved %s to %s", self.name, key, dst)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,227 @@
+"""The ``redis`` tier: Redis or Redis Cluster through redis-py's asyncio clients (layer L3;
+the only module that imports ``redis``).
+
+One object is one value written by one SET (atomic: a reader sees all of it or none).
+Range reads are GETRANGE, pipelined; keys carry the segment id inside ``{...}``, Redis
+Cluster's hash tag, so one segment's objects share a slot and its pipelines one node.
+
+Outages: every call is guarded. A connection error or timeout turns the call into a
+miss (reads) or a skipped write (``False``), logs one warning for the whole outage, and
+starts a backoff (``backoff_initial_s`` doubling to ``backoff_max_s``) during which calls
+return at once without touching the network. The first call after the backoff probes
+the server; success logs the recovery. redis-py's own retries are off, so a down server
+costs one timeout, not several.
+
+Budget: with ``capacity_bytes`` the store's policy evicts (LRU) as for any tier; with
+``null`` it relies on Redis' ``maxmemory`` and ``maxmemory-policy`` (allkeys-lru is the
+sensible one): an object Redis evicted is simply a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    ConnectionError as RedisConnectionError,
+    RedisClusterException,
+    RedisError,
+    TimeoutError as RedisTimeoutError,
+)
+from redis.retry import Retry
+
+from hurray_store.config import RedisTierConfig
+from hurray_store.errors import ConfigError
+from hurray_store.tiers.base import Blob, Buffer, Range, Tier
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_OUTAGE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ClusterDownError, RedisClusterException, OSError, TimeoutError)
+
+
+def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
+    """``redis+cluster://[user:pass@]h:p,h:p[/?...]`` -> startup nodes and auth."""
+    u = urlsplit(url)
+    netloc = u.netloc
+    auth: dict[str, Any] = {}
+    if "@" in netloc:
+        cred, netloc = netloc.rsplit("@", 1)
+        user, _, pw = cred.partition(":")
+        if user:
+            auth["username"] = user
+        if pw:
+            auth["password"] = pw
+    nodes = []
+    for hp in netloc.split(","):
+        host, _, port = hp.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"url: cluster node {hp!r} is not host:port")
+        nodes.append(ClusterNode(host.strip("[]"), int(port)))
+    if u.scheme == "rediss+cluster":
+        auth["ssl"] = True
+    return nodes, auth
+
+
+class RedisTier(Tier):
+    kind = "redis"
+    persistent = True
+
+    def __init__(self, cfg: RedisTierConfig) -> None:
+        super().__init__(cfg)
+        self.prefix = cfg.key_prefix
+        self.ttl_s = cfg.ttl_s
+        scheme = urlsplit(cfg.url).scheme
+        if scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+            raise ConfigError(f"url: expected redis://, rediss://, unix:// or redis+cluster://, got {cfg.url!r}")
+        self.is_cluster = cfg.cluster or scheme.endswith("+cluster")
+        common: dict[str, Any] = {
+            "socket_timeout": cfg.timeout_s,
+            "socket_connect_timeout": cfg.timeout_s,
+            "retry": Retry(NoBackoff(), 0),
+            "max_connections": cfg.max_connections,
+            "socket_read_size": 1 << 20,
+        }
+        self.client: Any
+        if self.is_cluster:
+            if scheme.endswith("+cluster"):
+                nodes, auth = _cluster_nodes(cfg.url)
+                self.client = RedisCluster(startup_nodes=nodes, **auth, **common)
+            else:
+                self.client = RedisCluster.from_url(cfg.url, **common)
+        else:
+            self.client = aioredis.Redis.from_url(cfg.url, **common)
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+        self._backoff = cfg.backoff_initial_s
+        self.outages = 0
+
+    @property
+    def available(self) -> bool:
+        return self._down_since is None
+
+    def k(self, key: str) -> str:
+        return self.prefix + key
+
+    # ------------------------------------------------------------------ outage guard
+
+    async def _guard(self, what: str, call: Callable[[], Awaitable[T]], default: T) -> T:
+        now = time.monotonic()
+        if self._down_since is not None and now < self._retry_at:
+            return default
+        try:
+            result = await call()
+        except _OUTAGE as e:
+            self._mark_down(what, e)
+            return default
+        except RedisError as e:  # a refused command, not an outage
+            log.warning("redis tier %s: %s failed: %s", self.name, what, e)
+            return default
+        if self._down_since is not None:
+            log.warning("redis tier %s: reachable again after %.1f s", self.name, time.monotonic() - self._down_since)
+            self._down_since = None
+            self._backoff = self.cfg.backoff_initial_s
+        return result
+
+    def _mark_down(self, what: str, e: BaseException) -> None:
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+            self.outages += 1
+            log.warning(
+                "redis tier %s: unreachable (%s during %s); reads miss and writes are skipped "
+                "until it answers again", self.name, e.__class__.__name__, what,
+            )
+        else:
+            self._backoff = min(self._backoff * 2, self.cfg.backoff_max_s)
+        self._retry_at = now + self._backoff
+
+    # ------------------------------------------------------------------ interface
+
+    async def open(self) -> None:
+        async def ping() -> bool:
+            if self.is_cluster:
+                await self.client.initialize()
+            return bool(await self.client.ping())
+
+        await self._guard("open", ping, False)
+
+    async def close(self) -> None:
+        try:
+            await self.client.aclose()
+        except Exception as e:  # closing a dead connection must not fail a shutdown
+            log.debug("redis tier %s: close: %s", self.name, e)
+
+    async def get(self, key: str) -> Blob | None:
+        return await self._guard("GET", lambda: self.client.get(self.k(key)), None)  # type: ignore[no-any-return]
+
+    async def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
+        return (await self.get_ranges_many([(key, ranges)]))[0]
+
+    async def get_ranges_many(self, items: Sequence[tuple[str, Sequence[Range]]]) -> list[list[Blob] | None]:
+        flat = [(self.k(key), off, ln) for key, ranges in items for off, ln in ranges]
+        replies: list[Any] = []
+        batch = self.cfg.pipeline_batch
+        for i in range(0, len(flat), batch):
+
+            async def run(part: list[tuple[str, int, int]] = flat[i : i + batch]) -> list[Any]:
+                pipe = self.client.pipeline(transaction=False)
+                for kk, off, ln in part:
+                    pipe.getrange(kk, off, off + ln - 1)
+                return await pipe.execute()  # type: ignore[no-any-return]
+
+            got = await self._guard("GETRANGE", run, None)
+            if got is None:
+                return [None] * len(items)
+            replies += got
+        out: list[list[Blob] | None] = []
+        pos = 0
+        for _key, ranges in items:
+            parts = replies[pos : pos + len(ranges)]
+            pos += len(ranges)
+            ok = all(len(p) == ln for p, (_off, ln) in zip(parts, ranges, strict=True))
+            out.append(parts if ok else None)
+        return out
+
+    async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        value = buffers[0] if len(buffers) == 1 else b"".join(buffers)
+        ok = await self._guard("SET", lambda: self.client.set(self.k(key), value, ex=self.ttl_s), None)
+        return bool(ok)
+
+    async def delete(self, key: str) -> None:
+        await self._guard("DEL", lambda: self.client.delete(self.k(key)), 0)
+
+    async def contains(self, key: str) -> bool:
+        return bool(await self._guard("EXISTS", lambda: self.client.exists(self.k(key)), 0))
+
+    async def scan(self) -> AsyncIterator[tuple[str, int]]:
+        """SCAN over the key prefix (every master of a cluster), with STRLEN pipelined."""
+
+        async def collect() -> list[tuple[str, int]]:
+            keys = [k async for k in self.client.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000)]
+            out: list[tuple[str, int]] = []
+            for i in range(0, len(keys), 1000):
+                pipe = self.client.pipeline(transaction=False)
+                part = keys[i : i + 1000]
+                for kk in part:
+                    pipe.strlen(kk)
+                sizes = await pipe.execute()
+                for kk, n in zip(part, sizes, strict=True):
+                    name = kk.decode() if isinstance(kk, bytes) else kk
+                    if n:
+                        out.append((name[len(self.prefix) :], int(n)))
+            return out
+
+        for item in await self._guard("SCAN", collect, []):
+            yield item
+
+
+def _glob_escape(s: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in s)

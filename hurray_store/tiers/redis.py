@@ -19,6 +19,7 @@ sensible one): an object Redis evicted is simply a miss.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -98,6 +99,8 @@ class RedisTier(Tier):
                 self.client = RedisCluster.from_url(cfg.url, **common)
         else:
             self.client = aioredis.Redis.from_url(cfg.url, **common)
+        # redis-py's asyncio pools raise when exhausted instead of waiting: queue here.
+        self._slots = asyncio.Semaphore(cfg.max_connections)
         self._down_since: float | None = None
         self._retry_at = 0.0
         self._backoff = cfg.backoff_initial_s
@@ -117,7 +120,8 @@ class RedisTier(Tier):
         if self._down_since is not None and now < self._retry_at:
             return default
         try:
-            result = await call()
+            async with self._slots:
+                result = await call()
         except _OUTAGE as e:
             self._mark_down(what, e)
             return default
@@ -194,6 +198,20 @@ class RedisTier(Tier):
         value = buffers[0] if len(buffers) == 1 else b"".join(buffers)
         ok = await self._guard("SET", lambda: self.client.set(self.k(key), value, ex=self.ttl_s), None)
         return bool(ok)
+
+    async def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        async def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for key, bufs in items:
+                pipe.set(self.k(key), bufs[0] if len(bufs) == 1 else b"".join(bufs), ex=self.ttl_s)
+            return await pipe.execute()  # type: ignore[no-any-return]
+
+        got = await self._guard("SET", run, None)
+        return [bool(g) for g in got] if got is not None else [False] * len(items)
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        if keys:
+            await self._guard("DEL", lambda: self.client.delete(*[self.k(k) for k in keys]), 0)
 
     async def delete(self, key: str) -> None:
         await self._guard("DEL", lambda: self.client.delete(self.k(key)), 0)

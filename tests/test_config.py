@@ -1,0 +1,112 @@
+"""The config loader: shipped files, errors that name the dotted key, env overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hurray_store.config import (
+    CpuTierConfig,
+    DiskTierConfig,
+    RedisTierConfig,
+    StoreConfig,
+    load_config,
+    schema,
+)
+from hurray_store.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    cfg = load_config(path, env={})
+    assert isinstance(cfg, StoreConfig) and cfg.tiers
+
+
+def test_default_yaml_is_the_embedded_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    assert load_config(ROOT / "configs/default.yaml", env={}) == load_config(None, env={})
+
+
+def test_relative_paths_resolve_against_the_files_folder(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    f = tmp_path / "sub/c.yaml"
+    f.write_text("tiers:\n  - {type: disk, path: cache, capacity_bytes: 10}\n")
+    (disk,) = load_config(f, env={}).tiers
+    assert isinstance(disk, DiskTierConfig) and disk.path == str(tmp_path / "sub/cache")
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"tiers": [{"type": "cpu", "capacity_bytes": 1}], "nope": 1}, "nope"),
+        ({"tiers": [{"type": "cpu", "capacity_bytes": 1, "colour": "red"}]}, "tiers.cpu.colour"),
+        ({"tiers": [{"type": "cpu", "capacity_bytes": "lots"}]}, "tiers.cpu.capacity_bytes"),
+        ({"tiers": [{"type": "cpu", "capacity_bytes": True}]}, "tiers.cpu.capacity_bytes"),
+        ({"tiers": [{"type": "cpu", "capacity_bytes": 0}]}, "tiers.cpu.capacity_bytes"),
+        ({"tiers": [{"type": "cpu"}]}, "tiers.cpu.capacity_bytes"),
+        ({"tiers": [{"type": "tape", "capacity_bytes": 1}]}, "tiers.tape.type"),
+        ({"tiers": [{"type": "remote", "url": "hurray://h:1"}]}, "tiers.remote.type"),
+        ({"tiers": [{"type": "disk", "capacity_bytes": 1, "path": "x", "fsync": "yes"}]}, "tiers.disk.fsync"),
+        ({"tiers": [{"type": "redis", "url": "redis://h", "ttl_s": -5}]}, "tiers.redis.ttl_s"),
+        ({"tiers": [{"type": "cpu", "capacity_bytes": 1}], "policy": {"write_mode": "sideways"}}, "policy.write_mode"),
+        ({"tiers": [{"type": "cpu", "capacity_bytes": 1}], "quantization": "int4"}, "quantization"),
+        ({"tiers": []}, "tiers"),
+        ({}, "tiers"),
+        ({"tiers": [{"type": "cpu", "capacity_bytes": 1}, {"type": "cpu", "capacity_bytes": 1}]}, "tiers.cpu.name"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_bad_keys_and_values_name_the_dotted_key(raw: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(raw, env={})
+    assert str(e.value).startswith(key + ":") or f"{key}:" in str(e.value), str(e.value)
+
+
+def test_bad_yaml_and_missing_file_are_config_errors(tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("tiers: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(f, env={})
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml", env={})
+
+
+def test_env_overrides_by_tier_name_and_position() -> None:
+    env = {
+        "HURRAY_STORE__TIERS__DISK__CAPACITY_BYTES": "123",
+        "HURRAY_STORE__TIERS__0__CAPACITY_BYTES": "77",
+        "HURRAY_STORE__POLICY__WRITE_MODE": "back",
+        "HURRAY_STORE__TIERS__DISK__FSYNC": "true",
+        "UNRELATED": "1",
+    }
+    cfg = load_config(None, env=env)
+    cpu, disk = cfg.tiers
+    assert isinstance(cpu, CpuTierConfig) and cpu.capacity_bytes == 77
+    assert isinstance(disk, DiskTierConfig) and disk.capacity_bytes == 123 and disk.fsync is True
+    assert cfg.policy.write_mode == "back"
+
+
+def test_env_override_of_an_unknown_key_or_tier_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="tiers.disk.colour: unknown key"):
+        load_config(None, env={"HURRAY_STORE__TIERS__DISK__COLOUR": "red"})
+    with pytest.raises(ConfigError, match="no entry 'tape'"):
+        load_config(None, env={"HURRAY_STORE__TIERS__TAPE__CAPACITY_BYTES": "1"})
+    with pytest.raises(ConfigError, match="tiers.cpu.capacity_bytes: expected an integer"):
+        load_config(None, env={"HURRAY_STORE__TIERS__CPU__CAPACITY_BYTES": "many"})
+
+
+def test_redis_defaults() -> None:
+    (r,) = load_config({"tiers": [{"type": "redis", "url": "redis://127.0.0.1:1"}]}, env={}).tiers
+    assert isinstance(r, RedisTierConfig) and r.name == "redis" and r.capacity_bytes is None and r.ttl_s is None
+
+
+def test_every_key_is_documented_in_docs_config_md() -> None:
+    doc = (ROOT / "docs/config.md").read_text()
+    missing = [key for key, _, _ in schema() if f"`{key.split('.')[-1]}`" not in doc]
+    assert not missing, f"docs/config.md lacks {missing}"
+    for key, _, text in schema():
+        assert text, f"{key} has no doc string"

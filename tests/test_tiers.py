@@ -1,0 +1,254 @@
+"""One shared test class run against every tier (gpu on the CPU device, cpu, disk,
+redis, Redis Cluster), then the behaviour only some tiers have."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from hurray_store.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, RedisTierConfig
+from hurray_store.tiers import Tier, blob_nbytes, host_view, open_tier
+from hurray_store.tiers.redis import RedisTier
+from tests.conftest import RedisProc
+
+_n = itertools.count()
+
+
+def as_bytes(b: object) -> bytes:
+    if isinstance(b, torch.Tensor):
+        return bytes(host_view(b.cpu()))
+    return bytes(host_view(b))  # type: ignore[arg-type]
+
+
+class TierContract:
+    """Every tier: a miss is None, writes are whole, ranges are exact."""
+
+    @pytest.fixture
+    async def tier(self) -> Tier:  # overridden per tier
+        raise NotImplementedError
+
+    async def test_put_get_roundtrip_of_a_buffer_vector(self, tier: Tier) -> None:
+        parts = [b"head", memoryview(bytearray(os.urandom(5000))), bytearray(b"tail")]
+        assert await tier.put("a/{seg}/0", parts)
+        got = await tier.get("a/{seg}/0")
+        assert got is not None and as_bytes(got) == b"".join(bytes(p) for p in parts)
+        assert blob_nbytes(got) == 5008
+
+    async def test_missing_key_is_none(self, tier: Tier) -> None:
+        assert await tier.get("nope") is None
+        assert await tier.get_ranges("nope", [(0, 1)]) is None
+        assert not await tier.contains("nope")
+
+    async def test_ranges_are_exact_and_out_of_bounds_is_a_miss(self, tier: Tier) -> None:
+        data = bytes(range(256)) * 40
+        await tier.put("r", [data])
+        got = await tier.get_ranges("r", [(0, 10), (300, 5), (len(data) - 7, 7)])
+        assert got is not None
+        assert [as_bytes(g) for g in got] == [data[:10], data[300:305], data[-7:]]
+        assert await tier.get_ranges("r", [(len(data) - 3, 10)]) is None
+
+    async def test_overwrite_replaces_the_whole_object(self, tier: Tier) -> None:
+        await tier.put("o", [b"x" * 1000])
+        await tier.put("o", [b"yz"])
+        got = await tier.get("o")
+        assert got is not None and as_bytes(got) == b"yz"
+
+    async def test_delete_and_contains(self, tier: Tier) -> None:
+        await tier.put("d", [b"1"])
+        assert await tier.contains("d")
+        await tier.delete("d")
+        assert not await tier.contains("d")
+        assert await tier.get("d") is None
+        await tier.delete("d")  # deleting a missing key is not an error
+
+    async def test_batches_match_the_primitives(self, tier: Tier) -> None:
+        items = [(f"b{i}", [os.urandom(100 + i)]) for i in range(20)]
+        assert await tier.put_many(items) == [True] * 20
+        got = await tier.get_many([k for k, _ in items] + ["missing"])
+        assert [as_bytes(g) for g in got[:-1]] == [v[0] for _, v in items] and got[-1] is None
+        rng = await tier.get_ranges_many([(k, [(1, 3)]) for k, _ in items] + [("missing", [(0, 1)])])
+        assert [as_bytes(r[0]) for r in rng[:-1] if r] == [v[0][1:4] for _, v in items] and rng[-1] is None
+        await tier.delete_many([k for k, _ in items])
+        assert await tier.get_many([k for k, _ in items]) == [None] * 20
+
+    async def test_empty_object(self, tier: Tier) -> None:
+        assert await tier.put("e", [b""])
+        got = await tier.get("e")
+        assert got is not None and as_bytes(got) == b""
+
+
+class TestGpuTier(TierContract):
+    @pytest.fixture
+    async def tier(self) -> Tier:
+        t = open_tier(GpuTierConfig(capacity_bytes=1 << 30, name="gpu", device="cpu"))
+        await t.open()
+        return t
+
+    async def test_blobs_are_device_tensors(self, tier: Tier) -> None:
+        await tier.put("t", [b"abcd"])
+        got = await tier.get("t")
+        assert isinstance(got, torch.Tensor) and got.device == torch.device("cpu") and got.dtype == torch.uint8
+
+
+class TestCpuTier(TierContract):
+    @pytest.fixture
+    async def tier(self) -> Tier:
+        t = open_tier(CpuTierConfig(capacity_bytes=1 << 30, name="cpu"))
+        await t.open()
+        return t
+
+    async def test_stored_object_does_not_alias_the_callers_buffer(self, tier: Tier) -> None:
+        buf = bytearray(b"abc")
+        await tier.put("k", [buf])
+        buf[:] = b"xyz"
+        got = await tier.get("k")
+        assert got is not None and as_bytes(got) == b"abc"
+
+
+class DiskBase(TierContract):
+    fsync = False
+
+    @pytest.fixture
+    async def tier(self, tmp_path: Path) -> Tier:
+        t = open_tier(DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=1 << 30, name="disk", fsync=self.fsync))
+        await t.open()
+        return t
+
+
+class TestDiskTier(DiskBase):
+    async def test_keys_with_odd_characters_roundtrip_through_scan(self, tier: Tier) -> None:
+        keys = ["ns/s/{ab}/m", "100%/x", "ünï cödé", "a..b", "../escape"]
+        for k in keys:
+            await tier.put(k, [k.encode()])
+        found = {k: n async for k, n in tier.scan()}
+        assert found == {k: len(k.encode()) for k in keys}
+        assert all(str(tier.path_of(k)).startswith(str(tier.objects)) for k in keys)  # type: ignore[attr-defined]
+
+    async def test_scan_removes_temp_files_of_a_killed_writer(self, tier: Tier) -> None:
+        await tier.put("kept", [b"1"])
+        shard = tier.path_of("kept").parent  # type: ignore[attr-defined]
+        leftover = shard / ".tmp.999.0.half-written"
+        leftover.write_bytes(b"partial")
+        found = [k async for k, _ in tier.scan()]
+        assert found == ["kept"] and not leftover.exists()
+
+    async def test_quarantine_moves_the_file_aside(self, tier: Tier) -> None:
+        await tier.put("bad", [b"corrupt"])
+        await tier.quarantine("bad")
+        assert not await tier.contains("bad")
+        q = list(tier.quarantine_dir.iterdir())  # type: ignore[attr-defined]
+        assert len(q) == 1 and q[0].read_bytes() == b"corrupt"
+
+    async def test_a_failed_write_leaves_no_object_and_returns_false(self, tier: Tier, caplog: pytest.LogCaptureFixture) -> None:
+        shard = tier.path_of("blocked").parent  # type: ignore[attr-defined]
+        shard.mkdir(parents=True, exist_ok=True)
+        tier.path_of("blocked").mkdir()  # type: ignore[attr-defined]  # a folder where the file goes
+        with caplog.at_level(logging.WARNING):
+            assert await tier.put("blocked", [b"data"]) is False
+        assert "write of blocked skipped" in caplog.text
+        assert not [p for p in shard.iterdir() if p.name.startswith(".tmp.")]
+
+
+class TestDiskTierFsync(DiskBase):
+    fsync = True
+
+
+class RedisBase(TierContract):
+    @pytest.fixture
+    async def tier(self, request: pytest.FixtureRequest) -> Tier:
+        cfg = self.config(request)
+        t = open_tier(cfg)
+        await t.open()
+        assert t.available, "the test Redis should be reachable"
+        yield t
+        await t.close()
+
+    def config(self, request: pytest.FixtureRequest) -> RedisTierConfig:
+        raise NotImplementedError
+
+    async def test_scan_lists_only_this_prefix(self, tier: Tier) -> None:
+        await tier.put("ns/s/{x}/0", [b"12345"])
+        await tier.put("ns/o/y", [b"1"])
+        found = {k: n async for k, n in tier.scan()}
+        assert found == {"ns/s/{x}/0": 5, "ns/o/y": 1}
+
+
+class TestRedisTier(RedisBase):
+    def config(self, request: pytest.FixtureRequest) -> RedisTierConfig:
+        r: RedisProc = request.getfixturevalue("redis_server")
+        return RedisTierConfig(url=r.url, name="redis", key_prefix=f"t{next(_n)}-{uuid.uuid4().hex[:6]}:")
+
+    async def test_ttl_is_set_on_every_object(self, redis_server: RedisProc) -> None:
+        t = RedisTier(RedisTierConfig(url=redis_server.url, name="redis", key_prefix="ttl:", ttl_s=100))
+        await t.open()
+        await t.put("k", [b"v"])
+        ttl = int(redis_server.cli("ttl", "ttl:k").strip())
+        await t.close()
+        assert 0 < ttl <= 100
+
+    async def test_password_in_the_url(self, tmp_path: Path) -> None:
+        r = RedisProc(tmp_path / "pw", "--requirepass", "s3cret").start()
+        try:
+            bad = RedisTier(RedisTierConfig(url=f"redis://127.0.0.1:{r.port}/0", name="redis"))
+            await bad.open()
+            assert await bad.put("k", [b"v"]) is False  # refused without the password
+            await bad.close()
+            good = RedisTier(RedisTierConfig(url=f"redis://:s3cret@127.0.0.1:{r.port}/0", name="redis"))
+            await good.open()
+            assert await good.put("k", [b"v"]) and await good.get("k") == b"v"
+            await good.close()
+        finally:
+            r.stop()
+
+    async def test_down_server_is_a_miss_with_one_warning_then_recovers(self, redis_fresh: RedisProc, caplog: pytest.LogCaptureFixture) -> None:
+        t = RedisTier(RedisTierConfig(url=redis_fresh.url, name="redis", timeout_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.2))
+        await t.open()
+        assert await t.put("k", [b"v"])
+        redis_fresh.stop()
+        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.redis"):
+            for _ in range(5):
+                assert await t.get("k") is None
+                assert await t.put("k2", [b"v"]) is False
+                assert await t.get_ranges("k", [(0, 1)]) is None
+                assert not await t.contains("k")
+        assert not t.available
+        assert caplog.text.count("unreachable") == 1
+        redis_fresh.start()
+        import asyncio
+
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if await t.put("k3", [b"back"]):
+                break
+        assert t.available and await t.get("k3") == b"back"
+        await t.close()
+
+    async def test_open_with_the_server_down_does_not_raise(self) -> None:
+        from tests.conftest import free_port
+
+        t = RedisTier(RedisTierConfig(url=f"redis://127.0.0.1:{free_port()}/0", name="redis", timeout_s=0.3))
+        await t.open()
+        assert not t.available and await t.get("k") is None
+        await t.close()
+
+
+class TestRedisClusterTier(RedisBase):
+    def config(self, request: pytest.FixtureRequest) -> RedisTierConfig:
+        nodes: list[RedisProc] = request.getfixturevalue("redis_cluster")
+        url = "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes)
+        return RedisTierConfig(url=url, name="redis", key_prefix=f"c{next(_n)}-{uuid.uuid4().hex[:6]}:")
+
+    async def test_cluster_flag_with_a_plain_url(self, redis_cluster: list[RedisProc]) -> None:
+        t = RedisTier(RedisTierConfig(url=redis_cluster[1].url.rsplit("/", 1)[0], name="redis", cluster=True, key_prefix="flag:"))
+        await t.open()
+        assert t.is_cluster and t.available
+        keys = [f"k{i}" for i in range(50)]  # spread over slots on every master
+        assert await t.put_many([(k, [k.encode()]) for k in keys]) == [True] * 50
+        assert {k async for k, _ in t.scan()} == set(keys)
+        await t.close()

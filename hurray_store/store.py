@@ -107,6 +107,7 @@ class TieredStore:
         self._manifests: OrderedDict[bytes, Manifest] = OrderedDict()
         self._inflight: dict[bytes, asyncio.Future[None]] = {}
         self._writing: set[tuple[int, str]] = set()
+        self._through: dict[str, int] = {}  # group -> write-throughs queued or running
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending_bytes = 0
         self._pending_cv = asyncio.Condition()
@@ -261,6 +262,7 @@ class TieredStore:
                     lambda: self._pending_bytes == 0 or self._pending_bytes + total <= self.config.policy.max_pending_bytes
                 )
                 self._pending_bytes += total
+            self._through[group] = self._through.get(group, 0) + 1
             self._spawn(self._write_through(group, items, sizes, depth, targets, total))
         return [top, *targets]
 
@@ -269,6 +271,10 @@ class TieredStore:
             for i in targets:
                 await self._write_group(i, group, items, sizes, depth)
         finally:
+            n = self._through.pop(group, 1) - 1
+            if n:
+                self._through[group] = n
+            self._after_group_left(group)  # the put's top tier may have evicted it meanwhile
             async with self._pending_cv:
                 self._pending_bytes -= total
                 self._pending_cv.notify_all()
@@ -340,7 +346,7 @@ class TieredStore:
 
     def _after_group_left(self, group: str) -> None:
         """A group left a tier; a segment no tier holds leaves the index."""
-        if group.startswith("s:") and not self.policy.group_holders(group):
+        if group.startswith("s:") and not self.policy.group_holders(group) and group not in self._through:
             seg = bytes.fromhex(group[2:])
             self.index.remove_segment(seg)
             self._manifests.pop(seg, None)
@@ -606,19 +612,25 @@ class TieredStore:
 
     async def retrieve(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> RetrieveResult:
         """Re-page the longest stored prefix of each sequence into ``pool``."""
-        last: RetrievedLayer | None = None
         stream = self._retrieve(pool, token_ids, salt)
-        async for item in stream:
-            if isinstance(item, RetrieveResult):
-                return item
-            last = item
-        raise AssertionError(f"retrieve ended without a result after {last}")  # pragma: no cover
+        try:
+            async for item in stream:
+                if isinstance(item, RetrieveResult):
+                    return item
+        finally:
+            await stream.aclose()  # runs the generator's cleanup (unpin) now, not at GC
+        raise AssertionError("retrieve ended without a result")  # pragma: no cover
 
     async def retrieve_layers(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> AsyncIterator[RetrievedLayer]:
-        """``retrieve``, one layer at a time: each item says that layer is in the pool."""
-        async for item in self._retrieve(pool, token_ids, salt):
-            if isinstance(item, RetrievedLayer):
-                yield item
+        """``retrieve``, one layer at a time: each item says that layer is in the pool.
+        Closing the iteration early gives every allocated page back to ``pool``."""
+        stream = self._retrieve(pool, token_ids, salt)
+        try:
+            async for item in stream:
+                if isinstance(item, RetrievedLayer):
+                    yield item
+        finally:
+            await stream.aclose()
 
     async def _retrieve(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], salt: bytes | str | None) -> AsyncIterator[RetrievedLayer | RetrieveResult]:
         spec = pool.spec
@@ -831,6 +843,10 @@ class TieredStore:
         kv = pool.layers[li]
         for role, src in ((0, keys_u8), (1, vals_u8)):
             src = src.to(pool.device, non_blocking=True)
+            if src.storage_offset() % 16:
+                # A device slice at an odd offset (the descriptor is 133 bytes) cannot be
+                # reinterpreted in place: one device-side copy aligns it.
+                src = src.clone()
             if m.scale_bytes:
                 q = src[:, : m.page_bytes].contiguous().view(torch.int8).view(src.shape[0], spec.page_size, -1)
                 sc = src[:, m.page_bytes :].contiguous().view(spec.dtype).view(src.shape[0], spec.page_size, 1)

@@ -17,10 +17,22 @@ REDIS_CLI = shutil.which("redis-cli")
 needs_redis = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (make test installs it)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(bus: bool = False) -> int:
+    """A free loopback port; with ``bus``, one whose cluster bus port (+10000) is free
+    and valid too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not bus:
+            return port
+        if port + 10000 <= 65535:
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + 10000))
+                return port
+            except OSError:
+                pass
 
 
 class RedisProc:
@@ -97,7 +109,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Red
     nodes = []
     try:
         for i in range(3):
-            port = free_port()
+            port = free_port(bus=True)
             nodes.append(
                 RedisProc(base / str(i), "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
                           "--cluster-node-timeout", "2000", port=port).start()

@@ -128,7 +128,7 @@ class Policy:
         tier holds, each to the first persistent tier below where it is."""
         if self.write_mode != "back":
             return []
-        out = []
+        out: list[tuple[str, int, int]] = []
         for i, led in enumerate(self._ledgers):
             if led.info.persistent:
                 continue
@@ -167,9 +167,9 @@ class Policy:
             if free < need:
                 return Admission(False, reason=f"{need} bytes do not fit: the rest of the {cap}-byte budget is pinned")
             for g in chosen:
-                rec = self._drop(tier, g)
-                assert rec is not None
-                victims.append(Victim(g, rec.sizes, self._demote_target(tier, g)))
+                dropped = self._drop(tier, g)
+                assert dropped is not None
+                victims.append(Victim(g, dropped.sizes, self._demote_target(tier, g)))
         self._add(tier, group, dict(sizes), depth)
         return Admission(True, tuple(victims))
 

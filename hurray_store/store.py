@@ -31,7 +31,7 @@ import asyncio
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,8 +87,11 @@ class _Planned:
     """What a retrieve needs from one segment."""
 
     manifest: Manifest
+    tiers: list[int] = field(default_factory=list)  # holders when the retrieve began
     pages: list[int] = field(default_factory=list)  # segment page ids needed, sorted
     dest: dict[int, int] = field(default_factory=dict)  # segment page -> local dest index
+    failed: list[tuple[int, str, str]] = field(default_factory=list)  # (tier, key, why)
+    failed_groups: set[tuple[int, str]] = field(default_factory=set)
 
 
 class TieredStore:
@@ -176,7 +179,7 @@ class TieredStore:
     async def put_object(self, key: str, data: Buffer | Sequence[Buffer]) -> bool:
         """Store one object (the concatenation of ``data`` when it is a list) in the
         top tier that can hold it, and write-through below. False: stored nowhere."""
-        bufs = list(data) if isinstance(data, list | tuple) else [data]
+        bufs: list[Buffer] = list(data) if isinstance(data, list | tuple) else [data]  # type: ignore[list-item]
         k = self._obj_key(key)
         return bool(await self._put_group(k, {k: bufs}, depth=0))
 
@@ -289,7 +292,7 @@ class TieredStore:
         is the group's commit point). On any failure the tier holds none of it."""
         t = self.tiers[tier]
         c = self.metrics.tiers[t.name]
-        if not t.available:
+        if not t.ready:
             c.skipped_writes += 1
             return False
         adm = self.policy.admit(tier, group, sizes, depth=depth)
@@ -300,7 +303,7 @@ class TieredStore:
         self._writing.add((tier, group))
         try:
             await self._evict(tier, adm.victims)
-            written = []
+            written: list[str] = []
             for k, bufs in items.items():
                 with self.metrics.timed(t.name, "put"):
                     ok = await t.put(k, bufs)
@@ -449,14 +452,14 @@ class TieredStore:
         lens = [len(t) for t in token_ids] if seq_lens is None else list(seq_lens)
         if len(lens) != len(token_ids):
             raise PagingError(f"{len(token_ids)} sequences but {len(lens)} seq_lens")
-        for s, (toks, n) in enumerate(zip(token_ids, lens, strict=True)):
-            if not 0 <= n <= len(toks):
-                raise PagingError(f"sequence {s}: seq_len {n} outside [0, {len(toks)} tokens]")
+        for s, (seq_toks, n) in enumerate(zip(token_ids, lens, strict=True)):
+            if not 0 <= n <= len(seq_toks):
+                raise PagingError(f"sequence {s}: seq_len {n} outside [0, {len(seq_toks)} tokens]")
             if len(block_tables[s]) < n // P:
                 raise PagingError(f"sequence {s}: {n // P} full pages need a block table of at least that length, got {len(block_tables[s])}")
         salt_b = self._salt(salt)
-        toks = [keymod.token_array(t[: (n // P) * P]) for t, n in zip(token_ids, lens, strict=True)]
-        hashes = [keymod.page_hashes(spec, t, salt=salt_b) for t in toks]
+        toks: list[np.ndarray] = [keymod.token_array(t[: (n // P) * P]) for t, n in zip(token_ids, lens, strict=True)]
+        hashes = [keymod.page_hashes(spec, t, salt=salt_b) for t in toks]  # type: ignore[arg-type]
         # Wait for concurrent puts of the same pages, so a page is written once.
         while True:
             waits = {self._inflight[h] for hs in hashes for h in hs if h in self._inflight}
@@ -632,12 +635,12 @@ class TieredStore:
         finally:
             await stream.aclose()
 
-    async def _retrieve(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], salt: bytes | str | None) -> AsyncIterator[RetrievedLayer | RetrieveResult]:
+    async def _retrieve(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], salt: bytes | str | None) -> AsyncGenerator[RetrievedLayer | RetrieveResult, None]:
         spec = pool.spec
         P = spec.page_size
         salt_b = self._salt(salt)
         toks = [keymod.token_array(t) for t in token_ids]
-        matches = [self.index.longest_prefix(keymod.page_hashes(spec, t, salt=salt_b)) for t in toks]
+        matches = [self.index.longest_prefix(keymod.page_hashes(spec, t, salt=salt_b)) for t in toks]  # type: ignore[arg-type]
         # Plan: per sequence the (segment, segment page) of each matched position.
         plans: dict[bytes, _Planned | None] = {}
         for mt in matches:
@@ -673,9 +676,10 @@ class TieredStore:
                 pl = plans[seg]
                 assert pl is not None
                 pl.dest[page] = d
-            for pl in plans.values():
+            for seg, pl in plans.items():
                 if pl is not None:
                     pl.pages = sorted(pl.dest)
+                    pl.tiers = self.policy.group_holders(self._seg_group(seg.hex()))
             n = len(distinct)
             new_ids = allocate_shared(pool, local, n)
             self.policy.touch(self._seg_group(s.hex()) for s in plans if plans[s] is not None)
@@ -708,6 +712,9 @@ class TieredStore:
             if lost:
                 pool.free(lost)
             tables = [[new_ids[d] for d in t] for t in local]
+            for seg, pl in plans.items():
+                for tier, key, why in pl.failed if pl is not None else []:
+                    self._verification_failed(tier, self._seg_group(seg.hex()), key, why)
             delivered = len({d for t in local for d in t})
             for seg, tiers in whole_reads.items():
                 pl = plans[seg]
@@ -758,9 +765,11 @@ class TieredStore:
         return m
 
     async def _load_layer(self, pool: PagedKVPool, li: int, seg: bytes, pl: _Planned, dst: torch.Tensor, bad: set[int]) -> tuple[int, int | None]:
-        """Read this segment's needed pages of layer ``li`` from the fastest tier that
-        has good bytes, verify each page, copy into the pool. Returns (bytes read, the
-        tier index when the object was read whole, else None)."""
+        """Read this segment's needed pages of layer ``li`` from the fastest tier with
+        good bytes, verify each page, copy into the pool. A tier whose bytes fail is
+        noted (dropped when the retrieve ends, so the other layers still read) and the
+        next tier is tried; pages no tier has good stay in ``bad``. Returns (bytes
+        read, the tier index when the object was read whole, else None)."""
         m = pl.manifest
         lay_pos = next(i for i, lay in enumerate(m.layers) if lay.layer_index == li)
         lay = m.layers[lay_pos]
@@ -768,8 +777,11 @@ class TieredStore:
         runs = _runs(pl.pages)
         whole_ok = len(pl.pages) == m.num_pages
         nread = 0
-        for i in self.policy.holders(lay.key):
+        best: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
+        for i in pl.tiers:
             t = self.tiers[i]
+            if (i, group) in pl.failed_groups:
+                continue
             whole = whole_ok and bool(self.policy.promote_targets(i, group)) and not t.on_device
             with self.metrics.timed(t.name, "get_ranges"):
                 if whole:
@@ -784,28 +796,35 @@ class TieredStore:
             got = sum(blob_nbytes(p) for p in parts)
             nread += got
             self._hit(i, got)
-            pages = self._verify_pages(i, m, lay_pos, runs, parts, whole)
-            if pages is None:
-                self._verification_failed(i, group, lay.key, f"layer {li}: a page checksum differs")
+            checked = self._verify_pages(i, m, lay_pos, runs, parts, whole)
+            if checked is None or checked[2]:
+                pl.failed.append((i, lay.key, f"layer {li}: {'size' if checked is None else len(checked[2])} page checksum(s) differ"))
+                pl.failed_groups.add((i, group))
+                if checked is not None and (best is None or len(checked[2]) < len(best[2])):
+                    best = checked
                 continue
-            keys_t, vals_t = pages
-            self._scatter(pool, li, m, keys_t, vals_t, dst[[pl.dest[p] for p in pl.pages]])
+            self._scatter(pool, li, m, checked[0], checked[1], dst[[pl.dest[p] for p in pl.pages]])
             return nread, (i if whole else None)
-        bad.update(pl.dest[p] for p in pl.pages)
+        if best is None:
+            bad.update(pl.dest[p] for p in pl.pages)
+        else:
+            self._scatter(pool, li, m, best[0], best[1], dst[[pl.dest[p] for p in pl.pages]])
+            bad.update(pl.dest[pl.pages[j]] for j in best[2])
         return nread, None
 
-    def _verify_pages(self, tier: int, m: Manifest, lay_pos: int, runs: list[tuple[int, int]], parts: list[Blob], whole: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Page tensors (uint8, [n, page_bytes(+scales)]) of the needed pages, per role,
-        or None when a checksum differs. Device blobs are trusted (see docs/store.md)."""
+    def _verify_pages(self, tier: int, m: Manifest, lay_pos: int, runs: list[tuple[int, int]], parts: list[Blob], whole: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+        """Page tensors (uint8, ``[n, page_bytes (+ scale bytes)]``) of the needed pages
+        per role, and the positions (in needed-page order) whose checksum differs; None
+        when the object's size is wrong. Device blobs are trusted (docs/store.md)."""
         lay = m.layers[lay_pos]
         pb, sb = m.page_bytes, m.scale_bytes
-        on_device = self.tiers[tier].on_device
+        check = not self.tiers[tier].on_device
         if whole:
             blob = parts[0]
             if blob_nbytes(blob) != lay.object_size:
                 return None
-            if not on_device and checksum(host_view(blob)) != lay.object_checksum:
-                return None
+            if check and checksum(host_view(blob)) == lay.object_checksum:
+                check = False  # one pass over the object vouched for every page
             parts = [
                 blob[off : off + ln]
                 for a, b in runs
@@ -813,13 +832,15 @@ class TieredStore:
                 for off, ln in _run_range(m, lay_pos, role, a, b)
             ]
         out: dict[str, list[torch.Tensor]] = {"key": [], "value": []}
+        failed: set[int] = set()
         it = iter(parts)
+        pos = 0
         for a, b in runs:
+            n = b - a
             for role, sums in (("key", lay.key_page_checksums), ("value", lay.value_page_checksums)):
                 pool_part = next(it)
                 scale_part = next(it) if sb else None
-                n = b - a
-                if not on_device:
+                if check:
                     pv = host_view(pool_part)
                     sv = host_view(scale_part) if scale_part is not None else None
                     for j in range(n):
@@ -828,14 +849,15 @@ class TieredStore:
                         if sv is not None:
                             h.update(sv[j * sb : (j + 1) * sb])
                         if h.intdigest() != sums[a + j]:
-                            return None
+                            failed.add(pos + j)
                 out[role].append(_u8(pool_part).view(n, pb))
                 if scale_part is not None:
                     out[role].append(_u8(scale_part).view(n, sb))
+            pos += n
         if sb:
-            # Interleave back to per-role [n, pb + sb] rows: pool bytes then scale bytes.
-            return _with_scales(out["key"]), _with_scales(out["value"])
-        return _cat(out["key"]), _cat(out["value"])
+            # Per role rows of [pool bytes | scale bytes].
+            return _with_scales(out["key"]), _with_scales(out["value"]), sorted(failed)
+        return _cat(out["key"]), _cat(out["value"]), sorted(failed)
 
     def _scatter(self, pool: PagedKVPool, li: int, m: Manifest, keys_u8: torch.Tensor, vals_u8: torch.Tensor, dst: torch.Tensor) -> None:
         spec = pool.spec

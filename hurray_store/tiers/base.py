@@ -32,7 +32,8 @@ def blob_nbytes(b: Blob) -> int:
 def host_view(b: Blob) -> memoryview:
     """A byte view of a host blob (a tensor on the CPU included)."""
     if isinstance(b, torch.Tensor):
-        return memoryview(b.contiguous().view(torch.uint8).numpy()).cast("B")
+        arr: Any = b.contiguous().view(torch.uint8).numpy()
+        return memoryview(arr).cast("B")
     mv = memoryview(b)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
@@ -54,10 +55,16 @@ class Tier(ABC):
         """False while the backing service is known to be down."""
         return True
 
-    async def open(self) -> None:
+    @property
+    def ready(self) -> bool:
+        """True when a call now would reach the service: it is up, or its backoff has
+        expired and the next call is the probe."""
+        return True
+
+    async def open(self) -> None:  # noqa: B027 - a default, not an abstract step
         """Connect or create; an unreachable service is logged, never raised."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027
         """Release connections and files."""
 
     @abstractmethod

@@ -15,6 +15,7 @@ killed process left behind. Each operation is one trip to aiofiles' thread pool
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -89,10 +90,8 @@ class DiskTier(Tier):
                     os.close(dfd)
             return True
         except OSError as e:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 log.warning("disk tier %s: write of %s skipped: the disk is full (%s)", self.name, key, e.strerror)
             else:
@@ -151,16 +150,16 @@ class DiskTier(Tier):
         return bool(await self._put(key, buffers))
 
     async def get(self, key: str) -> Blob | None:
-        return await self._read(key)  # type: ignore[no-any-return]
+        got: bytearray | None = await self._read(key)
+        return got
 
     async def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
-        return await self._ranges(key, ranges)  # type: ignore[no-any-return]
+        got: list[Blob] | None = await self._ranges(key, ranges)
+        return got
 
     async def delete(self, key: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             await aiofiles.os.remove(self.path_of(key))
-        except FileNotFoundError:
-            pass
 
     async def contains(self, key: str) -> bool:
         return await aiofiles.os.path.exists(self.path_of(key))

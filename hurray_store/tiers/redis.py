@@ -29,14 +29,9 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.backoff import NoBackoff
-from redis.exceptions import (
-    BusyLoadingError,
-    ClusterDownError,
-    ConnectionError as RedisConnectionError,
-    RedisClusterException,
-    RedisError,
-    TimeoutError as RedisTimeoutError,
-)
+from redis.exceptions import BusyLoadingError, ClusterDownError, RedisClusterException, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from hurray_store.config import RedisTierConfig
@@ -110,6 +105,10 @@ class RedisTier(Tier):
     def available(self) -> bool:
         return self._down_since is None
 
+    @property
+    def ready(self) -> bool:
+        return self._down_since is None or time.monotonic() >= self._retry_at
+
     def k(self, key: str) -> str:
         return self.prefix + key
 
@@ -164,7 +163,7 @@ class RedisTier(Tier):
             log.debug("redis tier %s: close: %s", self.name, e)
 
     async def get(self, key: str) -> Blob | None:
-        return await self._guard("GET", lambda: self.client.get(self.k(key)), None)  # type: ignore[no-any-return]
+        return await self._guard("GET", lambda: self.client.get(self.k(key)), None)
 
     async def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
         return (await self.get_ranges_many([(key, ranges)]))[0]
@@ -179,7 +178,7 @@ class RedisTier(Tier):
                 pipe = self.client.pipeline(transaction=False)
                 for kk, off, ln in part:
                     pipe.getrange(kk, off, off + ln - 1)
-                return await pipe.execute()  # type: ignore[no-any-return]
+                return await pipe.execute()
 
             got = await self._guard("GETRANGE", run, None)
             if got is None:
@@ -204,7 +203,7 @@ class RedisTier(Tier):
             pipe = self.client.pipeline(transaction=False)
             for key, bufs in items:
                 pipe.set(self.k(key), bufs[0] if len(bufs) == 1 else b"".join(bufs), ex=self.ttl_s)
-            return await pipe.execute()  # type: ignore[no-any-return]
+            return await pipe.execute()
 
         got = await self._guard("SET", run, None)
         return [bool(g) for g in got] if got is not None else [False] * len(items)
@@ -237,7 +236,8 @@ class RedisTier(Tier):
                         out.append((name[len(self.prefix) :], int(n)))
             return out
 
-        for item in await self._guard("SCAN", collect, []):
+        empty: list[tuple[str, int]] = []
+        for item in await self._guard("SCAN", collect, empty):
             yield item
 
 

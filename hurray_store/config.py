@@ -56,6 +56,9 @@ class CpuTierConfig:
     pin_memory: Literal["auto", "true", "false"] = _doc(
         "page-lock objects for fast device copies: auto pins when CUDA is present", "auto"
     )
+    preallocate: bool = _doc(
+        "fault the whole budget in at open (as LMCache does), so no put pays page faults", False
+    )
 
 
 @dataclass(frozen=True, slots=True)

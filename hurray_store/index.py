@@ -83,6 +83,10 @@ class PrefixIndex:
     def __contains__(self, h: bytes) -> bool:
         return self._find(_keys([h]))[0] >= 0
 
+    def contains_many(self, hashes: Sequence[bytes]) -> np.ndarray:
+        """Membership of each hash, in one vectorized probe (bool array)."""
+        return self._find(_keys(hashes)) >= 0
+
     @property
     def nbytes(self) -> int:
         """Memory held by the table arrays."""

@@ -40,15 +40,34 @@ import torch
 import xxhash
 
 from hurray_store import keys as keymod
+from hurray_store.buffers import BufferPool
 from hurray_store.config import StoreConfig, load_config
 from hurray_store.errors import FormatError, PagingError
-from hurray_store.format import Manifest, ManifestLayer, ManifestSeq, checksum, encode_layer_buffers
+from hurray_store.format import (
+    LayerPlan,
+    Manifest,
+    ManifestLayer,
+    ManifestSeq,
+    Slot,
+    checksum,
+    plan_layer,
+    quantize_int8,
+)
 from hurray_store.index import PrefixIndex
 from hurray_store.metrics import StoreMetrics
-from hurray_store.paging import PagedKVPool, allocate_shared, release_shared, snapshot
+from hurray_store.paging import PagedKVPool, allocate_shared, compact, release_shared
 from hurray_store.policy import Policy, TierInfo, Victim
 from hurray_store.spec import KVSpec
-from hurray_store.tiers import Blob, Buffer, Range, Tier, blob_nbytes, host_view, open_tier
+from hurray_store.tiers import (
+    Blob,
+    Buffer,
+    Range,
+    Reservation,
+    Tier,
+    blob_nbytes,
+    host_view,
+    open_tier,
+)
 
 log = logging.getLogger(__name__)
 _MANIFEST_CACHE = 1024
@@ -114,6 +133,7 @@ class TieredStore:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending_bytes = 0
         self._pending_cv = asyncio.Condition()
+        self.buffers = BufferPool()
         self._opened = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -207,7 +227,8 @@ class TieredStore:
                 continue
             self._hit(i, sum(blob_nbytes(b) for b in got))
             self.policy.touch([k])
-            return got
+            # Copies: a memory tier's views are only valid until its object is evicted.
+            return [b.clone() if isinstance(b, torch.Tensor) else bytes(b) for b in got]
         self._miss_all(k)
         return None
 
@@ -240,7 +261,10 @@ class TieredStore:
 
     # ------------------------------------------------------------------ groups
 
-    async def _put_group(self, group: str, items: Mapping[str, Sequence[Buffer]], *, depth: int, commit: Any = None) -> list[int]:
+    async def _put_group(
+        self, group: str, items: Mapping[str, Sequence[Buffer]], *, depth: int, commit: Any = None, release: Any = None,
+        reserved: Mapping[str, Reservation] | None = None,
+    ) -> list[int]:
         """Write a group to the first tier that takes it, run ``commit()`` (the index
         insert), then write it through to the lower tiers in the background. Returns
         the tiers written or queued (empty: stored nowhere)."""
@@ -250,11 +274,13 @@ class TieredStore:
         top = None
         if start is not None:
             for i in range(start, len(self.tiers)):
-                if await self._write_group(i, group, items, sizes, depth):
+                if await self._write_group(i, group, items, sizes, depth, reserved):
                     top = i
                     break
         if top is None:
             log.warning("group %s (%d bytes) stored in no tier", group, total)
+            if release is not None:
+                release()
             return []
         if commit is not None:
             commit()
@@ -266,14 +292,22 @@ class TieredStore:
                 )
                 self._pending_bytes += total
             self._through[group] = self._through.get(group, 0) + 1
-            self._spawn(self._write_through(group, items, sizes, depth, targets, total))
+            # The lower tiers read the top tier's copy when it was built in place: keep
+            # it from being evicted (and its space reused) until they have it.
+            self.policy.pin([group])
+            self._spawn(self._write_through(group, items, sizes, depth, targets, total, release))
+        elif release is not None:
+            release()
         return [top, *targets]
 
-    async def _write_through(self, group: str, items: Mapping[str, Sequence[Buffer]], sizes: dict[str, int], depth: int, targets: list[int], total: int) -> None:
+    async def _write_through(self, group: str, items: Mapping[str, Sequence[Buffer]], sizes: dict[str, int], depth: int, targets: list[int], total: int, release: Any) -> None:
         try:
             for i in targets:
                 await self._write_group(i, group, items, sizes, depth)
         finally:
+            self.policy.unpin([group])
+            if release is not None:
+                release()
             n = self._through.pop(group, 1) - 1
             if n:
                 self._through[group] = n
@@ -287,7 +321,10 @@ class TieredStore:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _write_group(self, tier: int, group: str, items: Mapping[str, Sequence[Buffer]], sizes: dict[str, int], depth: int) -> bool:
+    async def _write_group(
+        self, tier: int, group: str, items: Mapping[str, Sequence[Buffer]], sizes: dict[str, int], depth: int,
+        reserved: Mapping[str, Reservation] | None = None,
+    ) -> bool:
         """Admit, evict what the policy says, write the objects in order (the last one
         is the group's commit point). On any failure the tier holds none of it."""
         t = self.tiers[tier]
@@ -305,8 +342,12 @@ class TieredStore:
             await self._evict(tier, adm.victims)
             written: list[str] = []
             for k, bufs in items.items():
+                res = reserved.get(k) if reserved else None
                 with self.metrics.timed(t.name, "put"):
-                    ok = await t.put(k, bufs)
+                    if res is not None and res.tier is t and not res.committed:
+                        ok = await t.put_reserved(k, res)
+                    else:
+                        ok = await t.put(k, bufs)
                 if not ok:
                     c.skipped_writes += 1
                     self.policy.forget(tier, group)
@@ -467,11 +508,13 @@ class TieredStore:
                 break
             await asyncio.gather(*(asyncio.shield(w) for w in waits), return_exceptions=True)
         firsts = []
+        already = 0
         for hs in hashes:
-            present = [h in self.index for h in hs]
-            firsts.append(present.index(False) if False in present else len(hs))
+            present = self.index.contains_many(hs)
+            missing = np.flatnonzero(~present)
+            firsts.append(int(missing[0]) if missing.size else len(hs))
+            already += int(present.sum())
         referenced = sum(len(hs) for hs in hashes)
-        already = sum(sum(h in self.index for h in hs) for hs in hashes)
         # Claim the pages this put writes (first claim wins inside the batch too).
         claimed: dict[bytes, tuple[int, int]] = {}  # hash -> (seq, position) of its first use
         loop = asyncio.get_running_loop()
@@ -557,48 +600,94 @@ class TieredStore:
                 cs, ci = claimed[hashes[s][i]]
                 row.append(int(block_tables[cs][ci]))
             vtables.append(row)
-        snap = snapshot(pool, vtables, [len(r) * P for r in vtables])
+        distinct, compacted, inverse = compact(vtables)
+        n = int(distinct.numel())
+        seq_ptr = torch.tensor(np.cumsum([0] + [len(r) for r in vtables]), dtype=torch.long)
+        plans = [
+            plan_layer(li, inverse, seq_ptr, num_pages=n, page_size=P, heads=spec.num_kv_heads, dim=spec.head_dim,
+                       dtype=spec.dtype, quantization=self.quantization)
+            for li in range(spec.num_layers)
+        ]
         seg_id = _segment_id([hashes[s][-1] for s in seqs], [firsts[s] for s in seqs])
         seg_hex = seg_id.hex()
-        encoded = [encode_layer_buffers(lay, quantization=self.quantization) for lay in snap.layers]
-        layers = []
-        for lay, enc in zip(snap.layers, encoded, strict=True):
-            mv = [memoryview(b).cast("B") for b in enc.buffers]
-            obj_sum = checksum(*mv)
-            kc, vc = _page_sums(enc, snap.num_pages)
-            layers.append(
-                ManifestLayer(
-                    lay.layer_index, self._layer_key(seg_hex, lay.layer_index), enc.nbytes, obj_sum,
-                    enc.key_pool_offset, enc.value_pool_offset, enc.key_scales_offset, enc.value_scales_offset, kc, vc,
+        sizes = [p.nbytes for p in plans]
+        # Build each object in its final place: space reserved in the top tier (the
+        # cpu arena: pages go from the pool straight into the tier), else a resident
+        # buffer borrowed until every tier write is done.
+        top = self.policy.place(sum(sizes))
+        reserved = self._reserve(top, sizes)
+        buf: bytearray | None = None
+        if reserved is None:
+            buf = self.buffers.acquire(sum(sizes))
+            views, pos = [], 0
+            for size in sizes:
+                views.append(memoryview(buf)[pos : pos + size])
+                pos += size
+        else:
+            views = [r.view for r in reserved]
+
+        def release() -> None:
+            if buf is not None:
+                self.buffers.release(buf)
+            for r in reserved or []:
+                if not r.committed:
+                    r.tier.unreserve(r)
+
+        try:
+            layers = []
+            idx = distinct.to(pool.device)
+            for li, (plan, out) in enumerate(zip(plans, views, strict=True)):
+                plan.write_fixed(out)
+                obj_sum, kc, vc = _fill_pages(pool, li, idx, plan, out)
+                layers.append(
+                    ManifestLayer(
+                        li, self._layer_key(seg_hex, li), plan.nbytes, obj_sum, plan.key_pool_offset, plan.value_pool_offset,
+                        plan.key_scales_offset, plan.value_scales_offset, kc, vc,
+                    )
                 )
+            m = Manifest(
+                fingerprint=spec.fingerprint(),
+                segment_id=seg_id,
+                quantization=self.quantization,
+                page_size=P,
+                num_pages=n,
+                page_bytes=plans[0].page_bytes,
+                scale_bytes=plans[0].scale_bytes,
+                sequences=tuple(
+                    ManifestSeq(tuple(toks[s].tolist()), firsts[s], int(toks[s].size), tuple(hashes[s][firsts[s] :]), tuple(compacted[j]))
+                    for j, s in enumerate(seqs)
+                ),
+                layers=tuple(layers),
             )
-        m = Manifest(
-            fingerprint=spec.fingerprint(),
-            segment_id=seg_id,
-            quantization=self.quantization,
-            page_size=P,
-            num_pages=snap.num_pages,
-            page_bytes=encoded[0].page_bytes,
-            scale_bytes=encoded[0].scale_bytes,
-            sequences=tuple(
-                ManifestSeq(
-                    tuple(toks[s].tolist()), firsts[s], int(toks[s].size), tuple(hashes[s][firsts[s] :]), tuple(snap.block_tables[j])
-                )
-                for j, s in enumerate(seqs)
-            ),
-            layers=tuple(layers),
-        )
-        mbytes = m.to_bytes()
-        items: dict[str, Sequence[Buffer]] = {lay.key: enc.buffers for lay, enc in zip(layers, encoded, strict=True)}
+            mbytes = m.to_bytes()
+        except BaseException:
+            release()
+            raise
+        items: dict[str, Sequence[Buffer]] = {lay.key: [v] for lay, v in zip(layers, views, strict=True)}
         items[self._manifest_key(seg_hex)] = [mbytes]
+        by_key = None if reserved is None else {lay.key: r for lay, r in zip(layers, reserved, strict=True)}
 
         def commit() -> None:
             self._index_manifest(m)
             self._cache_manifest(m)
 
-        where = await self._put_group(self._seg_group(seg_hex), items, depth=_depth(m), commit=commit)
-        total = sum(lay.object_size for lay in layers) + len(mbytes)
-        return (snap.num_pages if where else 0), {self.tiers[i].name: total for i in where}
+        where = await self._put_group(self._seg_group(seg_hex), items, depth=_depth(m), commit=commit, release=release, reserved=by_key)
+        total = sum(sizes) + len(mbytes)
+        return (n if where else 0), {self.tiers[i].name: total for i in where}
+
+    def _reserve(self, top: int | None, sizes: list[int]) -> list[Reservation] | None:
+        if top is None:
+            return None
+        t = self.tiers[top]
+        out: list[Reservation] = []
+        for size in sizes:
+            r = t.reserve(size)
+            if r is None:
+                for done in out:
+                    t.unreserve(done)
+                return None
+            out.append(r)
+        return out
 
     def _cache_manifest(self, m: Manifest) -> None:
         self._manifests[m.segment_id] = m
@@ -772,12 +861,25 @@ class TieredStore:
         read, the tier index when the object was read whole, else None)."""
         m = pl.manifest
         lay_pos = next(i for i, lay in enumerate(m.layers) if lay.layer_index == li)
-        lay = m.layers[lay_pos]
         group = self._seg_group(seg.hex())
         runs = _runs(pl.pages)
         whole_ok = len(pl.pages) == m.num_pages
+        borrowed: list[bytearray] = []
+        try:
+            return await self._load_layer_from(pool, li, pl, dst, bad, lay_pos, group, runs, whole_ok, borrowed)
+        finally:
+            for b in borrowed:
+                self.buffers.release(b)
+
+    async def _load_layer_from(
+        self, pool: PagedKVPool, li: int, pl: _Planned, dst: torch.Tensor, bad: set[int], lay_pos: int, group: str,
+        runs: list[tuple[int, int]], whole_ok: bool, borrowed: list[bytearray],
+    ) -> tuple[int, int | None]:
+        m = pl.manifest
+        lay = m.layers[lay_pos]
         nread = 0
-        best: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
+        rows = dst[[pl.dest[p] for p in pl.pages]]
+        failed: list[int] | None = None  # of the last tier whose bytes are in the pool
         for i in pl.tiers:
             t = self.tiers[i]
             if (i, group) in pl.failed_groups:
@@ -789,93 +891,80 @@ class TieredStore:
                     parts = None if blob is None else [blob]
                 else:
                     ranges = [r for a, b in runs for role in ("key", "value") for r in _run_range(m, lay_pos, role, a, b)]
-                    parts = await t.get_ranges(lay.key, ranges)
+                    into = None
+                    if not t.trusted:  # a tier that copies reads into a resident buffer
+                        into = self.buffers.acquire(sum(ln for _, ln in ranges))
+                        borrowed.append(into)
+                    parts = await t.get_ranges(lay.key, ranges, into)
             if parts is None:
                 self._missing(i, lay.key)
                 continue
             got = sum(blob_nbytes(p) for p in parts)
             nread += got
             self._hit(i, got)
-            checked = self._verify_pages(i, m, lay_pos, runs, parts, whole)
-            if checked is None or checked[2]:
-                pl.failed.append((i, lay.key, f"layer {li}: {'size' if checked is None else len(checked[2])} page checksum(s) differ"))
+            result = self._verify_scatter(pool, li, m, lay_pos, runs, parts, whole, rows, not t.trusted)
+            if result is None or result:
+                pl.failed.append((i, lay.key, f"layer {li}: {'object size' if result is None else f'{len(result)} page checksum(s)'} differ"))
                 pl.failed_groups.add((i, group))
-                if checked is not None and (best is None or len(checked[2]) < len(best[2])):
-                    best = checked
+                if result is not None:
+                    failed = result
                 continue
-            self._scatter(pool, li, m, checked[0], checked[1], dst[[pl.dest[p] for p in pl.pages]])
             return nread, (i if whole else None)
-        if best is None:
+        # No tier had every page good: the pool holds the last tier's bytes (or none);
+        # its failed pages, or all, are misses.
+        if failed is None:
             bad.update(pl.dest[p] for p in pl.pages)
         else:
-            self._scatter(pool, li, m, best[0], best[1], dst[[pl.dest[p] for p in pl.pages]])
-            bad.update(pl.dest[pl.pages[j]] for j in best[2])
+            bad.update(pl.dest[pl.pages[j]] for j in failed)
         return nread, None
 
-    def _verify_pages(self, tier: int, m: Manifest, lay_pos: int, runs: list[tuple[int, int]], parts: list[Blob], whole: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
-        """Page tensors (uint8, ``[n, page_bytes (+ scale bytes)]``) of the needed pages
-        per role, and the positions (in needed-page order) whose checksum differs; None
-        when the object's size is wrong. Device blobs are trusted (docs/store.md)."""
+    def _verify_scatter(
+        self, pool: PagedKVPool, li: int, m: Manifest, lay_pos: int, runs: list[tuple[int, int]], parts: list[Blob],
+        whole: bool, rows: torch.Tensor, check: bool,
+    ) -> list[int] | None:
+        """Copy the needed pages of one layer object into the pool rows ``rows`` (in
+        needed-page order), verifying each page's checksum first when ``check``: chunk
+        by chunk, so the copy reads what the hash just brought into cache. Returns the
+        positions whose checksum differs ([] when all are good), or None when a whole
+        object has the wrong size (nothing copied)."""
         lay = m.layers[lay_pos]
         pb, sb = m.page_bytes, m.scale_bytes
-        check = not self.tiers[tier].on_device
         if whole:
             blob = parts[0]
             if blob_nbytes(blob) != lay.object_size:
                 return None
             if check and checksum(host_view(blob)) == lay.object_checksum:
                 check = False  # one pass over the object vouched for every page
-            parts = [
-                blob[off : off + ln]
-                for a, b in runs
-                for role in ("key", "value")
-                for off, ln in _run_range(m, lay_pos, role, a, b)
-            ]
-        out: dict[str, list[torch.Tensor]] = {"key": [], "value": []}
-        failed: set[int] = set()
+            parts = [blob[off : off + ln] for a, b in runs for role in ("key", "value") for off, ln in _run_range(m, lay_pos, role, a, b)]
+        spec = pool.spec
+        kv = pool.layers[li]
+        step = max(1, _CHUNK_BYTES // pb)
+        failed: list[int] = []
         it = iter(parts)
         pos = 0
         for a, b in runs:
             n = b - a
-            for role, sums in (("key", lay.key_page_checksums), ("value", lay.value_page_checksums)):
+            for role_i, sums in ((0, lay.key_page_checksums), (1, lay.value_page_checksums)):
                 pool_part = next(it)
                 scale_part = next(it) if sb else None
-                if check:
-                    pv = host_view(pool_part)
-                    sv = host_view(scale_part) if scale_part is not None else None
-                    for j in range(n):
-                        h = xxhash.xxh3_64()
-                        h.update(pv[j * pb : (j + 1) * pb])
-                        if sv is not None:
-                            h.update(sv[j * sb : (j + 1) * sb])
-                        if h.intdigest() != sums[a + j]:
-                            failed.add(pos + j)
-                out[role].append(_u8(pool_part).view(n, pb))
-                if scale_part is not None:
-                    out[role].append(_u8(scale_part).view(n, sb))
+                pv = host_view(pool_part) if check else None
+                sv = host_view(scale_part) if check and scale_part is not None else None
+                data = _u8(pool_part)
+                scales = _u8(scale_part) if scale_part is not None else None
+                for c0 in range(0, n, step):
+                    c1 = min(n, c0 + step)
+                    if pv is not None:
+                        for j in range(c0, c1):
+                            h = xxhash.xxh3_64()
+                            h.update(pv[j * pb : (j + 1) * pb])
+                            if sv is not None:
+                                h.update(sv[j * sb : (j + 1) * sb])
+                            if h.intdigest() != sums[a + j]:
+                                failed.append(pos + j)
+                    pages = _pages_of(data[c0 * pb : c1 * pb], None if scales is None else scales[c0 * sb : c1 * sb], spec, c1 - c0, pool.device)
+                    kv[role_i].index_copy_(0, rows[pos + c0 : pos + c1], pages)
             pos += n
-        if sb:
-            # Per role rows of [pool bytes | scale bytes].
-            return _with_scales(out["key"]), _with_scales(out["value"]), sorted(failed)
-        return _cat(out["key"]), _cat(out["value"]), sorted(failed)
-
-    def _scatter(self, pool: PagedKVPool, li: int, m: Manifest, keys_u8: torch.Tensor, vals_u8: torch.Tensor, dst: torch.Tensor) -> None:
-        spec = pool.spec
-        shape = (-1, spec.page_size, spec.num_kv_heads, spec.head_dim)
-        kv = pool.layers[li]
-        for role, src in ((0, keys_u8), (1, vals_u8)):
-            src = src.to(pool.device, non_blocking=True)
-            if src.storage_offset() % 16:
-                # A device slice at an odd offset (the descriptor is 133 bytes) cannot be
-                # reinterpreted in place: one device-side copy aligns it.
-                src = src.clone()
-            if m.scale_bytes:
-                q = src[:, : m.page_bytes].contiguous().view(torch.int8).view(src.shape[0], spec.page_size, -1)
-                sc = src[:, m.page_bytes :].contiguous().view(spec.dtype).view(src.shape[0], spec.page_size, 1)
-                pages = (q.float() * sc.float()).to(spec.dtype).view(shape)
-            else:
-                pages = src.contiguous().view(spec.dtype).view(shape)
-            kv[role].index_copy_(0, dst, pages)
+        return sorted(set(failed))
 
     def _promote(self, seg: bytes, hit_tier: int) -> None:
         group = self._seg_group(seg.hex())
@@ -930,24 +1019,60 @@ def _segment_id(last_hashes: list[bytes], firsts: list[int]) -> bytes:
     return h.digest()
 
 
-def _page_sums(enc: Any, num_pages: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per page and role, xxh3-64 over the page's bytes then its scales."""
-    obj = [memoryview(b).cast("B") for b in enc.buffers]
-    # Buffers are descriptor, pool, block table, seq_ptr[, scales] per role.
-    per_role = 5 if enc.scale_bytes else 4
-    out = []
-    for r in range(2):
-        pool = obj[r * per_role + 1]
-        sc = obj[r * per_role + 4] if enc.scale_bytes else None
-        sums = []
-        for p in range(num_pages):
-            h = xxhash.xxh3_64()
-            h.update(pool[p * enc.page_bytes : (p + 1) * enc.page_bytes])
-            if sc is not None:
-                h.update(sc[p * enc.scale_bytes : (p + 1) * enc.scale_bytes])
-            sums.append(h.intdigest())
-        out.append(tuple(sums))
-    return out[0], out[1]
+_CHUNK_BYTES = 1 << 20  # gather this much, then hash it while it is still in cache
+
+
+def _fill_pages(pool: PagedKVPool, li: int, idx: torch.Tensor, plan: LayerPlan, out: memoryview) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Gather layer ``li``'s pages ``idx`` from ``pool`` into the slots of ``out`` (the
+    object, descriptors already written); return the object checksum and per-page
+    checksums per role (xxh3-64 over a page's bytes, then its scales)."""
+    n = int(idx.numel())
+    pb, sb = plan.page_bytes, plan.scale_bytes
+    sums: dict[str, list[int]] = {"key": [], "value": []}
+    obj = xxhash.xxh3_64()
+    kv = pool.layers[li]
+    pos = 0
+    for part in plan.parts:
+        if not isinstance(part, Slot):
+            obj.update(part)
+            pos += len(part)
+            continue
+        role_i = 0 if part.role == "key" else 1
+        if part.what == "scales":
+            obj.update(out[pos : pos + part.nbytes])  # written with its pool, below
+            pos += part.nbytes
+            continue
+        if plan.quantization:
+            pages = kv[role_i].index_select(0, idx).cpu()
+            q, sc = quantize_int8(pages)
+            qb, scb = host_view(q), host_view(sc)
+            out[pos : pos + part.nbytes] = qb
+            soff = plan.key_scales_offset if part.role == "key" else plan.value_scales_offset
+            out[soff : soff + n * sb] = scb
+            for j in range(n):
+                h = xxhash.xxh3_64()
+                h.update(qb[j * pb : (j + 1) * pb])
+                h.update(scb[j * sb : (j + 1) * sb])
+                sums[part.role].append(h.intdigest())
+            obj.update(out[pos : pos + part.nbytes])
+            pos += part.nbytes
+            continue
+        src = kv[role_i].reshape(kv.shape[1], -1).view(torch.uint8)  # [num_blocks, page_bytes]
+        dst = torch.frombuffer(out, dtype=torch.uint8, count=n * pb, offset=pos).view(n, pb) if n else None
+        step = max(1, _CHUNK_BYTES // pb)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            assert dst is not None
+            if src.device.type == "cpu":
+                torch.index_select(src, 0, idx[a:b], out=dst[a:b])
+            else:
+                dst[a:b].copy_(src.index_select(0, idx[a:b]))
+            chunk = out[pos + a * pb : pos + b * pb]
+            obj.update(chunk)
+            for j in range(b - a):
+                sums[part.role].append(xxhash.xxh3_64_intdigest(chunk[j * pb : (j + 1) * pb]))
+        pos += part.nbytes
+    return obj.intdigest(), tuple(sums["key"]), tuple(sums["value"])
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int]]:
@@ -973,12 +1098,20 @@ def _u8(b: Blob) -> torch.Tensor:
     return torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
 
 
-def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
-    return ts[0] if len(ts) == 1 else torch.cat(ts)
-
-
-def _with_scales(ts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([torch.cat([ts[i], ts[i + 1]], dim=1) for i in range(0, len(ts), 2)])
+def _pages_of(data: torch.Tensor, scales: torch.Tensor | None, spec: KVSpec, n: int, device: torch.device) -> torch.Tensor:
+    """``n`` stored pages (uint8 bytes, plus int8 scales) as ``[n, P, H, D]`` of the
+    spec's dtype on ``device``."""
+    shape = (n, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    data = data.to(device, non_blocking=True)
+    if data.storage_offset() % 16:
+        # A device slice at an odd offset (the descriptor is 133 bytes) cannot be
+        # reinterpreted in place: one device-side copy aligns it.
+        data = data.clone()
+    if scales is None:
+        return data.view(spec.dtype).view(shape)
+    sc = scales.to(device).clone().view(spec.dtype).view(n, spec.page_size, 1)
+    q = data.view(torch.int8).view(n, spec.page_size, -1)
+    return (q.float() * sc.float()).to(spec.dtype).view(shape)
 
 
 def _cut(row: list[tuple[bytes, int]], plans: Mapping[bytes, _Planned | None]) -> list[tuple[bytes, int]]:

@@ -7,10 +7,13 @@ memoryviews in and out, no files, sockets or event loops.
 from hurray_store.format.codec import (
     EncodedLayer,
     LayerKV,
+    LayerPlan,
+    Slot,
     decode_layer,
     encode_layer,
     encode_layer_buffers,
     parse_layer,
+    plan_layer,
     quantize_int8,
     supported_dtypes,
 )
@@ -19,6 +22,7 @@ from hurray_store.format.manifest import Manifest, ManifestLayer, ManifestSeq, c
 __all__ = [
     "EncodedLayer",
     "LayerKV",
+    "LayerPlan",
     "Manifest",
     "ManifestLayer",
     "ManifestSeq",
@@ -27,6 +31,8 @@ __all__ = [
     "encode_layer",
     "encode_layer_buffers",
     "parse_layer",
+    "plan_layer",
     "quantize_int8",
+    "Slot",
     "supported_dtypes",
 ]

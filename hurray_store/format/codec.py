@@ -366,6 +366,127 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(x.shape), scale
 
 
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A placeholder in a LayerPlan for bytes the caller fills: a role's page pool or
+    its scales."""
+
+    role: str  # "key" | "value"
+    what: str  # "pool" | "scales"
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlan:
+    """The byte layout of one layer object before its pages exist: descriptors and
+    index buffers as bytes, pools and scales as Slots, in stream order. A writer that
+    gathers pages straight into the object's final buffer fills the slots itself."""
+
+    parts: list[bytes | Slot]
+    nbytes: int
+    key_pool_offset: int
+    value_pool_offset: int
+    key_scales_offset: int
+    value_scales_offset: int
+    page_bytes: int
+    scale_bytes: int
+    key_descriptor_len: int
+    value_descriptor_len: int
+    quantization: str | None
+
+    def write_fixed(self, out: memoryview) -> None:
+        """Copy the descriptors and index buffers into ``out`` (the whole object)."""
+        pos = 0
+        for part in self.parts:
+            if isinstance(part, Slot):
+                pos += part.nbytes
+            else:
+                out[pos : pos + len(part)] = part
+                pos += len(part)
+
+
+def plan_layer(
+    layer_index: int,
+    block_table: torch.Tensor,
+    seq_ptr: torch.Tensor,
+    *,
+    num_pages: int,
+    page_size: int,
+    heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+) -> LayerPlan:
+    """Descriptors and offsets of a layer object with these index buffers and shapes;
+    validates the index invariants as the encoder does."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if dtype not in _TORCH_TO_HURRAY:
+        raise errors.DtypeError(f"layer dtype must be one of {[str(d) for d in _TORCH_TO_HURRAY]}, got {dtype}")
+    if quantization == "int8" and (page_size < 2 or page_size & (page_size - 1)):
+        # Hurray's per-block-affine scheme needs block_size (= page_size) a power of two.
+        raise errors.QuantizationError(
+            f"int8 quantization needs page_size a power of two >= 2 (the per-block-affine "
+            f"block size), got {page_size}"
+        )
+    bt_np = block_table.detach().cpu().numpy()
+    sp_np = seq_ptr.detach().cpu().numpy()
+    num_seqs = int(sp_np.shape[0]) - 1
+    validate_index(bt_np, sp_np, num_pages, num_seqs)
+    table_len = int(bt_np.shape[0])
+    index_type = _index_type(num_pages, table_len)
+    idx = _INDEX_NP[index_type]
+    bt_b = bt_np.astype(idx).tobytes()
+    sp_b = sp_np.astype(idx).tobytes()
+    hname = _TORCH_TO_HURRAY[dtype].name
+    esize = torch.empty(0, dtype=dtype).element_size()
+    page_bytes = page_size * heads * dim * (1 if quantization else esize)
+    scale_bytes = page_size * esize if quantization else 0
+    parts: list[bytes | Slot] = []
+    offsets: dict[str, int] = {}
+    pos = 0
+    desc_lens = []
+    for role in ("key", "value"):
+        sizes = [num_pages * page_bytes, len(bt_b), len(sp_b)]
+        if quantization:
+            sizes.append(num_pages * scale_bytes)
+        desc = _descriptor(
+            hdtype_name=hname,
+            heads=heads,
+            dim=dim,
+            page_size=page_size,
+            role=role,
+            layer=layer_index,
+            index_type=index_type,
+            scale_dtype_name=hname if quantization else None,
+            num_pages=num_pages,
+            num_seqs=num_seqs,
+            table_len=table_len,
+            sizes=sizes,
+        )
+        desc_lens.append(len(desc))
+        parts += [desc, Slot(role, "pool", sizes[0]), bt_b, sp_b]
+        offsets[f"{role}_pool"] = pos + len(desc)
+        pos += len(desc) + sum(sizes[:3])
+        if quantization:
+            parts.append(Slot(role, "scales", sizes[3]))
+            offsets[f"{role}_scales"] = pos
+            pos += sizes[3]
+    return LayerPlan(
+        parts=parts,
+        nbytes=pos,
+        key_pool_offset=offsets["key_pool"],
+        value_pool_offset=offsets["value_pool"],
+        key_scales_offset=offsets.get("key_scales", 0),
+        value_scales_offset=offsets.get("value_scales", 0),
+        page_bytes=page_bytes,
+        scale_bytes=scale_bytes,
+        key_descriptor_len=desc_lens[0],
+        value_descriptor_len=desc_lens[1],
+        quantization=quantization,
+    )
+
+
 def encode_layer_buffers(layer: LayerKV, *, quantization: str | None = None) -> EncodedLayer:
     """Encode ``layer`` as a vector of buffers (descriptors and zero-copy views).
 
@@ -373,79 +494,35 @@ def encode_layer_buffers(layer: LayerKV, *, quantization: str | None = None) -> 
     materialising the object at all. The views alias ``layer``'s tensors (or the
     quantized copies): keep them unchanged until the buffers are written.
     """
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if layer.dtype not in _TORCH_TO_HURRAY:
         raise errors.DtypeError(
             f"layer dtype must be one of {[str(d) for d in _TORCH_TO_HURRAY]}, got {layer.dtype}"
         )
     num_pages, page_size, heads, dim = (int(s) for s in layer.keys.shape)
-    if quantization == "int8" and (page_size < 2 or page_size & (page_size - 1)):
-        # Hurray's per-block-affine scheme needs block_size (= page_size) a power of two.
-        raise errors.QuantizationError(
-            f"int8 quantization needs page_size a power of two >= 2 (the per-block-affine "
-            f"block size), got {page_size}"
-        )
-    bt_np = layer.block_table.detach().cpu().numpy()
-    sp_np = layer.seq_ptr.detach().cpu().numpy()
-    validate_index(bt_np, sp_np, num_pages, layer.num_seqs)
-    table_len = int(bt_np.shape[0])
-    index_type = _index_type(num_pages, table_len)
-    idx = _INDEX_NP[index_type]
-    bt_b = bt_np.astype(idx).tobytes()
-    sp_b = sp_np.astype(idx).tobytes()
-    hname = _TORCH_TO_HURRAY[layer.dtype].name
-
-    parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    for src in (layer.keys, layer.values):
+    plan = plan_layer(
+        layer.layer_index, layer.block_table, layer.seq_ptr, num_pages=num_pages, page_size=page_size,
+        heads=heads, dim=dim, dtype=layer.dtype, quantization=quantization,
+    )
+    data: dict[tuple[str, str], memoryview] = {}
+    for role, src in (("key", layer.keys), ("value", layer.values)):
         t = src.detach().cpu()
-        parts.append(quantize_int8(t) if quantization == "int8" else (t.contiguous(), None))
-
-    buffers: list[bytes | memoryview] = []
-    offsets: dict[str, int] = {}
-    pos = 0
-    desc_lens = []
-    for role, (pool, sc) in zip(("key", "value"), parts, strict=True):
-        pool_v = _byte_view(pool)
-        sizes = [pool_v.nbytes, len(bt_b), len(sp_b)]
-        sc_v: memoryview | None = None
-        if sc is not None:
-            sc_v = _byte_view(sc)
-            sizes.append(sc_v.nbytes)
-        desc = _descriptor(
-            hdtype_name=hname,
-            heads=heads,
-            dim=dim,
-            page_size=page_size,
-            role=role,
-            layer=layer.layer_index,
-            index_type=index_type,
-            scale_dtype_name=hname if sc is not None else None,
-            num_pages=num_pages,
-            num_seqs=layer.num_seqs,
-            table_len=table_len,
-            sizes=sizes,
-        )
-        desc_lens.append(len(desc))
-        buffers += [desc, pool_v, bt_b, sp_b]
-        offsets[f"{role}_pool"] = pos + len(desc)
-        pos += len(desc) + sum(sizes[:3])
-        if sc_v is not None:
-            buffers.append(sc_v)
-            offsets[f"{role}_scales"] = pos
-            pos += sc_v.nbytes
-    elem = 1 if quantization else layer.keys.element_size()
+        if quantization == "int8":
+            q, sc = quantize_int8(t)
+            data[(role, "pool")], data[(role, "scales")] = _byte_view(q), _byte_view(sc)
+        else:
+            data[(role, "pool")] = _byte_view(t.contiguous())
+    buffers = [data[(p.role, p.what)] if isinstance(p, Slot) else p for p in plan.parts]
     return EncodedLayer(
         buffers=buffers,
-        nbytes=pos,
-        key_pool_offset=offsets["key_pool"],
-        value_pool_offset=offsets["value_pool"],
-        key_scales_offset=offsets.get("key_scales", 0),
-        value_scales_offset=offsets.get("value_scales", 0),
-        page_bytes=page_size * heads * dim * elem,
-        scale_bytes=page_size * layer.keys.element_size() if quantization else 0,
-        key_descriptor_len=desc_lens[0],
-        value_descriptor_len=desc_lens[1],
+        nbytes=plan.nbytes,
+        key_pool_offset=plan.key_pool_offset,
+        value_pool_offset=plan.value_pool_offset,
+        key_scales_offset=plan.key_scales_offset,
+        value_scales_offset=plan.value_scales_offset,
+        page_bytes=plan.page_bytes,
+        scale_bytes=plan.scale_bytes,
+        key_descriptor_len=plan.key_descriptor_len,
+        value_descriptor_len=plan.value_descriptor_len,
         quantization=quantization,
     )
 

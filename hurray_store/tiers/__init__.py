@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hurray_store.config import TierConfig, tier_type
-from hurray_store.tiers.base import Blob, Buffer, Range, Tier, blob_nbytes, host_view
+from hurray_store.tiers.base import Blob, Buffer, Range, Reservation, Tier, blob_nbytes, host_view
 from hurray_store.tiers.disk import DiskTier
 from hurray_store.tiers.memory import CpuTier, GpuTier
 
@@ -29,4 +29,4 @@ def open_tier(cfg: TierConfig) -> Tier:
     return TIER_TYPES[kind](cfg)
 
 
-__all__ = ["TIER_TYPES", "Blob", "Buffer", "Range", "Tier", "blob_nbytes", "host_view", "open_tier", "register"]
+__all__ = ["TIER_TYPES", "Blob", "Buffer", "Range", "Reservation", "Tier", "blob_nbytes", "host_view", "open_tier", "register"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -38,6 +39,16 @@ def host_view(b: Blob) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
+@dataclass(eq=False, slots=True)
+class Reservation:
+    """Space a tier set aside for an object the store builds in place."""
+
+    tier: Tier
+    token: Any
+    view: memoryview
+    committed: bool = False
+
+
 class Tier(ABC):
     """Base of every tier. Subclasses set ``kind`` and ``persistent`` and take their
     config dataclass as the only constructor argument."""
@@ -45,6 +56,9 @@ class Tier(ABC):
     kind: ClassVar[str]
     persistent: ClassVar[bool] = False
     on_device: ClassVar[bool] = False
+    # In-process memory that only this process writes: pages read from it are not
+    # re-verified (as the engine's own pool is not); everything else is, per page.
+    trusted: ClassVar[bool] = False
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -71,9 +85,10 @@ class Tier(ABC):
     async def get(self, key: str) -> Blob | None: ...
 
     @abstractmethod
-    async def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: bytearray | None = None) -> list[Blob] | None:
         """The bytes of each ``(offset, length)`` range; ``None`` when the object is
-        missing or shorter than a range asks."""
+        missing or shorter than a range asks. A tier that copies may read into ``into``
+        (at least the ranges' total size; the results are then views of it)."""
 
     @abstractmethod
     async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
@@ -94,6 +109,21 @@ class Tier(ABC):
     async def quarantine(self, key: str) -> None:
         """Take a corrupt object out of service (default: delete it)."""
         await self.delete(key)
+
+    # ------------------------------------------------------------------ in place
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Writable space for an object the caller builds in place (None: not offered)."""
+        return None
+
+    async def put_reserved(self, key: str, res: Reservation) -> bool:
+        """Publish a reserved buffer under ``key``, as ``put`` would its bytes."""
+        ok = await self.put(key, [res.view])
+        res.committed = ok
+        return ok
+
+    def unreserve(self, res: Reservation) -> None:  # noqa: B027 - nothing to give back by default
+        """Give back space never published."""
 
     # ------------------------------------------------------------------ batches
 

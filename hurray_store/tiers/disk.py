@@ -109,18 +109,22 @@ class DiskTier(Tier):
         except FileNotFoundError:
             return None
 
-    def _ranges_sync(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
+    def _ranges_sync(self, key: str, ranges: Sequence[Range], into: bytearray | None) -> list[Blob] | None:
         try:
             fd = os.open(self.path_of(key), os.O_RDONLY)
         except FileNotFoundError:
             return None
+        total = sum(ln for _, ln in ranges)
+        dst = memoryview(into if into is not None and len(into) >= total else bytearray(total))
         try:
             out: list[Blob] = []
+            pos = 0
             for off, ln in ranges:
-                buf = bytearray(ln)
-                if os.preadv(fd, [buf], off) != ln:
+                view = dst[pos : pos + ln]
+                if os.preadv(fd, [view], off) != ln:
                     return None  # the file is shorter than the manifest says
-                out.append(buf)
+                out.append(view)
+                pos += ln
             return out
         finally:
             os.close(fd)
@@ -153,8 +157,8 @@ class DiskTier(Tier):
         got: bytearray | None = await self._read(key)
         return got
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
-        got: list[Blob] | None = await self._ranges(key, ranges)
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: bytearray | None = None) -> list[Blob] | None:
+        got: list[Blob] | None = await self._ranges(key, ranges, into)
         return got
 
     async def delete(self, key: str) -> None:

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
+from hurray_store.buffers import Arena
 from hurray_store.config import CpuTierConfig, GpuTierConfig
-from hurray_store.tiers.base import Blob, Buffer, Range, Tier
+from hurray_store.tiers.base import Blob, Buffer, Range, Reservation, Tier
 
 
 def _ranges_of(obj: Blob, ranges: Sequence[Range]) -> list[Blob] | None:
@@ -24,42 +25,94 @@ def _ranges_of(obj: Blob, ranges: Sequence[Range]) -> list[Blob] | None:
 
 
 class CpuTier(Tier):
+    """Encoded objects in host memory: an arena of ``capacity_bytes`` (reserved, filled
+    on first use, reused after eviction), or page-locked tensors when pinned. An object
+    that does not fit the arena (fragmentation) lives in an ordinary bytes object."""
+
     kind = "cpu"
+    trusted = True
 
     def __init__(self, cfg: CpuTierConfig) -> None:
         super().__init__(cfg)
         pin = cfg.pin_memory
         self.pinned = torch.cuda.is_available() if pin == "auto" else pin == "true"
-        self._objects: dict[str, Blob] = {}
+        self._arena = None if self.pinned else Arena(cfg.capacity_bytes, populate=cfg.preallocate)
+        self._objects: dict[str, tuple[int, int] | Blob] = {}
 
-    async def get(self, key: str) -> Blob | None:
-        obj = self._objects.get(key)
-        return None if obj is None else (obj if isinstance(obj, torch.Tensor) else memoryview(obj))
-
-    async def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
+    def _view(self, key: str) -> Blob | None:
         obj = self._objects.get(key)
         if obj is None:
             return None
-        return _ranges_of(obj if isinstance(obj, torch.Tensor) else memoryview(obj), ranges)
+        if isinstance(obj, tuple):
+            assert self._arena is not None
+            off, n = obj
+            return self._arena.view[off : off + n]
+        return obj if isinstance(obj, torch.Tensor) else memoryview(obj)
+
+    async def get(self, key: str) -> Blob | None:
+        v = self._view(key)
+        # A copy: arena space is reused once the object is evicted.
+        return None if v is None else (v.clone() if isinstance(v, torch.Tensor) else bytes(v))
+
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: bytearray | None = None) -> list[Blob] | None:
+        """Zero-copy views, valid until the object is deleted or replaced (the store
+        pins the groups it reads)."""
+        v = self._view(key)
+        return None if v is None else _ranges_of(v, ranges)
 
     async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        views = [memoryview(b).cast("B") for b in buffers]
+        n = sum(len(v) for v in views)
         if self.pinned:
-            n = sum(memoryview(b).nbytes for b in buffers)
             t = torch.empty(n, dtype=torch.uint8, pin_memory=True)
             pos = 0
-            for b in buffers:
-                mv = memoryview(b).cast("B")
-                t[pos : pos + len(mv)] = torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else t[:0]
-                pos += len(mv)
-            self._objects[key] = t
-        else:
-            # One copy into one immutable object; it is the cheapest safe form (the
-            # caller's buffers may be reused as soon as put returns).
-            self._objects[key] = b"".join(buffers)
+            for v in views:
+                if len(v):
+                    t[pos : pos + len(v)] = torch.frombuffer(v, dtype=torch.uint8)
+                pos += len(v)
+            self._set(key, t)
+            return True
+        assert self._arena is not None
+        off = self._arena.alloc(n)
+        if off is None:
+            self._set(key, b"".join(views))
+            return True
+        pos = off
+        dst = self._arena.view
+        for v in views:
+            dst[pos : pos + len(v)] = v
+            pos += len(v)
+        self._set(key, (off, n))
         return True
 
+    def reserve(self, nbytes: int) -> Reservation | None:
+        if self._arena is None:
+            return None
+        off = self._arena.alloc(nbytes)
+        if off is None:
+            return None
+        return Reservation(self, (off, nbytes), self._arena.view[off : off + nbytes])
+
+    async def put_reserved(self, key: str, res: Reservation) -> bool:
+        self._set(key, res.token)
+        res.committed = True
+        return True
+
+    def unreserve(self, res: Reservation) -> None:
+        if self._arena is not None and not res.committed:
+            self._arena.release(*res.token)
+            res.committed = True  # released: never twice
+
+    def _set(self, key: str, obj: tuple[int, int] | Blob) -> None:
+        old = self._objects.get(key)
+        self._objects[key] = obj
+        if isinstance(old, tuple) and self._arena is not None:
+            self._arena.release(*old)
+
     async def delete(self, key: str) -> None:
-        self._objects.pop(key, None)
+        old = self._objects.pop(key, None)
+        if isinstance(old, tuple) and self._arena is not None:
+            self._arena.release(*old)
 
     async def contains(self, key: str) -> bool:
         return key in self._objects
@@ -68,6 +121,7 @@ class CpuTier(Tier):
 class GpuTier(Tier):
     kind = "gpu"
     on_device = True
+    trusted = True
 
     def __init__(self, cfg: GpuTierConfig) -> None:
         super().__init__(cfg)
@@ -75,9 +129,10 @@ class GpuTier(Tier):
         self._objects: dict[str, torch.Tensor] = {}
 
     async def get(self, key: str) -> Blob | None:
-        return self._objects.get(key)
+        obj = self._objects.get(key)
+        return None if obj is None else obj.clone()
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: bytearray | None = None) -> list[Blob] | None:
         obj = self._objects.get(key)
         return None if obj is None else _ranges_of(obj, ranges)
 

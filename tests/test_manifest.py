@@ -121,3 +121,23 @@ def test_token_count_must_match_seq_len() -> None:
                    (ManifestSeq(s.token_ids[:5], 0, 10, s.page_hashes, s.block_table),), m.layers)
     with pytest.raises(errors.ManifestError, match="token ids"):
         bad.to_bytes()
+
+
+def test_encoded_size_is_the_length_of_to_bytes() -> None:
+    import dataclasses
+
+    m = _sample_manifest_for_size()
+    assert m.encoded_size() == len(m.to_bytes())
+    bigger = dataclasses.replace(m, layers=tuple(dataclasses.replace(lay, key=lay.key + "ü") for lay in m.layers))
+    assert bigger.encoded_size() == len(bigger.to_bytes())
+
+
+def _sample_manifest_for_size():  # type: ignore[no-untyped-def]
+    from hurray_store.format import Manifest, ManifestLayer, ManifestSeq
+
+    seqs = (
+        ManifestSeq(tuple(range(10)), 0, 10, (b"a" * 16, b"b" * 16), (0, 1, 2)),
+        ManifestSeq(tuple(range(8)), 1, 8, (b"c" * 16,), (1,)),
+    )
+    layers = tuple(ManifestLayer(i, f"ns/s/{{x}}/{i}", 10_000, 7, 100, 5000, 0, 0, (1, 2, 3), (4, 5, 6)) for i in range(2))
+    return Manifest(b"f" * 32, b"s" * 16, None, 4, 3, 64, 0, seqs, layers)

@@ -109,6 +109,18 @@ class Manifest:
 
     # ------------------------------------------------------------------ encoding
 
+    def encoded_size(self) -> int:
+        """``len(self.to_bytes())``, from the counts alone (the checksums and token
+        values do not change it), so a writer can reserve room before it has them."""
+        n = _HEADER.size + 8 + 2 + len(self.fingerprint) + 2 + len(self.segment_id) + 29 + 4
+        for s in self.sequences:
+            hl = len(s.page_hashes[0]) if s.page_hashes else 0
+            n += 24 + 4 * len(s.token_ids) + 5 + hl * len(s.page_hashes) + 4 + 4 * len(s.block_table)
+        n += 4
+        for lay in self.layers:
+            n += 4 + 2 + len(lay.key.encode()) + 48 + 8 * (len(lay.key_page_checksums) + len(lay.value_page_checksums))
+        return n
+
     def to_bytes(self) -> bytes:
         self.validate()
         parts: list[bytes] = []

@@ -33,9 +33,11 @@ lint: setup
 	$(VENV)/bin/ruff check hurray_store tests tools
 	$(VENV)/bin/mypy
 
-bench: setup
+bench: setup redis
+	@$(PY) -c "import lmcache" 2>/dev/null || $(PY) -m pip install -q -e ".[test,lmcache]"
 	$(PY) tools/bench_format.py
 	$(PY) tools/bench_paging.py
+	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_store.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache

@@ -40,6 +40,8 @@ from hurray_store.tiers.base import Blob, Buffer, Range, Tier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_BYTES_PER_S = 50e6  # the slowest transfer rate an operation's timeout allows for
+_PIPE_BYTES = 64 << 20  # values per pipeline round trip, at most (bounds client memory)
 _OUTAGE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ClusterDownError, RedisClusterException, OSError, TimeoutError)
 
 
@@ -79,7 +81,9 @@ class RedisTier(Tier):
             raise ConfigError(f"url: expected redis://, rediss://, unix:// or redis+cluster://, got {cfg.url!r}")
         self.is_cluster = cfg.cluster or scheme.endswith("+cluster")
         common: dict[str, Any] = {
-            "socket_timeout": cfg.timeout_s,
+            # Whole operations are timed by _guard (longer for more bytes): a fixed
+            # socket timeout would fail a 100 MB SET that is merely slow.
+            "socket_timeout": None,
             "socket_connect_timeout": cfg.timeout_s,
             "retry": Retry(NoBackoff(), 0),
             "max_connections": cfg.max_connections,
@@ -114,15 +118,18 @@ class RedisTier(Tier):
 
     # ------------------------------------------------------------------ outage guard
 
-    async def _guard(self, what: str, call: Callable[[], Awaitable[T]], default: T) -> T:
+    async def _guard(self, what: str, call: Callable[[], Awaitable[T]], default: T, nbytes: int = 0) -> T:
+        """Run one Redis call under the outage rules, timed out after ``timeout_s``
+        plus one second per 50 MB it moves."""
         now = time.monotonic()
         if self._down_since is not None and now < self._retry_at:
             return default
         try:
-            async with self._slots:
+            async with self._slots, asyncio.timeout(self.cfg.timeout_s + nbytes / _BYTES_PER_S):
                 result = await call()
         except _OUTAGE as e:
             self._mark_down(what, e)
+            await self._drop_connections()
             return default
         except RedisError as e:  # a refused command, not an outage
             log.warning("redis tier %s: %s failed: %s", self.name, what, e)
@@ -132,6 +139,18 @@ class RedisTier(Tier):
             self._down_since = None
             self._backoff = self.cfg.backoff_initial_s
         return result
+
+    async def _drop_connections(self) -> None:
+        """Close every pooled connection: after an outage they point at a dead server,
+        and the first call on each would fail again after the server is back."""
+        try:
+            if self.is_cluster:
+                for node in self.client.get_nodes():
+                    await node.disconnect()
+            else:
+                await self.client.connection_pool.disconnect()
+        except Exception as e:  # best effort; the next probe reconnects anyway
+            log.debug("redis tier %s: dropping connections: %s", self.name, e)
 
     def _mark_down(self, what: str, e: BaseException) -> None:
         now = time.monotonic()
@@ -171,16 +190,15 @@ class RedisTier(Tier):
     async def get_ranges_many(self, items: Sequence[tuple[str, Sequence[Range]]]) -> list[list[Blob] | None]:
         flat = [(self.k(key), off, ln) for key, ranges in items for off, ln in ranges]
         replies: list[Any] = []
-        batch = self.cfg.pipeline_batch
-        for i in range(0, len(flat), batch):
+        for part in _batches(flat, self.cfg.pipeline_batch, lambda x: x[2]):
 
-            async def run(part: list[tuple[str, int, int]] = flat[i : i + batch]) -> list[Any]:
+            async def run(part: list[tuple[str, int, int]] = part) -> list[Any]:
                 pipe = self.client.pipeline(transaction=False)
                 for kk, off, ln in part:
                     pipe.getrange(kk, off, off + ln - 1)
                 return await pipe.execute()
 
-            got = await self._guard("GETRANGE", run, None)
+            got = await self._guard("GETRANGE", run, None, sum(x[2] for x in part))
             if got is None:
                 return [None] * len(items)
             replies += got
@@ -194,19 +212,24 @@ class RedisTier(Tier):
         return out
 
     async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
-        value = buffers[0] if len(buffers) == 1 else b"".join(buffers)
-        ok = await self._guard("SET", lambda: self.client.set(self.k(key), value, ex=self.ttl_s), None)
+        value = _one(buffers)
+        ok = await self._guard("SET", lambda: self.client.set(self.k(key), value, ex=self.ttl_s), None, memoryview(value).nbytes)
         return bool(ok)
 
     async def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        async def run() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
-            for key, bufs in items:
-                pipe.set(self.k(key), bufs[0] if len(bufs) == 1 else b"".join(bufs), ex=self.ttl_s)
-            return await pipe.execute()
+        values = [(self.k(key), _one(bufs)) for key, bufs in items]
+        out: list[bool] = []
+        for part in _batches(values, self.cfg.pipeline_batch, lambda x: memoryview(x[1]).nbytes):
 
-        got = await self._guard("SET", run, None)
-        return [bool(g) for g in got] if got is not None else [False] * len(items)
+            async def run(part: list[tuple[str, Buffer]] = part) -> list[Any]:
+                pipe = self.client.pipeline(transaction=False)
+                for kk, v in part:
+                    pipe.set(kk, v, ex=self.ttl_s)
+                return await pipe.execute()
+
+            got = await self._guard("SET", run, None, sum(memoryview(v).nbytes for _, v in part))
+            out += [bool(g) for g in got] if got is not None else [False] * len(part)
+        return out
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         if keys:
@@ -239,6 +262,29 @@ class RedisTier(Tier):
         empty: list[tuple[str, int]] = []
         for item in await self._guard("SCAN", collect, empty):
             yield item
+
+
+def _one(buffers: Sequence[Buffer]) -> Buffer:
+    """One value for one SET (redis-py sends a memoryview without copying it)."""
+    return buffers[0] if len(buffers) == 1 else b"".join(buffers)
+
+
+def _batches(items: list[T], max_count: int, size: Callable[[T], int]) -> list[list[T]]:
+    """Consecutive runs of at most ``max_count`` items and about _PIPE_BYTES bytes (an
+    item larger than that goes alone)."""
+    out: list[list[T]] = []
+    cur: list[T] = []
+    nbytes = 0
+    for it in items:
+        n = size(it)
+        if cur and (len(cur) >= max_count or nbytes + n > _PIPE_BYTES):
+            out.append(cur)
+            cur, nbytes = [], 0
+        cur.append(it)
+        nbytes += n
+    if cur:
+        out.append(cur)
+    return out
 
 
 def _glob_escape(s: str) -> str:

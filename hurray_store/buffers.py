@@ -35,7 +35,9 @@ class BufferPool:
                 size, _, buf = self._free.pop(i)
                 self._cached -= size
                 return buf
-        return bytearray(-(-max(n, 1) // _ROUND) * _ROUND)
+        # An anonymous mapping, not bytearray(n): no memset of fresh memory (it faults
+        # in on first write instead, once, and stays resident while pooled).
+        return mmap.mmap(-1, -(-max(n, 1) // _ROUND) * _ROUND)  # type: ignore[return-value]
 
     def release(self, buf: bytearray) -> None:
         with self._lock:

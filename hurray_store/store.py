@@ -51,7 +51,7 @@ from hurray_store.format import (
     ManifestLayer,
     ManifestSeq,
     Slot,
-    checksum,
+    object_checksum,
     plan_layer,
     quantize_int8,
 )
@@ -1042,8 +1042,13 @@ class TieredStore:
             blob = parts[0]
             if blob_nbytes(blob) != lay.object_size:
                 return None
-            if check and checksum(host_view(blob)) == lay.object_checksum:
-                check = False  # one pass over the object vouched for every page
+            if check:
+                # The page checks below cover the pages; the rest of the object (what a
+                # promotion copies besides pages) must match the object checksum.
+                bv = host_view(blob)
+                fixed = [bv[o : o + n] for o, n in m.fixed_ranges(lay_pos)]
+                if object_checksum(fixed, lay.key_page_checksums, lay.value_page_checksums) != lay.object_checksum:
+                    return None
             parts = [blob[off : off + ln] for a, b in runs for role in ("key", "value") for off, ln in _run_range(m, lay_pos, role, a, b)]
         spec = pool.spec
         kv = pool.layers[li]
@@ -1138,18 +1143,17 @@ def _fill_pages(pool: PagedKVPool, li: int, idx: torch.Tensor, plan: LayerPlan, 
     n = int(idx.numel())
     pb, sb = plan.page_bytes, plan.scale_bytes
     sums: dict[str, list[int]] = {"key": [], "value": []}
-    obj = xxhash.xxh3_64()
+    fixed: list[bytes | bytearray | memoryview] = []
     kv = pool.layers[li]
     pos = 0
     for part in plan.parts:
         if not isinstance(part, Slot):
-            obj.update(part)
+            fixed.append(part)
             pos += len(part)
             continue
         role_i = 0 if part.role == "key" else 1
         if part.what == "scales":
-            obj.update(out[pos : pos + part.nbytes])  # written with its pool, below
-            pos += part.nbytes
+            pos += part.nbytes  # written, and hashed with its pages, below
             continue
         if plan.quantization:
             pages = kv[role_i].index_select(0, idx).cpu()
@@ -1163,7 +1167,6 @@ def _fill_pages(pool: PagedKVPool, li: int, idx: torch.Tensor, plan: LayerPlan, 
                 h.update(qb[j * pb : (j + 1) * pb])
                 h.update(scb[j * sb : (j + 1) * sb])
                 sums[part.role].append(h.intdigest())
-            obj.update(out[pos : pos + part.nbytes])
             pos += part.nbytes
             continue
         # Move pages as the widest integer that divides a page: torch's uint8 gather
@@ -1173,6 +1176,7 @@ def _fill_pages(pool: PagedKVPool, li: int, idx: torch.Tensor, plan: LayerPlan, 
         src = kv[role_i].reshape(kv.shape[1], -1).view(word)  # [num_blocks, page words]
         dst = torch.frombuffer(out, dtype=word, count=n * per, offset=pos).view(n, per) if n else None
         step = max(1, _CHUNK_BYTES // pb)
+        digest = xxhash.xxh3_64_intdigest
         for a in range(0, n, step):
             b = min(n, a + step)
             assert dst is not None
@@ -1180,12 +1184,10 @@ def _fill_pages(pool: PagedKVPool, li: int, idx: torch.Tensor, plan: LayerPlan, 
                 torch.index_select(src, 0, idx[a:b], out=dst[a:b])
             else:
                 dst[a:b].copy_(src.index_select(0, idx[a:b]))
-            chunk = out[pos + a * pb : pos + b * pb]
-            obj.update(chunk)
-            for j in range(b - a):
-                sums[part.role].append(xxhash.xxh3_64_intdigest(chunk[j * pb : (j + 1) * pb]))
+            base = pos + a * pb
+            sums[part.role] += [digest(out[base + j * pb : base + (j + 1) * pb]) for j in range(b - a)]
         pos += part.nbytes
-    return obj.intdigest(), tuple(sums["key"]), tuple(sums["value"])
+    return object_checksum(fixed, sums["key"], sums["value"]), tuple(sums["key"]), tuple(sums["value"])
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int]]:

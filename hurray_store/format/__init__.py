@@ -17,7 +17,13 @@ from hurray_store.format.codec import (
     quantize_int8,
     supported_dtypes,
 )
-from hurray_store.format.manifest import Manifest, ManifestLayer, ManifestSeq, checksum
+from hurray_store.format.manifest import (
+    Manifest,
+    ManifestLayer,
+    ManifestSeq,
+    checksum,
+    object_checksum,
+)
 
 __all__ = [
     "EncodedLayer",
@@ -30,6 +36,7 @@ __all__ = [
     "decode_layer",
     "encode_layer",
     "encode_layer_buffers",
+    "object_checksum",
     "parse_layer",
     "plan_layer",
     "quantize_int8",

@@ -31,6 +31,7 @@ verify and to read any single page without touching the rest of an object. Byte 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +52,19 @@ def checksum(*buffers: bytes | bytearray | memoryview) -> int:
     h = xxhash.xxh3_64()
     for b in buffers:
         h.update(b)
+    return h.intdigest()
+
+
+def object_checksum(fixed: Sequence[bytes | bytearray | memoryview], key_sums: Sequence[int], value_sums: Sequence[int]) -> int:
+    """A layer object's checksum, without a second pass over its pages: xxh3-64 over
+    the object's bytes outside its pools and scales (descriptors, index buffers; in
+    stream order), then the key page checksums, then the value page checksums (u64 LE).
+    Anyone holding the object and the manifest can recompute it."""
+    h = xxhash.xxh3_64()
+    for b in fixed:
+        h.update(b)
+    h.update(np.asarray(key_sums, dtype="<u8").tobytes())
+    h.update(np.asarray(value_sums, dtype="<u8").tobytes())
     return h.intdigest()
 
 
@@ -92,6 +106,24 @@ class Manifest:
     scale_bytes: int  # bytes of one page's scales (0 unless quantized)
     sequences: tuple[ManifestSeq, ...]
     layers: tuple[ManifestLayer, ...]
+
+    def fixed_ranges(self, layer_pos: int) -> list[tuple[int, int]]:
+        """Byte ranges of the object of ``self.layers[layer_pos]`` outside its pools and
+        scales (descriptors and index buffers), in order: what ``object_checksum``
+        covers besides the page checksums."""
+        lay = self.layers[layer_pos]
+        taken = sorted(
+            [(lay.key_pool_offset, self.num_pages * self.page_bytes), (lay.value_pool_offset, self.num_pages * self.page_bytes)]
+            + ([(lay.key_scales_offset, self.num_pages * self.scale_bytes), (lay.value_scales_offset, self.num_pages * self.scale_bytes)] if self.scale_bytes else [])
+        )
+        out, pos = [], 0
+        for off, ln in taken:
+            if off > pos:
+                out.append((pos, off - pos))
+            pos = max(pos, off + ln)
+        if pos < lay.object_size:
+            out.append((pos, lay.object_size - pos))
+        return out
 
     def page_range(self, layer_pos: int, role: str, page: int) -> list[tuple[int, int]]:
         """Byte ranges ``(offset, length)`` of segment page ``page`` of ``role`` ("key"

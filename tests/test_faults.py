@@ -262,3 +262,47 @@ def test_manifest_bytes_are_what_the_store_parses(tmp_path: Path) -> None:
 
     asyncio.run(run())
     assert os.path.isdir(tmp_path / "quarantine")
+
+
+async def test_corrupt_descriptor_byte_fails_a_whole_read_and_is_not_promoted(tmp_path: Path) -> None:
+    sp = spec(num_layers=2)
+    src = random_pool(sp)
+    b = shared_batch(src, PREFIX, [[1] * 8])
+    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    async with await open_store(cfg) as store:
+        await store.put(src, b.tokens, b.tables)
+        (seg,) = store.index.segments()
+        path = disk_files(store, seg)[store._layer_key(seg.hex(), 0)]
+    raw = bytearray(path.read_bytes())
+    raw[30] ^= 0x01  # inside the key descriptor: no page checksum covers it
+    path.write_bytes(bytes(raw))
+    async with await open_store(cfg) as store:  # cold cpu tier: the segment is read whole
+        dst = PagedKVPool(sp, 16)
+        got = await store.retrieve(dst, b.tokens)
+        await store.flush()
+        assert got.num_tokens == [0] and dst.num_free == 16
+        st = store.stats()["tiers"]
+        assert st["disk"]["verification_failures"] == 1 and st["cpu"]["objects"] == 0  # nothing promoted
+
+
+async def test_object_checksum_is_recomputable_from_the_object_alone(tmp_path: Path) -> None:
+    import xxhash
+
+    from hurray_store.format import object_checksum
+
+    sp = spec()
+    src = random_pool(sp)
+    b = shared_batch(src, PREFIX, [[1] * 8, [2] * 5])
+    async with await open_store(disk_cfg(tmp_path)) as store:
+        await store.put(src, b.tokens, b.tables)
+        (seg,) = store.index.segments()
+        m = store._manifests[seg]
+        for pos, lay in enumerate(m.layers):
+            raw = store.tiers[0].path_of(lay.key).read_bytes()  # type: ignore[attr-defined]
+            pb = m.page_bytes
+            ks = [xxhash.xxh3_64_intdigest(raw[lay.key_pool_offset + p * pb : lay.key_pool_offset + (p + 1) * pb]) for p in range(m.num_pages)]
+            vs = [xxhash.xxh3_64_intdigest(raw[lay.value_pool_offset + p * pb : lay.value_pool_offset + (p + 1) * pb]) for p in range(m.num_pages)]
+            assert tuple(ks) == lay.key_page_checksums and tuple(vs) == lay.value_page_checksums
+            fixed = [raw[o : o + n] for o, n in m.fixed_ranges(pos)]
+            assert sum(n for _, n in m.fixed_ranges(pos)) + 2 * m.num_pages * pb == lay.object_size == len(raw)
+            assert object_checksum(fixed, ks, vs) == lay.object_checksum

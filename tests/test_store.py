@@ -344,3 +344,19 @@ async def test_bad_put_input_is_a_clear_error() -> None:
         with pytest.raises(PagingError, match="page id 9999 is outside"):
             await store.put(src, [[1] * 8], [[0, 9999]])
         assert store.stats()["segments"] == 0 and store.stats()["tiers"]["cpu"]["objects"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_gpu_tier_and_pool_on_cuda_round_trip() -> None:
+    sp = spec()
+    src = PagedKVPool(sp, 128, device="cuda:0")
+    for layer in src.layers:
+        layer.copy_(torch.randn(layer.shape, device="cuda:0").to(layer.dtype))
+    b = shared_batch(src, PREFIX, [[1] * 6, [2] * 9])
+    tiers = [{"type": "gpu", "device": "cuda:0", "capacity_bytes": 1 << 30}, {"type": "cpu", "capacity_bytes": 1 << 30}]
+    async with await open_store({"tiers": tiers}) as store:
+        await store.put(src, b.tokens, b.tables)
+        dst = PagedKVPool(sp, 64, device="cuda:0")
+        got = await store.retrieve(dst, b.tokens)
+        assert got.num_tokens == [24, 24]
+        assert_pages_equal(src, b.tables, dst, got.block_tables, got.num_tokens)

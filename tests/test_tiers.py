@@ -252,3 +252,40 @@ class TestRedisClusterTier(RedisBase):
         assert await t.put_many([(k, [k.encode()]) for k in keys]) == [True] * 50
         assert {k async for k, _ in t.scan()} == set(keys)
         await t.close()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+class TestGpuTierOnCuda(TierContract):
+    @pytest.fixture
+    async def tier(self) -> Tier:
+        t = open_tier(GpuTierConfig(capacity_bytes=1 << 30, name="gpu", device="cuda:0"))
+        await t.open()
+        return t
+
+
+@needs_cuda
+class TestPinnedCpuTier(TierContract):
+    @pytest.fixture
+    async def tier(self) -> Tier:
+        t = open_tier(CpuTierConfig(capacity_bytes=1 << 30, name="cpu", pin_memory="true"))
+        await t.open()
+        return t
+
+    async def test_objects_are_page_locked(self, tier: Tier) -> None:
+        await tier.put("p", [b"x" * 100])
+        (got,) = await tier.get_ranges("p", [(0, 100)]) or [None]
+        assert isinstance(got, torch.Tensor) and got.is_pinned()
+
+
+async def test_cpu_tier_falls_back_to_the_heap_when_the_arena_is_full() -> None:
+    t = open_tier(CpuTierConfig(capacity_bytes=4096, name="cpu"))
+    await t.open()
+    assert await t.put("a", [b"1" * 4000])
+    assert await t.put("b", [b"2" * 4000])  # no arena room left: an ordinary bytes object
+    assert as_bytes(await t.get("a")) == b"1" * 4000 and as_bytes(await t.get("b")) == b"2" * 4000
+    await t.delete("a")
+    assert await t.put("c", [b"3" * 4000])  # the arena space came back
+    assert as_bytes(await t.get("c")) == b"3" * 4000

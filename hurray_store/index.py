@@ -118,12 +118,23 @@ class PrefixIndex:
         """Index ``hashes`` as pages ``first_page, first_page+1, ...`` of sequence ``seq``
         of segment ``segment_id``. A hash already indexed keeps its location (the first
         writer wins). Returns the number of new entries."""
-        q = _keys(hashes)
-        if not q.shape[0]:
+        return self.insert_many([(segment_id, seq, first_page, hashes)])
+
+    def insert_many(self, entries: Sequence[tuple[bytes, int, int, Sequence[bytes]]]) -> int:
+        """``insert`` for many ``(segment_id, seq, first_page, hashes)`` at once, in one
+        vectorized pass (a restart indexes every manifest in one call). Earlier entries
+        win over later ones, as successive inserts would."""
+        entries = [e for e in entries if len(e[3])]
+        if not entries:
             return 0
+        q = _keys([h for e in entries for h in e[3]])
+        lens = np.array([len(e[3]) for e in entries], dtype=np.int64)
         if (self._count + self._tombs + q.shape[0]) > self._cap * _MAX_LOAD:
             self._rehash(max(self._cap, int((self._count + q.shape[0]) / _MAX_LOAD) + 1))
-        num = self._segment_number(segment_id)
+        nums = np.repeat(np.array([self._segment_number(e[0]) for e in entries], dtype=np.int64), lens)
+        seqs = np.repeat(np.array([e[1] for e in entries], dtype=np.int64), lens)
+        starts = np.repeat(np.cumsum(lens) - lens, lens)
+        pages = np.repeat(np.array([e[2] for e in entries], dtype=np.int64), lens) + np.arange(q.shape[0]) - starts
         present = self._find(q) >= 0
         # Duplicates inside the batch: keep the first.
         _, first_idx = np.unique(q, axis=0, return_index=True)
@@ -133,11 +144,16 @@ class PrefixIndex:
         idx = np.flatnonzero(todo)
         slots = self._place(q[idx])
         self._hk[slots] = q[idx]
-        self._seg[slots] = num
-        self._sq[slots] = seq
-        self._pg[slots] = first_page + idx
+        self._seg[slots] = nums[idx]
+        self._sq[slots] = seqs[idx]
+        self._pg[slots] = pages[idx]
         if slots.size:
-            self._seg_slots.setdefault(num, []).append(slots)
+            sn = nums[idx]
+            order = np.argsort(sn, kind="stable")
+            sn, sl = sn[order], slots[order]
+            bounds = np.flatnonzero(np.diff(sn)) + 1
+            for part_slots, part_seg in zip(np.split(sl, bounds), np.split(sn, bounds), strict=True):
+                self._seg_slots.setdefault(int(part_seg[0]), []).append(part_slots)
         self._count += int(idx.size)
         return int(idx.size)
 

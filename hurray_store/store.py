@@ -472,10 +472,15 @@ class TieredStore:
         with_manifest = [h for h, ks in segs.items() if self._manifest_key(h) in ks]
         orphans = [k for h, ks in segs.items() if self._manifest_key(h) not in ks for k in ks]
         found = 0
-        batch = 256
-        for b in range(0, len(with_manifest), batch):
-            part = with_manifest[b : b + batch]
-            blobs = await t.get_many([self._manifest_key(h) for h in part])
+        batch = 1024
+        entries: list[tuple[bytes, int, int, Sequence[bytes]]] = []
+        parts = [with_manifest[b : b + batch] for b in range(0, len(with_manifest), batch)]
+        # Read the next batch of manifests (in a thread, on disk) while parsing this one.
+        nxt = asyncio.ensure_future(t.get_many([self._manifest_key(h) for h in parts[0]])) if parts else None
+        for i, part in enumerate(parts):
+            assert nxt is not None
+            blobs = await nxt
+            nxt = asyncio.ensure_future(t.get_many([self._manifest_key(h) for h in parts[i + 1]])) if i + 1 < len(parts) else None
             for seg_hex, blob in zip(part, blobs, strict=True):
                 m = self._parse_manifest(tier, seg_hex, blob)
                 have = segs[seg_hex]
@@ -485,8 +490,9 @@ class TieredStore:
                     orphans += [k for k in have if k != self._manifest_key(seg_hex)]
                     continue
                 self.policy.record(tier, self._seg_group(seg_hex), have, depth=_depth(m))
-                self._index_manifest(m)
+                entries += _index_entries(m)
                 found += 1
+        self.index.insert_many(entries)
         if orphans:
             await t.delete_many(orphans)
         log.info("tier %s: found %d segments and %d objects; removed %d uncommitted objects", t.name, found, n_obj, len(orphans))
@@ -520,9 +526,7 @@ class TieredStore:
             await t.delete_many(others)
 
     def _index_manifest(self, m: Manifest) -> None:
-        for s, seq in enumerate(m.sequences):
-            if seq.page_hashes:
-                self.index.insert(m.segment_id, s, seq.first_page, list(seq.page_hashes))
+        self.index.insert_many(_index_entries(m))
 
     # ------------------------------------------------------------------ prefix level: put
 
@@ -1116,6 +1120,10 @@ class TieredStore:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _index_entries(m: Manifest) -> list[tuple[bytes, int, int, Sequence[bytes]]]:
+    return [(m.segment_id, s, seq.first_page, seq.page_hashes) for s, seq in enumerate(m.sequences) if seq.page_hashes]
 
 
 def _depth(m: Manifest) -> int:

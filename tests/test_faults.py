@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ import pytest
 from hurray_store import PagedKVPool
 from hurray_store.format import Manifest
 from hurray_store.keys import page_hashes
-from hurray_store.store import TieredStore, open_store
+from hurray_store.store import open_store
 from tests.conftest import RedisProc
 from tests.store_helpers import assert_pages_equal, random_pool, shared_batch, spec
 
@@ -29,10 +28,29 @@ def disk_cfg(path: Path, **extra: Any) -> dict[str, Any]:
     return {"tiers": [{"type": "disk", "path": str(path), "capacity_bytes": 1 << 30}], **extra}
 
 
-def disk_files(store: TieredStore, seg: bytes) -> dict[str, Path]:
-    disk = store.tiers[-1]
-    h = seg.hex()
-    return {k: disk.path_of(k) for k in (store._layer_key(h, 0), store._layer_key(h, 1), store._manifest_key(h))}  # type: ignore[attr-defined]
+@dataclasses.dataclass
+class Stored:
+    """One segment put into a disk-only store (and the store closed)."""
+
+    sp: Any
+    src: PagedKVPool
+    tokens: list[list[int]]
+    tables: list[list[int]]
+    seg: bytes
+    manifest: Manifest
+    paths: dict[str, Path]  # layer keys and the manifest key -> files
+
+
+async def stored_segment(tmp_path: Path, tails: list[list[int]], **spec_kw: Any) -> Stored:
+    sp = spec(**spec_kw)
+    src = random_pool(sp)
+    b = shared_batch(src, PREFIX, tails)
+    async with await open_store(disk_cfg(tmp_path)) as store:
+        await store.put(src, b.tokens, b.tables)
+        (seg,) = store.index.segments()
+        keys = [lay.key for lay in store._manifests[seg].layers] + [store._manifest_key(seg.hex())]
+        paths = {k: store.tiers[0].path_of(k) for k in keys}  # type: ignore[attr-defined]
+        return Stored(sp, src, b.tokens, b.tables, seg, store._manifests[seg], paths)
 
 
 async def test_redis_killed_mid_run_degrades_to_misses_and_recovers(redis_fresh: RedisProc, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -77,27 +95,21 @@ async def test_redis_killed_mid_run_degrades_to_misses_and_recovers(redis_fresh:
 
 
 async def test_corrupt_layer_object_on_disk_is_a_miss_quarantined_and_counted(tmp_path: Path) -> None:
-    sp = spec(num_layers=2)
-    src = random_pool(sp)
-    b = shared_batch(src, PREFIX, [[1] * 8])  # 6 pages, all in one segment
-    async with await open_store(disk_cfg(tmp_path)) as store:
-        await store.put(src, b.tokens, b.tables)
-        (seg,) = store.index.segments()
-        path = disk_files(store, seg)[store._layer_key(seg.hex(), 1)]
-        m = store._manifests[seg]
+    st = await stored_segment(tmp_path, [[1] * 8], num_layers=2)  # 6 pages, one segment
+    m, sp, b = st.manifest, st.sp, st
+    path = st.paths[m.layers[1].key]
     # Flip one byte inside page 3's keys of layer 1.
-    lay = m.layers[1]
     raw = bytearray(path.read_bytes())
-    raw[lay.key_pool_offset + 3 * m.page_bytes + 5] ^= 0xFF
+    raw[m.layers[1].key_pool_offset + 3 * m.page_bytes + 5] ^= 0xFF
     path.write_bytes(bytes(raw))
     async with await open_store(disk_cfg(tmp_path)) as store:
         dst = PagedKVPool(sp, 16)
         got = await store.retrieve(dst, b.tokens)
         assert got.num_tokens == [12]  # pages 0-2 delivered, a miss from page 3 on
-        assert_pages_equal(src, b.tables, dst, got.block_tables, got.num_tokens)
+        assert_pages_equal(st.src, b.tables, dst, got.block_tables, got.num_tokens)
         assert dst.num_free == 16 - 3
-        st = store.stats()
-        assert st["tiers"]["disk"]["verification_failures"] == 1 and st["segments"] == 0
+        stats = store.stats()
+        assert stats["tiers"]["disk"]["verification_failures"] == 1 and stats["segments"] == 0
         await store.flush()
     assert [p.name.split(".")[0] for p in (tmp_path / "quarantine").iterdir()] == [path.name.split(".")[0]]
     assert not path.exists()
@@ -164,14 +176,8 @@ async def test_full_disk_tier_evicts_and_refuses_what_never_fits(tmp_path: Path,
 
 @pytest.mark.parametrize("what", ["fingerprint", "token_ids"])
 async def test_manifest_that_does_not_match_is_a_miss(tmp_path: Path, what: str) -> None:
-    sp = spec()
-    src = random_pool(sp)
-    b = shared_batch(src, PREFIX, [[]])
-    async with await open_store(disk_cfg(tmp_path)) as store:
-        await store.put(src, b.tokens, b.tables)
-        (seg,) = store.index.segments()
-        m = store._manifests[seg]
-        mpath = disk_files(store, seg)[store._manifest_key(seg.hex())]
+    st = await stored_segment(tmp_path, [[]])
+    m = st.manifest
     if what == "fingerprint":
         bad = dataclasses.replace(m, fingerprint=b"\x01" * 32)
     else:
@@ -179,31 +185,26 @@ async def test_manifest_that_does_not_match_is_a_miss(tmp_path: Path, what: str)
         toks = list(s0.token_ids)
         toks[5] += 1
         bad = dataclasses.replace(m, sequences=(dataclasses.replace(s0, token_ids=tuple(toks)),))
-    mpath.write_bytes(bad.to_bytes())  # a well-formed manifest with a valid checksum
+    st.paths[list(st.paths)[-1]].write_bytes(bad.to_bytes())  # well-formed, valid checksum
     async with await open_store(disk_cfg(tmp_path)) as store:
-        assert await store.lookup(sp, b.tokens) == [16]  # the index alone cannot tell
-        dst = PagedKVPool(sp, 8)
-        got = await store.retrieve(dst, b.tokens)
+        assert await store.lookup(st.sp, st.tokens) == [16]  # the index alone cannot tell
+        dst = PagedKVPool(st.sp, 8)
+        got = await store.retrieve(dst, st.tokens)
         assert got.num_tokens == [0] and dst.num_free == 8
-        st = store.stats()
-        assert st["tiers"]["disk"]["verification_failures"] == 1 and st["segments"] == 0
-        assert await store.lookup(sp, b.tokens) == [0]
+        stats = store.stats()
+        assert stats["tiers"]["disk"]["verification_failures"] == 1 and stats["segments"] == 0
+        assert await store.lookup(st.sp, st.tokens) == [0]
 
 
 async def test_a_manifest_with_a_bad_checksum_is_quarantined_at_open(tmp_path: Path) -> None:
-    sp = spec()
-    src = random_pool(sp)
-    b = shared_batch(src, PREFIX, [[]])
-    async with await open_store(disk_cfg(tmp_path)) as store:
-        await store.put(src, b.tokens, b.tables)
-        (seg,) = store.index.segments()
-        mpath = disk_files(store, seg)[store._manifest_key(seg.hex())]
+    st = await stored_segment(tmp_path, [[]])
+    mpath = st.paths[list(st.paths)[-1]]
     raw = bytearray(mpath.read_bytes())
     raw[40] ^= 1
     mpath.write_bytes(bytes(raw))
     async with await open_store(disk_cfg(tmp_path)) as store:
         assert store.stats()["segments"] == 0 and store.stats()["tiers"]["disk"]["verification_failures"] == 1
-        assert await store.lookup(sp, b.tokens) == [0]
+        assert await store.lookup(st.sp, st.tokens) == [0]
     assert len(list((tmp_path / "quarantine").iterdir())) == 1
 
 
@@ -245,44 +246,28 @@ async def test_redis_down_at_open_is_a_warning_not_a_failure(tmp_path: Path, cap
     assert "unreachable" in caplog.text
 
 
-def test_manifest_bytes_are_what_the_store_parses(tmp_path: Path) -> None:
-    # The fault tests above rewrite manifests with Manifest.to_bytes; make sure that is
-    # the exact encoding the store writes (no hidden framing).
-    import asyncio
-
-    async def run() -> None:
-        sp = spec()
-        src = random_pool(sp)
-        b = shared_batch(src, PREFIX, [[]])
-        async with await open_store(disk_cfg(tmp_path)) as store:
-            await store.put(src, b.tokens, b.tables)
-            (seg,) = store.index.segments()
-            path = disk_files(store, seg)[store._manifest_key(seg.hex())]
-            assert Manifest.from_bytes(path.read_bytes()).to_bytes() == path.read_bytes()
-
-    asyncio.run(run())
-    assert os.path.isdir(tmp_path / "quarantine")
+async def test_manifest_bytes_are_what_the_store_parses(tmp_path: Path) -> None:
+    # The tests above rewrite manifests with Manifest.to_bytes: that must be the exact
+    # encoding the store writes (no hidden framing).
+    st = await stored_segment(tmp_path, [[]])
+    raw = st.paths[list(st.paths)[-1]].read_bytes()
+    assert Manifest.from_bytes(raw).to_bytes() == raw == st.manifest.to_bytes()
 
 
 async def test_corrupt_descriptor_byte_fails_a_whole_read_and_is_not_promoted(tmp_path: Path) -> None:
-    sp = spec(num_layers=2)
-    src = random_pool(sp)
-    b = shared_batch(src, PREFIX, [[1] * 8])
-    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
-    async with await open_store(cfg) as store:
-        await store.put(src, b.tokens, b.tables)
-        (seg,) = store.index.segments()
-        path = disk_files(store, seg)[store._layer_key(seg.hex(), 0)]
+    st = await stored_segment(tmp_path, [[1] * 8], num_layers=2)
+    path = st.paths[st.manifest.layers[0].key]
     raw = bytearray(path.read_bytes())
     raw[30] ^= 0x01  # inside the key descriptor: no page checksum covers it
     path.write_bytes(bytes(raw))
+    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, *disk_cfg(tmp_path)["tiers"]]}
     async with await open_store(cfg) as store:  # cold cpu tier: the segment is read whole
-        dst = PagedKVPool(sp, 16)
-        got = await store.retrieve(dst, b.tokens)
+        dst = PagedKVPool(st.sp, 16)
+        got = await store.retrieve(dst, st.tokens)
         await store.flush()
         assert got.num_tokens == [0] and dst.num_free == 16
-        st = store.stats()["tiers"]
-        assert st["disk"]["verification_failures"] == 1 and st["cpu"]["objects"] == 0  # nothing promoted
+        stats = store.stats()["tiers"]
+        assert stats["disk"]["verification_failures"] == 1 and stats["cpu"]["objects"] == 0  # nothing promoted
 
 
 async def test_object_checksum_is_recomputable_from_the_object_alone(tmp_path: Path) -> None:
@@ -290,19 +275,14 @@ async def test_object_checksum_is_recomputable_from_the_object_alone(tmp_path: P
 
     from hurray_store.format import object_checksum
 
-    sp = spec()
-    src = random_pool(sp)
-    b = shared_batch(src, PREFIX, [[1] * 8, [2] * 5])
-    async with await open_store(disk_cfg(tmp_path)) as store:
-        await store.put(src, b.tokens, b.tables)
-        (seg,) = store.index.segments()
-        m = store._manifests[seg]
-        for pos, lay in enumerate(m.layers):
-            raw = store.tiers[0].path_of(lay.key).read_bytes()  # type: ignore[attr-defined]
-            pb = m.page_bytes
-            ks = [xxhash.xxh3_64_intdigest(raw[lay.key_pool_offset + p * pb : lay.key_pool_offset + (p + 1) * pb]) for p in range(m.num_pages)]
-            vs = [xxhash.xxh3_64_intdigest(raw[lay.value_pool_offset + p * pb : lay.value_pool_offset + (p + 1) * pb]) for p in range(m.num_pages)]
-            assert tuple(ks) == lay.key_page_checksums and tuple(vs) == lay.value_page_checksums
-            fixed = [raw[o : o + n] for o, n in m.fixed_ranges(pos)]
-            assert sum(n for _, n in m.fixed_ranges(pos)) + 2 * m.num_pages * pb == lay.object_size == len(raw)
-            assert object_checksum(fixed, ks, vs) == lay.object_checksum
+    st = await stored_segment(tmp_path, [[1] * 8, [2] * 5])
+    m = st.manifest
+    pb = m.page_bytes
+    for pos, lay in enumerate(m.layers):
+        raw = st.paths[lay.key].read_bytes()
+        ks = [xxhash.xxh3_64_intdigest(raw[lay.key_pool_offset + p * pb : lay.key_pool_offset + (p + 1) * pb]) for p in range(m.num_pages)]
+        vs = [xxhash.xxh3_64_intdigest(raw[lay.value_pool_offset + p * pb : lay.value_pool_offset + (p + 1) * pb]) for p in range(m.num_pages)]
+        assert tuple(ks) == lay.key_page_checksums and tuple(vs) == lay.value_page_checksums
+        fixed = [raw[o : o + n] for o, n in m.fixed_ranges(pos)]
+        assert sum(n for _, n in m.fixed_ranges(pos)) + 2 * m.num_pages * pb == lay.object_size == len(raw)
+        assert object_checksum(fixed, ks, vs) == lay.object_checksum

@@ -308,6 +308,9 @@ def _short_bytes(b: bytes) -> bytes:
     return struct.pack("<H", len(b)) + b
 
 
+_STRUCTS: dict[str, struct.Struct] = {}
+
+
 class _Reader:
     """Bounds-checked cursor: every read checks the bytes remain before it allocates."""
 
@@ -322,7 +325,9 @@ class _Reader:
         return out
 
     def unpack(self, fmt: str) -> tuple:
-        s = struct.Struct(fmt)
+        s = _STRUCTS.get(fmt)
+        if s is None:
+            s = _STRUCTS[fmt] = struct.Struct(fmt)
         return s.unpack(self.take(s.size))
 
     def short_bytes(self) -> memoryview:

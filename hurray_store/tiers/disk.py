@@ -50,6 +50,7 @@ class DiskTier(Tier):
         self._read = aiofiles.os.wrap(self._read_sync)
         self._ranges = aiofiles.os.wrap(self._ranges_sync)
         self._scan = aiofiles.os.wrap(self._scan_sync)
+        self._read_many = aiofiles.os.wrap(self._read_many_sync)
 
     def path_of(self, key: str) -> Path:
         shard = f"{xxhash.xxh3_64_intdigest(key.encode()) & 0xFF:02x}"
@@ -156,6 +157,15 @@ class DiskTier(Tier):
     async def get(self, key: str) -> Blob | None:
         got: bytearray | None = await self._read(key)
         return got
+
+    async def get_many(self, keys: Sequence[str]) -> list[Blob | None]:
+        """Many whole objects in one trip to the thread pool (a restart reads every
+        manifest: one trip each would cost more than the reads)."""
+        got: list[Blob | None] = await self._read_many(keys)
+        return got
+
+    def _read_many_sync(self, keys: Sequence[str]) -> list[Blob | None]:
+        return [self._read_sync(k) for k in keys]
 
     async def get_ranges(self, key: str, ranges: Sequence[Range], into: bytearray | None = None) -> list[Blob] | None:
         got: list[Blob] | None = await self._ranges(key, ranges, into)

@@ -1,0 +1,1 @@
+"""Bridges to other systems (layer L5): transformers models, LMCache."""

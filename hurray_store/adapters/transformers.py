@@ -1,0 +1,204 @@
+"""Between a transformers causal LM and a paged pool (layer L5).
+
+```
+spec = spec_for_model(model, page_size=16)                 # KVSpec from model.config
+block_tables = to_paged(past_key_values, pool, seq_lens)   # cache -> pool pages
+past = from_paged(pool, block_tables, seq_lens)            # pool pages -> a cache
+logits, cache, reused = await prefill_with_cache(model, store, pool, token_ids)
+```
+
+What is supported:
+- ``to_paged`` takes a batched cache, right padded (a sequence's tokens at positions
+  ``0 .. n-1``, the default) or left padded (``padding_side="left"``: at ``T-n .. T-1``).
+  With ``token_ids`` given, full pages whose whole token prefix is equal across the
+  batch are stored once and shared (reference counts as in ``restore``). The caller
+  vouches that the KV at those positions is what an unpadded prefill computes (true
+  for right padding with a causal mask; for left padding only with position ids that
+  start at each sequence's first real token).
+- ``from_paged`` rebuilds a cache for sequences of equal length (batch 1 included);
+  unequal lengths need padding and masks the caller owns, so they are refused.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from hurray_store.errors import PagingError
+from hurray_store.paging import PagedKVPool, allocate_shared, release_shared
+from hurray_store.spec import KVSpec
+
+
+def model_id(model: Any) -> str:
+    """A stable name for a model: the resolved directory it was loaded from (so the
+    CLI and the API agree on a local model), else its hub name, else its type."""
+    p = getattr(model.config, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    if p and os.path.isdir(p):
+        return str(Path(p).resolve())
+    return p or str(model.config.model_type)
+
+
+def spec_for_model(model: Any, *, page_size: int = 16, revision: str = "", tp_rank: int = 0, tp_size: int = 1) -> KVSpec:
+    """The KVSpec of ``model``'s cache, in the dtype the model runs in."""
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    dtype = next(model.parameters()).dtype
+    return KVSpec(model_id(model), int(cfg.num_hidden_layers), kv_heads, head_dim, page_size, dtype, revision, tp_rank, tp_size)
+
+
+def _cache_layers(past: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer, each ``[batch, kv_heads, tokens, head_dim]``."""
+    if hasattr(past, "layers"):
+        return [(lay.keys, lay.values) for lay in past.layers]
+    if isinstance(past, tuple | list):
+        return [(k, v) for k, v in past]
+    raise TypeError(f"expected a transformers cache or a tuple of (keys, values), got {type(past).__name__}")
+
+
+def to_paged(
+    past: Any,
+    pool: PagedKVPool,
+    seq_lens: Sequence[int],
+    *,
+    token_ids: Sequence[Sequence[int]] | None = None,
+    padding_side: str = "right",
+) -> list[list[int]]:
+    """Copy each sequence's first ``seq_lens[b]`` tokens of KV from a cache into newly
+    allocated pages of ``pool``; returns the block tables. All or nothing: too few free
+    pages raises PoolExhaustedError before anything is allocated."""
+    spec = pool.spec
+    P = spec.page_size
+    layers = _cache_layers(past)
+    if len(layers) != spec.num_layers:
+        raise PagingError(f"the cache has {len(layers)} layers, the pool {spec.num_layers}")
+    k0 = layers[0][0]
+    if k0.dim() != 4 or k0.shape[1] != spec.num_kv_heads or k0.shape[3] != spec.head_dim:
+        raise PagingError(f"cache keys must be [batch, {spec.num_kv_heads}, tokens, {spec.head_dim}], got {tuple(k0.shape)}")
+    B, T = int(k0.shape[0]), int(k0.shape[2])
+    if len(seq_lens) != B:
+        raise PagingError(f"the cache holds {B} sequences, {len(seq_lens)} seq_lens given")
+    if padding_side not in ("left", "right"):
+        raise PagingError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    for b, n in enumerate(seq_lens):
+        if not 0 <= n <= T:
+            raise PagingError(f"sequence {b}: seq_len {n} outside [0, {T}] cached tokens")
+        if token_ids is not None and len(token_ids[b]) < n:
+            raise PagingError(f"sequence {b}: {n} tokens cached but {len(token_ids[b])} token ids given")
+    # Plan pages: equal full-page prefixes (with token ids) map to one page.
+    owner: dict[tuple[int, ...], int] = {}
+    local: list[list[int]] = []
+    copies: list[tuple[int, int, int]] = []  # (sequence, first token, local page) to fill
+    count = 0
+    for b, n in enumerate(seq_lens):
+        row = []
+        for i in range(-(-n // P)):
+            full = (i + 1) * P <= n
+            key = tuple(token_ids[b][: (i + 1) * P]) if token_ids is not None and full else None
+            if key is not None and key in owner:
+                row.append(owner[key])
+                continue
+            row.append(count)
+            copies.append((b, i * P, count))
+            if key is not None:
+                owner[key] = count
+            count += 1
+        local.append(row)
+    new_ids = allocate_shared(pool, local, count)
+    try:
+        src_b, src_t, dst = [], [], []
+        for b, t0, page in copies:
+            n = min(P, seq_lens[b] - t0)
+            base = (T - seq_lens[b]) if padding_side == "left" else 0
+            src_b += [b] * n
+            src_t += range(base + t0, base + t0 + n)
+            dst += range(new_ids[page] * P, new_ids[page] * P + n)
+        dev = pool.device
+        ib = torch.tensor(src_b, dtype=torch.long, device=k0.device)
+        it = torch.tensor(src_t, dtype=torch.long, device=k0.device)
+        idst = torch.tensor(dst, dtype=torch.long, device=dev)
+        for li, (k, v) in enumerate(layers):
+            flat = pool.layers[li].view(2, pool.num_blocks * P, spec.num_kv_heads, spec.head_dim)
+            for role, t in ((0, k), (1, v)):
+                rows = t[ib, :, it, :]  # [tokens, heads, dim]
+                flat[role].index_copy_(0, idst, rows.to(device=dev, dtype=spec.dtype))
+    except BaseException:
+        release_shared(pool, new_ids, local)
+        raise
+    return [[new_ids[j] for j in row] for row in local]
+
+
+def from_paged(pool: PagedKVPool, block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, device: Any = None) -> DynamicCache:
+    """A transformers cache holding each sequence's first ``seq_lens[b]`` tokens from
+    its pages, for ``model(..., past_key_values=cache)`` or ``generate`` to continue.
+    Sequences must have equal lengths (see the module docstring)."""
+    spec = pool.spec
+    P = spec.page_size
+    if len(block_tables) != len(seq_lens) or not seq_lens:
+        raise PagingError(f"{len(block_tables)} block tables for {len(seq_lens)} seq_lens")
+    if len(set(seq_lens)) != 1:
+        raise PagingError(
+            f"from_paged rebuilds sequences of equal length only, got {sorted(set(seq_lens))}: "
+            "continue each sequence on its own, or pad and mask them yourself"
+        )
+    n = int(seq_lens[0])
+    pages = -(-n // P)
+    for b, t in enumerate(block_tables):
+        if len(t) < pages:
+            raise PagingError(f"sequence {b}: {n} tokens need {pages} pages, its block table has {len(t)}")
+    idx = torch.tensor([list(t[:pages]) for t in block_tables], dtype=torch.long, device=pool.device)
+    cache = DynamicCache()
+    for li in range(spec.num_layers):
+        kv = pool.layers[li]
+        k, v = (
+            kv[r][idx].reshape(len(seq_lens), pages * P, spec.num_kv_heads, spec.head_dim)[:, :n].transpose(1, 2).contiguous()
+            for r in (0, 1)
+        )
+        if device is not None:
+            k, v = k.to(device), v.to(device)
+        cache.update(k, v, li)
+    return cache
+
+
+async def prefill_with_cache(model: Any, store: Any, pool: PagedKVPool, token_ids: Sequence[int], *, store_result: bool = True) -> tuple[torch.Tensor, Any, int]:
+    """Prefill one prompt on top of whatever full pages of it the store holds.
+
+    Returns ``(logits, cache, tokens_reused)``: ``logits`` ``[1, len(token_ids) -
+    tokens_reused, vocab]`` for the positions computed, ``cache`` to continue
+    generation. At least the last token is always computed (as vLLM does), so a fully
+    cached prompt still yields next-token logits. With ``store_result`` the prompt's
+    new full pages are put into the store.
+    """
+    spec = pool.spec
+    P = spec.page_size
+    L = len(token_ids)
+    if L == 0:
+        raise ValueError("an empty prompt has nothing to prefill")
+    reusable = ((L - 1) // P) * P
+    n = 0
+    past: Any = DynamicCache()
+    if reusable:
+        got = await store.retrieve(pool, [list(token_ids[:reusable])])
+        n = got.num_tokens[0]
+        if n:
+            try:
+                past = from_paged(pool, got.block_tables, [n], device=model.device)
+            finally:
+                pool.free(got.block_tables[0])
+    ids = torch.tensor([list(token_ids[n:])], dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=past, use_cache=True)
+    cache = out.past_key_values
+    if store_result and L // P > n // P:
+        tables = to_paged(cache, pool, [L], token_ids=[list(token_ids)])
+        try:
+            await store.put(pool, [list(token_ids)], tables)
+        finally:
+            pool.free(tables[0])
+    return out.logits, cache, n

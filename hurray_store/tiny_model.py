@@ -32,5 +32,6 @@ def build_tiny_model(out_dir: str, *, dtype: str = "float32", seed: int = 0, lay
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(DTYPES[dtype])
+    model = LlamaForCausalLM(config)
+    model = model.to(dtype=DTYPES[dtype])  # type: ignore[call-arg]
     model.save_pretrained(out_dir)

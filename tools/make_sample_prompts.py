@@ -26,10 +26,10 @@ SYSTEMS = [
 ]
 TOPICS = ["shipping", "storage", "mechanics", "contracts"]
 WORDS = {
-    "shipping": "pallet carrier customs invoice freight depot route manifest tariff warehouse container transit".split(),
-    "storage": "bucket replica snapshot quota region object lifecycle encryption bandwidth retention volume".split(),
-    "mechanics": "force mass velocity momentum energy friction torque acceleration spring pendulum collision".split(),
-    "contracts": "clause party liability term notice breach remedy warranty indemnity jurisdiction assignment".split(),
+    "shipping": ["pallet", "carrier", "customs", "invoice", "freight", "depot", "route", "manifest", "tariff", "warehouse", "container", "transit"],
+    "storage": ["bucket", "replica", "snapshot", "quota", "region", "object", "lifecycle", "encryption", "bandwidth", "retention", "volume"],
+    "mechanics": ["force", "mass", "velocity", "momentum", "energy", "friction", "torque", "acceleration", "spring", "pendulum", "collision"],
+    "contracts": ["clause", "party", "liability", "term", "notice", "breach", "remedy", "warranty", "indemnity", "jurisdiction", "assignment"],
 }
 QUESTIONS = [
     "What does section {n} require?", "Summarize section {n} in two sentences.",

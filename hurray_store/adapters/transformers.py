@@ -112,7 +112,9 @@ def to_paged(
         local.append(row)
     new_ids = allocate_shared(pool, local, count)
     try:
-        src_b, src_t, dst = [], [], []
+        src_b: list[int] = []
+        src_t: list[int] = []
+        dst: list[int] = []
         for b, t0, page in copies:
             n = min(P, seq_lens[b] - t0)
             base = (T - seq_lens[b]) if padding_side == "left" else 0
@@ -195,7 +197,7 @@ async def prefill_with_cache(model: Any, store: Any, pool: PagedKVPool, token_id
     with torch.no_grad():
         out = model(input_ids=ids, past_key_values=past, use_cache=True)
     cache = out.past_key_values
-    if store_result and L // P > n // P:
+    if store_result and n // P < L // P:
         tables = to_paged(cache, pool, [L], token_ids=[list(token_ids)])
         try:
             await store.put(pool, [list(token_ids)], tables)

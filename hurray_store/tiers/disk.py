@@ -84,7 +84,7 @@ class DiskTier(Tier):
                     while pos < len(mv):
                         n = os.write(fd, mv[pos : pos + _IO_CHUNK])
                         if _SFR and not self.fsync:
-                            os.sync_file_range(fd, at + pos, n, os.SYNC_FILE_RANGE_WRITE)
+                            os.sync_file_range(fd, at + pos, n, os.SYNC_FILE_RANGE_WRITE)  # type: ignore[attr-defined]
                         pos += n
                     at += pos
                 if self.fsync:

@@ -48,6 +48,6 @@ def test_inspect_missing_file(tmp_path: Path, capsys) -> None:
 
 
 def test_demo_runs_and_checks(capsys) -> None:
-    assert main(["demo", "--layers", "2", "--seqs", "3", "--tokens", "64", "--heads", "2", "--dim", "8"]) == 0
+    assert main(["codec-demo", "--layers", "2", "--seqs", "3", "--tokens", "64", "--heads", "2", "--dim", "8"]) == 0
     out = capsys.readouterr().out
     assert "distinct pages stored" in out and out.count(" ok") == 2

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Write the demo corpus: configs/sample_prompts.jsonl (warmup, 200 prompts) and
-configs/sample_replay.jsonl (replay, 48 requests). Prompts are a handful of shared
+configs/sample_replay.jsonl (replay, 24 requests). Prompts are a handful of shared
 system prompts and documents followed by questions, so most of their tokens are shared
 prefixes, as in a serving fleet's traffic. Deterministic: the files are shipped, this
 script only says how they were made.
@@ -41,9 +41,9 @@ QUESTIONS = [
 def document(topic: str, rng: random.Random) -> str:
     w = WORDS[topic]
     sections = []
-    for n in range(1, 6):
+    for n in range(1, 5):
         sentences = []
-        for _ in range(5):
+        for _ in range(4):
             picks = rng.sample(w, 6)
             sentences.append(f"The {picks[0]} and the {picks[1]} set the {picks[2]} for each {picks[3]}, "
                              f"unless the {picks[4]} changes the {picks[5]}.")
@@ -58,7 +58,7 @@ def main() -> None:
 
     def prompt(i: int, r: random.Random) -> str:
         s = i % len(SYSTEMS)
-        q = r.choice(QUESTIONS).format(n=r.randint(1, 5))
+        q = r.choice(QUESTIONS).format(n=r.randint(1, 4))
         if r.random() < 0.25:  # no document: the system prompt alone is shared
             return f"{SYSTEMS[s]}\n\nQuestion: {q} (ticket {r.randint(1000, 9999)})"
         return f"{SYSTEMS[s]}\n\n{docs[TOPICS[s]]}\n\nQuestion: {q} (ticket {r.randint(1000, 9999)})"
@@ -68,9 +68,9 @@ def main() -> None:
             f.write(json.dumps({"text": prompt(i, rng)}) + "\n")
     rng2 = random.Random(1)
     with open(out / "sample_replay.jsonl", "w") as f:
-        for i in range(48):
+        for i in range(24):
             f.write(json.dumps({"text": prompt(i, rng2)}) + "\n")
-    print(f"wrote {out / 'sample_prompts.jsonl'} (200) and {out / 'sample_replay.jsonl'} (48)")
+    print(f"wrote {out / 'sample_prompts.jsonl'} (200) and {out / 'sample_replay.jsonl'} (24)")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from hurray_store import tokenizer
-from hurray_store.adapters.transformers import from_paged, prefill_with_cache, to_paged
+from hurray_store.adapters.transformers import from_paged, prefill_with_cache, run_model, to_paged
 from hurray_store.paging import PagedKVPool
 
 
@@ -156,11 +156,10 @@ async def _warm_batch(model: Any, store: Any, pool: PagedKVPool, batch: list[lis
     for i, t in enumerate(tails):
         ids[i, : len(t)] = torch.tensor(t)
         mask[i, : lcp + len(t)] = 1  # right padding: pads come after every real token
-    with torch.no_grad():
-        out = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), past_key_values=past, use_cache=True)
+    _, cache = run_model(model, ids, cache=past, attention_mask=mask)
     res.tokens_computed += sum(len(t) for t in tails)
     lens = [len(p) for p in batch]
-    tables = to_paged(out.past_key_values, pool, lens, token_ids=batch)
+    tables = to_paged(cache, pool, lens, token_ids=batch)
     try:
         r = await store.put(pool, batch, tables)
     finally:
@@ -194,10 +193,9 @@ async def replay(model: Any, store: Any, pool: PagedKVPool, prompts: Sequence[Se
     between their next-token logits."""
     rows = []
     for p in prompts:
-        ids = torch.tensor([list(p)], dtype=torch.long, device=model.device)
+        ids = torch.tensor([list(p)], dtype=torch.long)
         t0 = time.perf_counter()
-        with torch.no_grad():
-            cold = model(input_ids=ids, use_cache=True).logits[:, -1]
+        cold = run_model(model, ids)[0][:, -1]
         t_cold = time.perf_counter() - t0
         t0 = time.perf_counter()
         logits, _, reused = await prefill_with_cache(model, store, pool, list(p), store_result=False)

@@ -21,6 +21,7 @@ What is supported:
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +33,20 @@ from transformers import DynamicCache
 from hurray_store.errors import PagingError
 from hurray_store.paging import PagedKVPool, allocate_shared, release_shared
 from hurray_store.spec import KVSpec
+
+
+def run_model(model: Any, input_ids: torch.Tensor, *, cache: Any = None, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+    """One forward pass continuing from ``cache``; returns (logits, the new cache).
+    transformers 5 renamed ``past_key_values`` to ``cache``: this takes whichever the
+    installed version's model accepts."""
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    args: dict[str, Any] = {"input_ids": input_ids.to(model.device), "use_cache": True, kw: cache}
+    if attention_mask is not None:
+        args["attention_mask"] = attention_mask.to(model.device)
+    with torch.no_grad():
+        out = model(**args)
+    new = out["cache"] if "cache" in out else out["past_key_values"]
+    return out.logits, new
 
 
 def model_id(model: Any) -> str:
@@ -193,14 +208,11 @@ async def prefill_with_cache(model: Any, store: Any, pool: PagedKVPool, token_id
                 past = from_paged(pool, got.block_tables, [n], device=model.device)
             finally:
                 pool.free(got.block_tables[0])
-    ids = torch.tensor([list(token_ids[n:])], dtype=torch.long, device=model.device)
-    with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=past, use_cache=True)
-    cache = out.past_key_values
+    logits, cache = run_model(model, torch.tensor([list(token_ids[n:])], dtype=torch.long), cache=past)
     if store_result and n // P < L // P:
         tables = to_paged(cache, pool, [L], token_ids=[list(token_ids)])
         try:
             await store.put(pool, [list(token_ids)], tables)
         finally:
             pool.free(tables[0])
-    return out.logits, cache, n
+    return logits, cache, n

@@ -23,8 +23,14 @@ redis:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; \
 	  else echo "redis-server missing: install Debian's redis-server package"; exit 1; fi; }
 
+MODEL ?= models/tiny-llama
+
+# The main job on the embedded default config (CPU memory + ./.hurray-cache on disk):
+# build the tiny random-weight model if absent, warm the cache from the sample corpus,
+# replay requests that share its prefixes, print hit rate and time to first token.
 run: setup
-	$(VENV)/bin/hurray-store demo
+	@test -f $(MODEL)/config.json || $(PY) tools/make_tiny_model.py $(MODEL)
+	$(VENV)/bin/hurray-store replay --model $(MODEL) --warmup-prompts configs/sample_prompts.jsonl --prompts configs/sample_replay.jsonl
 
 test: setup redis
 	$(PY) -m pytest -q
@@ -40,4 +46,4 @@ bench: setup redis
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_store.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models

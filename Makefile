@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	@# The CPU build of torch lies on this machine's disk; installing it first keeps
 	@# pip from resolving `torch` to a multi-GB CUDA build.
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,lmcache]"
 	@touch $(STAMP)
 
 # redis-server from Debian, for the Redis tier's tests (when missing and running as root).
@@ -40,7 +40,6 @@ lint: setup
 	$(VENV)/bin/mypy
 
 bench: setup redis
-	@$(PY) -c "import lmcache" 2>/dev/null || $(PY) -m pip install -q -e ".[test,lmcache]"
 	$(PY) tools/bench_format.py
 	$(PY) tools/bench_paging.py
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_store.py

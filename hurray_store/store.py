@@ -274,6 +274,13 @@ class TieredStore:
     async def contains_object(self, key: str) -> bool:
         return bool(self.policy.holders(self._obj_key(key)))
 
+    def pin_objects(self, keys: Sequence[str]) -> None:
+        """Keep object-level keys from eviction until ``unpin_objects`` (LMCache's pin)."""
+        self.policy.pin(self._obj_key(k) for k in keys)
+
+    def unpin_objects(self, keys: Sequence[str]) -> None:
+        self.policy.unpin(self._obj_key(k) for k in keys)
+
     async def delete_object(self, key: str) -> None:
         k = self._obj_key(key)
         for i in self.policy.holders(k):

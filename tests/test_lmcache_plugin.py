@@ -1,0 +1,158 @@
+"""hurray_store as LMCache 0.5.6's storage plugin, loaded by LMCache's own loader next
+to its real LocalCPUBackend."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+lmcache = pytest.importorskip("lmcache", reason="the lmcache extra is not installed (make test installs it)")
+
+from lmcache.utils import CacheEngineKey  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
+
+from hurray_store.adapters.lmcache import HurrayStoragePlugin  # noqa: E402
+
+LAYERS, HEADS, DIM = 3, 2, 16
+
+
+def backends(tmp_path: Path, *, chunk: int = 64, heads: int = HEADS, page_size: int | None = None) -> Any:
+    cfg_file = tmp_path / "hurray.yaml"
+    cfg_file.write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: 67108864}}\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n")
+    extra = {
+        "storage_plugin.hurray.module_path": "hurray_store.adapters.lmcache",
+        "storage_plugin.hurray.class_name": "HurrayStoragePlugin",
+        "storage_plugin.hurray.config": str(cfg_file),
+    }
+    if page_size:
+        extra["storage_plugin.hurray.page_size"] = page_size
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": chunk, "local_cpu": False, "max_local_cpu_size": 0.25,
+                                         "storage_plugins": ["hurray"], "extra_config": extra})
+    md = LMCacheMetadata(model_name="tiny", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                         kv_dtype=torch.float16, kv_shape=(LAYERS, 2, chunk, heads, DIM))
+    import asyncio
+    import threading
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return CreateStorageBackends(cfg, md, loop), loop
+
+
+@pytest.fixture
+def opened(tmp_path: Path) -> Iterator[Any]:
+    made: list[Any] = []
+
+    def make(**kw: Any) -> Any:
+        b, loop = backends(tmp_path, **kw)
+        made.append((b, loop))
+        return b
+
+    try:
+        yield make
+    finally:
+        for b, loop in made:
+            for be in b.values():
+                be.close()
+            loop.call_soon_threadsafe(loop.stop)
+
+
+def plugin_of(b: Any) -> HurrayStoragePlugin:
+    found = [be for be in b.values() if isinstance(be, HurrayStoragePlugin)]
+    assert found, f"LMCache did not load the plugin (it swallows load errors): {list(b)}"
+    return found[0]
+
+
+def chunk(b: Any, tokens: int, seed: int, heads: int = HEADS) -> Any:
+    cpu = b["LocalCPUBackend"]
+    obj = cpu.allocate(torch.Size([2, LAYERS, tokens, heads * DIM]), torch.float16, MemoryFormat.KV_2LTD)
+    g = torch.Generator().manual_seed(seed)
+    obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=g).half())
+    return obj
+
+
+def key(h: int) -> CacheEngineKey:
+    return CacheEngineKey("tiny", 1, 0, h, torch.float16)
+
+
+def test_put_get_bit_exact_and_restart(opened: Any) -> None:
+    b = opened()
+    p = plugin_of(b)
+    objs = [chunk(b, 64, 1), chunk(b, 64, 2), chunk(b, 23, 3)]  # a partial last chunk too
+    want = [o.tensor.clone() for o in objs]
+    done: list[Any] = []
+    p.batched_submit_put_task([key(1), key(2), key(3)], objs, on_complete_callback=done.append)
+    p.flush()
+    assert sorted(k.chunk_hash for k in done) == [1, 2, 3]
+    assert all(o.get_ref_count() == 1 for o in objs)  # the plugin gave its references back
+    for i, w in enumerate(want, 1):
+        assert p.contains(key(i))
+        got = p.get_blocking(key(i))
+        assert got is not None and torch.equal(got.tensor, w)
+        got.ref_count_down()
+    assert not p.contains(key(9)) and p.get_blocking(key(9)) is None
+    p.close()
+    b2 = opened()  # a new engine over the same disk tier finds the chunks
+    p2 = plugin_of(b2)
+    assert p2.contains(key(2))
+    got = p2.get_blocking(key(2))
+    assert got is not None and torch.equal(got.tensor, want[1])
+
+
+@pytest.mark.parametrize("change", [{"chunk": 32}, {"heads": 4}, {"page_size": 8}])
+def test_a_layout_change_is_a_miss(opened: Any, change: dict[str, int]) -> None:
+    b = opened()
+    p = plugin_of(b)
+    p.batched_submit_put_task([key(7)], [chunk(b, 32, 7)])
+    p.flush()
+    p.close()
+    p2 = plugin_of(opened(**change))
+    assert not p2.contains(key(7)) and p2.get_blocking(key(7)) is None
+
+
+async def test_async_contains_and_get_stop_at_the_first_miss(opened: Any) -> None:
+    b = opened()
+    p = plugin_of(b)
+    p.batched_submit_put_task([key(1), key(2), key(4)], [chunk(b, 64, i) for i in (1, 2, 4)])
+    p.flush()
+    assert await p.batched_async_contains("req", [key(1), key(2), key(3), key(4)]) == 2
+    got = await p.batched_get_non_blocking("req", [key(1), key(2), key(3), key(4)])
+    assert len(got) == 2
+    for g in got:
+        g.ref_count_down()
+
+
+def test_pin_remove_and_a_corrupt_layer_is_a_miss(opened: Any, tmp_path: Path) -> None:
+    b = opened()
+    p = plugin_of(b)
+    p.batched_submit_put_task([key(5), key(6)], [chunk(b, 64, 5), chunk(b, 64, 6)])
+    p.flush()
+    assert p.pin(key(5)) and p.unpin(key(5)) and not p.unpin(key(5))
+    assert p.remove(key(5)) and not p.contains(key(5)) and p.get_blocking(key(5)) is None
+    p.close()
+    # Flip a byte of one layer object of key 6 on disk; a new plugin must not serve it.
+    disk = tmp_path / "cache" / "objects"
+    victims = [f for f in disk.rglob("*") if f.is_file() and f.name.endswith("%2F1")]  # layer 1
+    assert victims
+    raw = bytearray(victims[0].read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victims[0].write_bytes(bytes(raw))
+    p2 = plugin_of(opened())
+    assert p2.get_blocking(key(6)) is None
+    assert not p2.contains(key(6))  # the record went with the bad chunk
+
+
+def test_plugin_refuses_to_load_without_a_config(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    md = SimpleNamespace(kv_shape=(1, 2, 16, 1, 8), kv_dtype=torch.float16, use_mla=False)
+    with pytest.raises(ValueError, match="storage_plugin.hurray.config"):
+        HurrayStoragePlugin(config=SimpleNamespace(extra_config={}), metadata=md)

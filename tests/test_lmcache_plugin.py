@@ -156,3 +156,34 @@ def test_plugin_refuses_to_load_without_a_config(tmp_path: Path) -> None:
     md = SimpleNamespace(kv_shape=(1, 2, 16, 1, 8), kv_dtype=torch.float16, use_mla=False)
     with pytest.raises(ValueError, match="storage_plugin.hurray.config"):
         HurrayStoragePlugin(config=SimpleNamespace(extra_config={}), metadata=md)
+
+
+def test_shipped_lmcache_config_loads_the_plugin_over_the_shipped_tiers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import asyncio
+    import threading
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)
+    cfg = LMCacheEngineConfig.from_file(str(root / "configs/lmcache.yaml"))
+    assert cfg.storage_plugins == ["hurray"] and cfg.local_cpu is False
+    hurray_cfg = cfg.extra_config["storage_plugin.hurray.config"]
+    # The shipped tiers, with the disk moved to a temp folder for the test.
+    raw = yaml.safe_load((root / hurray_cfg).read_text())
+    raw["tiers"][1]["path"] = str(tmp_path / "cache")
+    (tmp_path / "h.yaml").write_text(yaml.safe_dump(raw))
+    cfg.extra_config["storage_plugin.hurray.config"] = str(tmp_path / "h.yaml")
+    cfg.max_local_cpu_size = 0.25
+    md = LMCacheMetadata(model_name="tiny", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                         kv_dtype=torch.float16, kv_shape=(LAYERS, 2, 256, HEADS, DIM))
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    b = CreateStorageBackends(cfg, md, loop)
+    try:
+        p = plugin_of(b)
+        assert p.page_size == 16 and p.chunk_size == 256
+    finally:
+        for be in b.values():
+            be.close()
+        loop.call_soon_threadsafe(loop.stop)

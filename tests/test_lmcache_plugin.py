@@ -187,3 +187,30 @@ def test_shipped_lmcache_config_loads_the_plugin_over_the_shipped_tiers(monkeypa
         for be in b.values():
             be.close()
         loop.call_soon_threadsafe(loop.stop)
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_l2_adapter_under_lmcache_bench_with_verification(tmp_path: Path, tier: str, request: pytest.FixtureRequest) -> None:
+    import json
+    import subprocess
+    import sys
+
+    if tier == "disk":
+        lower = f"{{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}"
+    else:
+        r = request.getfixturevalue("redis_fresh")
+        lower = f"{{type: redis, url: '{r.url}'}}"
+    (tmp_path / "h.yaml").write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: 67108864}}\n  - {lower}\n")
+    spec = {"type": "plugin", "module_path": "hurray_store.adapters.lmcache", "class_name": "HurrayL2Adapter",
+            "adapter_params": {"config": str(tmp_path / "h.yaml")}}
+    lmcache_cli = Path(sys.executable).parent / "lmcache"
+    out = subprocess.run(
+        [str(lmcache_cli), "bench", "l2", "--l2-adapter", json.dumps(spec), "--no-skip-verify", "--num-keys", "16",
+         "--data-size-kb", "128", "--rounds", "2", "--lookup-max-hit-rate", "1.0"],
+        capture_output=True, timeout=300, env={**os.environ, "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"},
+    )
+    text = out.stdout.decode() + out.stderr.decode()
+    assert out.returncode == 0, text[-3000:]
+    assert "Adapter created successfully (HurrayL2Adapter)" in text
+    assert "All 16 keys data verified OK" in text, text[-3000:]
+    assert "success_keys=16/16" in text

@@ -272,7 +272,32 @@ class TieredStore:
         return None
 
     async def contains_object(self, key: str) -> bool:
+        return self.has_object(key)
+
+    def has_object(self, key: str) -> bool:
+        """``contains_object`` without a trip to the store's loop: a read of the books,
+        safe from another thread (membership tests of dicts are atomic in CPython)."""
         return bool(self.policy.holders(self._obj_key(key)))
+
+    async def read_object_into(self, key: str, ranges: Sequence[Range], buffers: Sequence[memoryview]) -> bool:
+        """Fill ``buffers[i]`` with range ``i`` of an object-level object, from the
+        fastest tier holding it (a disk tier reads straight into them). False: a miss."""
+        k = self._obj_key(key)
+        for i in self.policy.holders(k):
+            t = self.tiers[i]
+            with self.metrics.timed(t.name, "get_ranges"):
+                got = await t.get_ranges(k, ranges, list(buffers))
+            if got is None:
+                self._missing(i, k)
+                continue
+            for dst, src in zip(buffers, got, strict=True):
+                if src is not dst:
+                    dst[:] = host_view(src.cpu()) if isinstance(src, torch.Tensor) else host_view(src)
+            self._hit(i, sum(len(b) for b in buffers))
+            self.policy.touch([k])
+            return True
+        self._miss_all(k)
+        return False
 
     def pin_objects(self, keys: Sequence[str]) -> None:
         """Keep object-level keys from eviction until ``unpin_objects`` (LMCache's pin)."""

@@ -143,7 +143,7 @@ def test_pin_remove_and_a_corrupt_layer_is_a_miss(opened: Any, tmp_path: Path) -
     victims = [f for f in disk.rglob("*") if f.is_file() and f.name.endswith("%2F1")]  # layer 1
     assert victims
     raw = bytearray(victims[0].read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
+    raw[133 + 10] ^= 0xFF  # inside the key pool (after the 133-byte descriptor)
     victims[0].write_bytes(bytes(raw))
     p2 = plugin_of(opened())
     assert p2.get_blocking(key(6)) is None

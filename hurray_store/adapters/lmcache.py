@@ -45,18 +45,23 @@ from lmcache.v1.platform import create_event_notifier
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from hurray_store.errors import FormatError
-from hurray_store.format import LayerKV, checksum, decode_layer, encode_layer_buffers
+from hurray_store.format import LayerKV, checksum, encode_layer_buffers
 from hurray_store.store import TieredStore, open_store
+from hurray_store.tiers import host_view
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _RECORD_MAGIC = b"HSLC"
 _RECORD = struct.Struct("<4sH32sQI")  # magic, version, fingerprint, num_tokens, num_layers
-_LAYER = struct.Struct("<QQ")  # size, checksum (the key is derived, not stored)
+# Per layer: object size, object checksum, key pool offset, value pool offset, and the
+# checksums of the chunk's tokens in each pool (what a get reads); the key is derived.
+_LAYER = struct.Struct("<QQQQQQ")
+_RECORD_VERSION = 2
 
 
-def _host_bytes(b: Any) -> bytes:
-    return b.cpu().numpy().tobytes() if isinstance(b, torch.Tensor) else bytes(b)
+def _host_bytes(b: Any) -> memoryview:
+    """A byte view of a blob the store returned (a copy only for device blobs)."""
+    return host_view(b.cpu()) if isinstance(b, torch.Tensor) else host_view(b)
 
 
 def layout_fingerprint(num_layers: int, num_kv_heads: int, head_size: int, chunk_size: int, dtype: torch.dtype, use_mla: bool, page_size: int) -> bytes:
@@ -117,7 +122,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     # ------------------------------------------------------------------ put
 
-    def _encode(self, obj: MemoryObj) -> tuple[int, list[list[Any]]]:
+    def _encode(self, obj: MemoryObj) -> tuple[int, list[Any]]:
         t = obj.tensor
         assert t is not None
         if t.dim() != 4 or t.shape[0] != 2 or t.shape[1] != self.num_layers or t.shape[3] != self.num_kv_heads * self.head_size:
@@ -130,18 +135,28 @@ class HurrayStoragePlugin(StoragePluginInterface):
             kv = torch.zeros((2, pages * P, self.num_kv_heads, self.head_size), dtype=t.dtype)
             kv[:, :n] = t[:, li].reshape(2, n, self.num_kv_heads, self.head_size)
             kv = kv.view(2, pages, P, self.num_kv_heads, self.head_size)
-            enc = encode_layer_buffers(LayerKV(li, kv[0], kv[1], torch.arange(pages), torch.tensor([0, pages])))
-            layers.append(list(enc.buffers))
+            layers.append(encode_layer_buffers(LayerKV(li, kv[0], kv[1], torch.arange(pages), torch.tensor([0, pages]))))
         return n, layers
 
-    async def _put(self, key: CacheEngineKey, n: int, layers: list[list[Any]]) -> None:
-        parts = [_RECORD.pack(_RECORD_MAGIC, 1, self.fingerprint, n, len(layers))]
-        for li, bufs in enumerate(layers):
-            views = [memoryview(b).cast("B") for b in bufs]
-            if not await self.store.put_object(self._layer_key(key, li), views):
-                return  # stored nowhere: no record, so no half chunk is ever visible
-            parts.append(_LAYER.pack(sum(len(v) for v in views), checksum(*views)))
-        await self.store.put_object(self._record_key(key), [b"".join(parts)])
+    def _token_bytes(self, n: int) -> int:
+        return n * self.num_kv_heads * self.head_size * torch.empty(0, dtype=self.dtype).element_size()
+
+    async def _put(self, key: CacheEngineKey, n: int, layers: list[Any]) -> None:
+        nb = self._token_bytes(n)
+        body = [_RECORD.pack(_RECORD_MAGIC, _RECORD_VERSION, self.fingerprint, n, len(layers))]
+        views = [[memoryview(b).cast("B") for b in enc.buffers] for enc in layers]
+        # The layers together (a disk tier writes them from its thread pool), then the
+        # record: a chunk whose record is missing does not exist.
+        oks = await asyncio.gather(*(self.store.put_object(self._layer_key(key, li), v) for li, v in enumerate(views)))
+        if not all(oks):
+            return  # stored nowhere: no record, so no half chunk is ever visible
+        for enc, v in zip(layers, views, strict=True):
+            # Buffers: key descriptor, key pool, ..., value descriptor, value pool, ...
+            kpool, vpool = v[1], v[5]
+            body.append(_LAYER.pack(enc.nbytes, checksum(*v), enc.key_pool_offset, enc.value_pool_offset,
+                                    checksum(kpool[:nb]), checksum(vpool[:nb])))
+        rec = b"".join(body)
+        await self.store.put_object(self._record_key(key), [rec, struct.pack("<Q", checksum(rec))])
 
     def batched_submit_put_task(
         self,
@@ -193,7 +208,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
     # ------------------------------------------------------------------ get
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        ok = self._call(self.store.contains_object(self._record_key(key)))
+        ok = self.store.has_object(self._record_key(key))
         if ok and pin:
             self.pin(key)
         return ok
@@ -204,32 +219,40 @@ class HurrayStoragePlugin(StoragePluginInterface):
             return None
         rec = _host_bytes(raw)
         try:
-            if len(rec) < _RECORD.size:
-                raise FormatError(f"chunk record of {len(rec)} bytes is shorter than its {_RECORD.size}-byte header")
+            if len(rec) < _RECORD.size + 8:
+                raise FormatError(f"chunk record of {len(rec)} bytes is shorter than its header")
+            (stored_sum,) = struct.unpack_from("<Q", rec, len(rec) - 8)
+            if checksum(rec[:-8]) != stored_sum:
+                raise FormatError("chunk record: checksum differs")
             magic, version, fp, n, nl = _RECORD.unpack_from(rec)
-            if magic != _RECORD_MAGIC or version != 1:
-                raise FormatError(f"chunk record: magic {magic!r} version {version}")
+            if magic != _RECORD_MAGIC or version != _RECORD_VERSION:
+                raise FormatError(f"chunk record: magic {bytes(magic)!r} version {version}")
             if fp != self.fingerprint or nl != self.num_layers or not 0 < n <= self.chunk_size:
                 raise FormatError("chunk record: another layout")
-            if len(rec) != _RECORD.size + nl * _LAYER.size:
+            if len(rec) != _RECORD.size + nl * _LAYER.size + 8:
                 raise FormatError("chunk record: wrong length")
+            nb = self._token_bytes(n)
+            layers = [_LAYER.unpack_from(rec, _RECORD.size + li * _LAYER.size) for li in range(nl)]
+            for li, (size, _, kpo, vpo, _, _) in enumerate(layers):
+                if kpo + nb > size or vpo + nb > size:
+                    raise FormatError(f"layer {li}: pool offsets outside the object")
             out = self.local_cpu_backend.allocate(torch.Size([2, nl, n, self.num_kv_heads * self.head_size]), self.dtype, MemoryFormat.KV_2LTD)
             if out is None:
                 log.warning("hurray plugin: LMCache's CPU buffer is full; %s is a miss", key)
                 return None
             try:
-                for li in range(nl):
-                    size, csum = _LAYER.unpack_from(rec, _RECORD.size + li * _LAYER.size)
-                    got = await self.store.get_object(self._layer_key(key, li))
-                    blob = None if got is None else _host_bytes(got)
-                    if blob is None or len(blob) != size or checksum(blob) != csum:
-                        raise FormatError(f"layer {li}: missing, or its bytes differ from the record")
-                    lay = decode_layer(blob)
-                    if lay.layer_index != li or lay.num_seqs != 1 or lay.page_size != self.page_size or lay.dtype != self.dtype:
-                        raise FormatError(f"layer {li}: not the layer object this record names")
-                    pages = lay.pages_of(0)
-                    for role, pool in ((0, lay.keys), (1, lay.values)):
-                        out.tensor[role, li] = pool[pages].reshape(-1, self.num_kv_heads * self.head_size)[:n]
+                # The chunk's tokens of each pool, read straight into LMCache's buffer
+                # (pages are stored in order, so they are one byte range per pool).
+                dst = [(host_view(out.tensor[0, li]), host_view(out.tensor[1, li])) for li in range(nl)]
+                oks = await asyncio.gather(*(
+                    self.store.read_object_into(self._layer_key(key, li), [(kpo, nb), (vpo, nb)], list(dst[li]))
+                    for li, (_, _, kpo, vpo, _, _) in enumerate(layers)
+                ))
+                for li, ok in enumerate(oks):
+                    if not ok:
+                        raise FormatError(f"layer {li}: missing")
+                    if checksum(dst[li][0]) != layers[li][4] or checksum(dst[li][1]) != layers[li][5]:
+                        raise FormatError(f"layer {li}: its bytes differ from the record")
             except BaseException:
                 out.ref_count_down()
                 raise

@@ -85,10 +85,12 @@ class Tier(ABC):
     async def get(self, key: str) -> Blob | None: ...
 
     @abstractmethod
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: bytearray | None = None) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
         """The bytes of each ``(offset, length)`` range; ``None`` when the object is
-        missing or shorter than a range asks. A tier that copies may read into ``into``
-        (at least the ranges' total size; the results are then views of it)."""
+        missing or shorter than a range asks. A tier that copies may read into ``into``:
+        one buffer of at least the ranges' total size (the results are then views of
+        it), or a list of writable memoryviews, one per range (the results are then
+        those very views)."""
 
     @abstractmethod
     async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:

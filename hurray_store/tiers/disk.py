@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, unquote
 
 import aiofiles.os
@@ -119,18 +120,21 @@ class DiskTier(Tier):
         except FileNotFoundError:
             return None
 
-    def _ranges_sync(self, key: str, ranges: Sequence[Range], into: bytearray | None) -> list[Blob] | None:
+    def _ranges_sync(self, key: str, ranges: Sequence[Range], into: Any) -> list[Blob] | None:
         try:
             fd = os.open(self.path_of(key), os.O_RDONLY)
         except FileNotFoundError:
             return None
         total = sum(ln for _, ln in ranges)
-        dst = memoryview(into if into is not None and len(into) >= total else bytearray(total))
+        per_range = isinstance(into, list | tuple)  # one destination per range: read straight into each
+        dst = None if per_range else memoryview(into if into is not None and len(into) >= total else bytearray(total))
         try:
             out: list[Blob] = []
             pos = 0
-            for off, ln in ranges:
-                view = dst[pos : pos + ln]
+            for i, (off, ln) in enumerate(ranges):
+                view = into[i] if per_range else dst[pos : pos + ln]  # type: ignore[index]
+                if len(view) != ln:
+                    return None
                 done = 0
                 while done < ln:
                     n = os.preadv(fd, [view[done : done + _IO_CHUNK]], off + done)
@@ -180,7 +184,7 @@ class DiskTier(Tier):
     def _read_many_sync(self, keys: Sequence[str]) -> list[Blob | None]:
         return [self._read_sync(k) for k in keys]
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: bytearray | None = None) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
         got: list[Blob] | None = await self._ranges(key, ranges, into)
         return got
 

@@ -9,6 +9,7 @@ what to evict. Neither is persistent.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ class CpuTier(Tier):
         # A copy: arena space is reused once the object is evicted.
         return None if v is None else (v.clone() if isinstance(v, torch.Tensor) else bytes(v))
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: bytearray | None = None) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
         """Zero-copy views, valid until the object is deleted or replaced (the store
         pins the groups it reads)."""
         v = self._view(key)
@@ -132,7 +133,7 @@ class GpuTier(Tier):
         obj = self._objects.get(key)
         return None if obj is None else obj.clone()
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: bytearray | None = None) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
         obj = self._objects.get(key)
         return None if obj is None else _ranges_of(obj, ranges)
 

@@ -184,7 +184,7 @@ class RedisTier(Tier):
     async def get(self, key: str) -> Blob | None:
         return await self._guard("GET", lambda: self.client.get(self.k(key)), None)
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: bytearray | None = None) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
         return (await self.get_ranges_many([(key, ranges)]))[0]
 
     async def get_ranges_many(self, items: Sequence[tuple[str, Sequence[Range]]]) -> list[list[Blob] | None]:

@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""Benchmark of the LMCache integration (issue E).
+
+Part 1, the in-process engine's storage backends (LMCache 0.5.6, ``CreateStorageBackends``):
+the same KV chunks go through LMCache's LocalDiskBackend, its Redis RemoteBackend, and
+the hurray_store plugin over a disk tier and over a Redis tier. Store means submit until
+the backend reports the chunk; retrieve means a blocking get of every chunk. Reported:
+GB/s and bytes stored.
+
+Part 2, ``lmcache server``'s L2 adapters, each under ``lmcache bench l2`` with the same
+parameters: LMCache's ``fs`` and ``resp`` adapters, and HurrayL2Adapter over a disk tier
+and over a Redis tier. Store and load MB/s, as the tool reports them.
+
+    LMCACHE_TRACK_USAGE=false .venv/bin/python tools/bench_lmcache.py [--chunks 32] [--layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _bench import gbps, table  # noqa: E402
+from bench_store import dir_bytes, start_redis  # noqa: E402
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+
+
+def backends(extra: dict[str, Any], layers: int, heads: int, dim: int, chunk: int) -> tuple[Any, Any, Any]:
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend import CreateStorageBackends
+
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": chunk, "local_cpu": False, "max_local_cpu_size": 2.0, **extra})
+    md = LMCacheMetadata(model_name="bench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                         kv_dtype=torch.float16, kv_shape=(layers, 2, chunk, heads, dim))
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    b = CreateStorageBackends(cfg, md, loop)
+    backend = next(v for k, v in b.items() if k != "LocalCPUBackend")
+    return b["LocalCPUBackend"], backend, loop
+
+
+def run_backend(cpu: Any, backend: Any, data: list[torch.Tensor], keys: list[Any]) -> tuple[float, float]:
+    from lmcache.v1.memory_management import MemoryFormat
+
+    objs = []
+    for t in data:
+        o = cpu.allocate(t.shape, t.dtype, MemoryFormat.KV_2LTD)
+        o.tensor.copy_(t)
+        objs.append(o)
+    os.sync()
+    t0 = time.perf_counter()
+    backend.batched_submit_put_task(keys, objs)
+    while not all(backend.contains(k) for k in keys):
+        time.sleep(0.0005)
+    t_put = time.perf_counter() - t0
+    for o in objs:
+        o.ref_count_down()
+    t0 = time.perf_counter()
+    got = [backend.get_blocking(k) for k in keys]
+    t_get = time.perf_counter() - t0
+    assert all(g is not None for g in got), "a chunk was not found"
+    assert torch.equal(got[-1].tensor, data[-1]), "the last chunk came back different"
+    for g in got:
+        g.ref_count_down()
+    return t_put, t_get
+
+
+def close(backend: Any, cpu: Any, loop: Any) -> None:
+    def run() -> None:
+        backend.close()
+        cpu.close()
+
+    th = threading.Thread(target=run, daemon=True)  # LMCache's Redis backend can hang on close
+    th.start()
+    th.join(timeout=5)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def redis_bytes(port: int) -> int:
+    out = subprocess.run(["redis-cli", "-p", str(port), "--scan"], capture_output=True, text=True).stdout.split()
+    total = 0
+    for k in out:
+        total += int(subprocess.run(["redis-cli", "-p", str(port), "strlen", k], capture_output=True, text=True).stdout.strip() or 0)
+    return total
+
+
+def bench_l2(spec: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, float]:
+    out = work / "l2.json"
+    cmd = [str(Path(sys.executable).parent / "lmcache"), "bench", "l2", "--l2-adapter", json.dumps(spec), "--no-skip-verify",
+           "--num-keys", str(args.l2_keys), "--data-size-kb", str(args.l2_kb), "--rounds", "3", "--format", "json",
+           "--output", str(out), "-q"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"}, timeout=600)
+    if p.returncode != 0:
+        raise SystemExit(f"lmcache bench l2 failed for {spec['type']}: {p.stderr[-2000:]}")
+    m = json.loads(out.read_text())["metrics"]
+    ops = {v["operation"]: v for k, v in m.items() if k.startswith("op_")}
+    return {"store": ops["Store"]["throughput_avg_mbps"], "load": ops["Load"]["throughput_avg_mbps"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--l2-keys", type=int, default=32)
+    ap.add_argument("--l2-kb", type=int, default=2048)
+    a = ap.parse_args()
+    from lmcache.utils import CacheEngineKey
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn((2, a.layers, a.chunk_size, a.heads * a.dim), generator=g).half() for _ in range(a.chunks)]
+    keys = [CacheEngineKey("bench", 1, 0, 1000 + i, torch.float16) for i in range(a.chunks)]
+    nbytes = sum(t.numel() * 2 for t in data)
+    work = Path(tempfile.mkdtemp(prefix="bench-lmcache-"))
+    redis_proc, port = start_redis(work)
+    rows: list[list[object]] = []
+    results: dict[str, tuple[float, float, int]] = {}
+    try:
+        plugin = {"storage_plugins": ["hurray"], "extra_config": {
+            "storage_plugin.hurray.module_path": "hurray_store.adapters.lmcache",
+            "storage_plugin.hurray.class_name": "HurrayStoragePlugin",
+            "storage_plugin.hurray.config": str(work / "h.yaml")}}
+        cases = [
+            ("LMCache LocalDiskBackend", "disk", {"local_disk": f"file://{work}/lmc-disk/", "max_local_disk_size": 16.0}, None),
+            ("hurray_store plugin, disk tier", "disk", plugin, f"  - {{type: disk, path: {work}/h-disk, capacity_bytes: 17179869184}}\n"),
+            ("LMCache RemoteBackend (Redis)", "redis", {"remote_url": f"redis://127.0.0.1:{port}", "remote_serde": "naive"}, None),
+            ("hurray_store plugin, redis tier", "redis", plugin, f"  - {{type: redis, url: 'redis://127.0.0.1:{port}/0'}}\n"),
+        ]
+        for name, tier, extra, tiers in cases:
+            subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
+            if tiers:
+                (work / "h.yaml").write_text("tiers:\n" + tiers)
+            cpu, backend, loop = backends(extra, a.layers, a.heads, a.dim, a.chunk_size)
+            tp, tg = run_backend(cpu, backend, data, keys)
+            if hasattr(backend, "flush"):
+                backend.flush()
+            stored = redis_bytes(port) if tier == "redis" else dir_bytes(work / ("lmc-disk" if "LMCache" in name else "h-disk"))
+            close(backend, cpu, loop)
+            results[name] = (tp, tg, stored)
+            rows.append([name, f"{gbps(nbytes, tp):.2f}", f"{gbps(nbytes, tg):.2f}", f"{stored / 2**20:.1f}"])
+        ratio_rows = []
+        for tier, ref, ours in (("disk", "LMCache LocalDiskBackend", "hurray_store plugin, disk tier"),
+                                ("redis", "LMCache RemoteBackend (Redis)", "hurray_store plugin, redis tier")):
+            (rp, rg, _), (op, og, _) = results[ref], results[ours]
+            ratio_rows.append([tier, f"{rp / op:.2f}", f"{rg / og:.2f}"])
+        l2_rows = []
+        (work / "l2.yaml").write_text(f"tiers:\n  - {{type: disk, path: {work}/l2-disk, capacity_bytes: 17179869184}}\n")
+        (work / "l2r.yaml").write_text(f"tiers:\n  - {{type: redis, url: 'redis://127.0.0.1:{port}/0'}}\n")
+        for name, spec in (
+            ("LMCache fs", {"type": "fs", "base_path": str(work / "l2-fs")}),
+            ("hurray_store, disk tier", {"type": "plugin", "module_path": "hurray_store.adapters.lmcache", "class_name": "HurrayL2Adapter",
+                                         "adapter_params": {"config": str(work / "l2.yaml")}}),
+            ("LMCache resp (Redis)", {"type": "resp", "host": "127.0.0.1", "port": port}),
+            ("hurray_store, redis tier", {"type": "plugin", "module_path": "hurray_store.adapters.lmcache", "class_name": "HurrayL2Adapter",
+                                          "adapter_params": {"config": str(work / "l2r.yaml")}}),
+        ):
+            subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
+            r = bench_l2(spec, a, work)
+            l2_rows.append([name, f"{r['store']:.0f}", f"{r['load']:.0f}"])
+    finally:
+        redis_proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\n{a.chunks} chunks of [2, {a.layers}, {a.chunk_size}, {a.heads * a.dim}] fp16 ({nbytes / 2**20:.0f} MiB); "
+          "in-process storage backends, one run\n")
+    print(table(["backend", "store GB/s", "retrieve GB/s", "MiB stored"], rows))
+    print("\nours x LMCache's own backend on the same tier\n")
+    print(table(["tier", "store", "retrieve"], ratio_rows))
+    print(f"\nlmcache server L2 adapters under `lmcache bench l2 --no-skip-verify` ({a.l2_keys} keys x {a.l2_kb} KiB, 3 rounds)\n")
+    print(table(["adapter", "store MB/s", "load MB/s"], l2_rows))
+    os._exit(0)  # LMCache leaves non-daemon threads behind
+
+
+if __name__ == "__main__":
+    main()

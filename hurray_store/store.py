@@ -308,6 +308,10 @@ class TieredStore:
 
     async def delete_object(self, key: str) -> None:
         k = self._obj_key(key)
+        # A write-through of this object still in flight would put it back in a lower
+        # tier after the delete: let it land first, then delete everywhere.
+        while k in self._through:
+            await asyncio.sleep(0.001)
         for i in self.policy.holders(k):
             self.policy.forget(i, k)
             await self.tiers[i].delete(k)

@@ -360,3 +360,15 @@ async def test_gpu_tier_and_pool_on_cuda_round_trip() -> None:
         got = await store.retrieve(dst, b.tokens)
         assert got.num_tokens == [24, 24]
         assert_pages_equal(src, b.tables, dst, got.block_tables, got.num_tokens)
+
+
+async def test_delete_right_after_put_is_not_undone_by_write_through(tmp_path: Path) -> None:
+    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    async with await open_store(cfg) as store:
+        for i in range(20):
+            assert await store.put_object(f"k{i}", b"x" * 100_000)  # write-through to disk still running
+            await store.delete_object(f"k{i}")
+        await store.flush()
+        assert not any([await store.contains_object(f"k{i}") for i in range(20)])
+    async with await open_store(cfg) as store:  # and nothing came back on disk
+        assert not any([await store.contains_object(f"k{i}") for i in range(20)])

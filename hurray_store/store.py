@@ -242,6 +242,19 @@ class TieredStore:
         k = self._obj_key(key)
         return bool(await self._put_group(k, {k: bufs}, {k: sum(memoryview(b).nbytes for b in bufs)}, depth=0))
 
+    async def put_objects(self, items: Sequence[tuple[str, Buffer | Sequence[Buffer]]]) -> bool:
+        """Store several objects as one group: they enter and leave every tier together,
+        and the last one is written after all the others (make it the commit record).
+        Redis gets the others in one pipeline. False: stored nowhere."""
+        if not items:
+            return True
+        objs: dict[str, Sequence[Buffer]] = {}
+        for key, data in items:
+            objs[self._obj_key(key)] = list(data) if isinstance(data, list | tuple) else [data]  # type: ignore[list-item]
+        sizes = {k: sum(memoryview(b).nbytes for b in bufs) for k, bufs in objs.items()}
+        group = self._obj_key(items[-1][0])
+        return bool(await self._put_group(group, objs, sizes, depth=0))
+
     async def get_object(self, key: str) -> Blob | None:
         k = self._obj_key(key)
         for i in self.policy.holders(k):
@@ -307,14 +320,21 @@ class TieredStore:
         self.policy.unpin(self._obj_key(k) for k in keys)
 
     async def delete_object(self, key: str) -> None:
+        """Delete an object-level key everywhere; a key stored with ``put_objects``
+        takes its whole group with it."""
         k = self._obj_key(key)
         # A write-through of this object still in flight would put it back in a lower
         # tier after the delete: let it land first, then delete everywhere.
-        while k in self._through:
+        groups = {self.policy.group_of(i, k) or k for i in self.policy.holders(k)}
+        # A write-through of this object still in flight would put it back in a lower
+        # tier after the delete: let it land first, then delete everywhere.
+        while groups & self._through.keys():
             await asyncio.sleep(0.001)
         for i in self.policy.holders(k):
-            self.policy.forget(i, k)
-            await self.tiers[i].delete(k)
+            group = self.policy.group_of(i, k) or k
+            # The whole group: a tier never keeps part of one (see put_objects).
+            for kk in self.policy.forget(i, group) or {k: 0}:
+                await self.tiers[i].delete(kk)
 
     def _hit(self, tier: int, nbytes: int) -> None:
         c = self.metrics.tiers[self.tiers[tier].name]

@@ -372,3 +372,19 @@ async def test_delete_right_after_put_is_not_undone_by_write_through(tmp_path: P
         assert not any([await store.contains_object(f"k{i}") for i in range(20)])
     async with await open_store(cfg) as store:  # and nothing came back on disk
         assert not any([await store.contains_object(f"k{i}") for i in range(20)])
+
+
+async def test_put_objects_is_one_group_written_record_last(tmp_path: Path) -> None:
+    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 2000}, {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    async with await open_store(cfg) as store:  # room for one 1203-byte group in memory
+        assert await store.put_objects([("c1/0", b"a" * 600), ("c1/1", b"b" * 600), ("c1/r", b"rec")])
+        await store.flush()  # c1 stays pinned in memory while its write-through runs
+        assert await store.put_objects([("c2/0", b"c" * 600), ("c2/1", b"d" * 600), ("c2/r", b"rec")])
+        await store.flush()
+        cpu = store.stats()["tiers"]["cpu"]
+        assert cpu["evictions"] == 3 and cpu["objects"] == 3  # c1 left the cpu tier whole
+        assert [await store.contains_object(k) for k in ("c1/0", "c1/1", "c1/r")] == [True] * 3  # still on disk
+        await store.delete_object("c2/r")  # any key of a group takes the group
+        assert [await store.contains_object(k) for k in ("c2/0", "c2/1", "c2/r")] == [False] * 3
+        got = await store.get_object("c1/1")
+        assert got is not None and bytes(got) == b"b" * 600

@@ -145,18 +145,17 @@ class HurrayStoragePlugin(StoragePluginInterface):
         nb = self._token_bytes(n)
         body = [_RECORD.pack(_RECORD_MAGIC, _RECORD_VERSION, self.fingerprint, n, len(layers))]
         views = [[memoryview(b).cast("B") for b in enc.buffers] for enc in layers]
-        # The layers together (a disk tier writes them from its thread pool), then the
-        # record: a chunk whose record is missing does not exist.
-        oks = await asyncio.gather(*(self.store.put_object(self._layer_key(key, li), v) for li, v in enumerate(views)))
-        if not all(oks):
-            return  # stored nowhere: no record, so no half chunk is ever visible
         for enc, v in zip(layers, views, strict=True):
             # Buffers: key descriptor, key pool, ..., value descriptor, value pool, ...
             kpool, vpool = v[1], v[5]
             body.append(_LAYER.pack(enc.nbytes, checksum(*v), enc.key_pool_offset, enc.value_pool_offset,
                                     checksum(kpool[:nb]), checksum(vpool[:nb])))
         rec = b"".join(body)
-        await self.store.put_object(self._record_key(key), [rec, struct.pack("<Q", checksum(rec))])
+        # One group per chunk: the layers together (one Redis pipeline, or a thread
+        # each on disk), then the record, the commit point; evicted together.
+        items: list[tuple[str, Any]] = [(self._layer_key(key, li), v) for li, v in enumerate(views)]
+        items.append((self._record_key(key), [rec, struct.pack("<Q", checksum(rec))]))
+        await self.store.put_objects(items)
 
     def batched_submit_put_task(
         self,
@@ -307,7 +306,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
         async def drop() -> None:
             await self.store.delete_object(self._record_key(key))  # the record first: no half chunk
-            for li in range(self.num_layers):
+            for li in range(self.num_layers):  # (after a restart each object is its own group)
                 await self.store.delete_object(self._layer_key(key, li))
 
         self._call(drop())

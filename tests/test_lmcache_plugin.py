@@ -214,3 +214,48 @@ def test_l2_adapter_under_lmcache_bench_with_verification(tmp_path: Path, tier: 
     assert "Adapter created successfully (HurrayL2Adapter)" in text
     assert "All 16 keys data verified OK" in text, text[-3000:]
     assert "success_keys=16/16" in text
+
+
+def test_l2_adapter_verifies_before_it_copies(tmp_path: Path) -> None:
+    import select
+
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+
+    from hurray_store.adapters.lmcache import HurrayL2Adapter
+
+    (tmp_path / "h.yaml").write_text(f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n")
+
+    def obj(fill: int) -> TensorMemoryObj:
+        raw = torch.full((4096,), fill, dtype=torch.uint8)
+        return TensorMemoryObj(raw, MemoryObjMetadata(torch.Size([4096]), torch.uint8, 0, 4096, 1), None)
+
+    def wait(fd: int) -> None:
+        assert select.select([fd], [], [], 10)[0], "no completion signalled"
+        os.read(fd, 8)
+
+    keys = [ObjectKey(bytes([i]) * 16, "tiny", 0) for i in range(3)]
+    a = HurrayL2Adapter({"config": str(tmp_path / "h.yaml")})
+    try:
+        a.submit_store_task(keys[:2], [obj(1), obj(2)])
+        wait(a.get_store_event_fd())
+        (res,) = a.pop_completed_store_tasks().values()
+        assert res.is_successful() and res.bytes_transferred() == 2 * 4096
+        t = a.submit_lookup_and_lock_task(keys, {})
+        wait(a.get_lookup_and_lock_event_fd())
+        bm = a.query_lookup_and_lock_result(t)
+        assert bm is not None and [bm.test(i) for i in range(3)] == [True, True, False]
+        a.submit_unlock(keys[:2])
+        # Corrupt key 1's bytes on disk: its load must be a 0, and the buffer untouched.
+        f = next(p for p in (tmp_path / "cache" / "objects").rglob("*") if p.is_file() and p.name.endswith(bytes([1]).hex() * 16 + "%40"))
+        raw = bytearray(f.read_bytes())
+        raw[100] ^= 0xFF
+        f.write_bytes(bytes(raw))
+        dst = [obj(0), obj(0), obj(0)]
+        t = a.submit_load_task(keys, dst)
+        wait(a.get_load_event_fd())
+        bm = a.query_load_result(t)
+        assert bm is not None and [bm.test(i) for i in range(3)] == [True, False, False]
+        assert bool((dst[0].tensor == 1).all()) and bool((dst[1].tensor == 0).all())
+    finally:
+        a.close()

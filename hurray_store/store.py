@@ -33,9 +33,17 @@ import functools
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -72,6 +80,7 @@ from hurray_store.tiers import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _MANIFEST_CACHE = 1024
 
 
@@ -255,34 +264,31 @@ class TieredStore:
         group = self._obj_key(items[-1][0])
         return bool(await self._put_group(group, objs, sizes, depth=0))
 
-    async def get_object(self, key: str) -> Blob | None:
+    async def _from_first_holder(self, key: str, op: str, read: Callable[[Tier, str], Awaitable[T | None]], nbytes: Callable[[Any], int]) -> T | None:
+        """``read`` an object-level key from the fastest tier holding it, with the
+        books and metrics kept (a tier that lost it is a miss there: on to the next)."""
         k = self._obj_key(key)
         for i in self.policy.holders(k):
-            with self.metrics.timed(self.tiers[i].name, "get"):
-                got = await self.tiers[i].get(k)
+            with self.metrics.timed(self.tiers[i].name, op):
+                got = await read(self.tiers[i], k)
             if got is None:
                 self._missing(i, k)
                 continue
-            self._hit(i, blob_nbytes(got))
+            self._hit(i, nbytes(got))
             self.policy.touch([k])
             return got
         self._miss_all(k)
         return None
 
+    async def get_object(self, key: str) -> Blob | None:
+        return await self._from_first_holder(key, "get", lambda t, k: t.get(k), blob_nbytes)
+
     async def get_object_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
-        k = self._obj_key(key)
-        for i in self.policy.holders(k):
-            with self.metrics.timed(self.tiers[i].name, "get_ranges"):
-                got = await self.tiers[i].get_ranges(k, ranges)
-            if got is None:
-                self._missing(i, k)
-                continue
-            self._hit(i, sum(blob_nbytes(b) for b in got))
-            self.policy.touch([k])
-            # Copies: a memory tier's views are only valid until its object is evicted.
-            return [b.clone() if isinstance(b, torch.Tensor) else bytes(b) for b in got]
-        self._miss_all(k)
-        return None
+        got = await self._from_first_holder(
+            key, "get_ranges", lambda t, k: t.get_ranges(k, ranges), lambda parts: sum(blob_nbytes(b) for b in parts)
+        )
+        # Copies: a memory tier's views are only valid until its object is evicted.
+        return None if got is None else [b.clone() if isinstance(b, torch.Tensor) else bytes(b) for b in got]
 
     async def contains_object(self, key: str) -> bool:
         return self.has_object(key)
@@ -295,22 +301,15 @@ class TieredStore:
     async def read_object_into(self, key: str, ranges: Sequence[Range], buffers: Sequence[memoryview]) -> bool:
         """Fill ``buffers[i]`` with range ``i`` of an object-level object, from the
         fastest tier holding it (a disk tier reads straight into them). False: a miss."""
-        k = self._obj_key(key)
-        for i in self.policy.holders(k):
-            t = self.tiers[i]
-            with self.metrics.timed(t.name, "get_ranges"):
-                got = await t.get_ranges(k, ranges, list(buffers))
-            if got is None:
-                self._missing(i, k)
-                continue
-            for dst, src in zip(buffers, got, strict=True):
-                if src is not dst:
-                    dst[:] = host_view(src.cpu()) if isinstance(src, torch.Tensor) else host_view(src)
-            self._hit(i, sum(len(b) for b in buffers))
-            self.policy.touch([k])
-            return True
-        self._miss_all(k)
-        return False
+        got = await self._from_first_holder(
+            key, "get_ranges", lambda t, k: t.get_ranges(k, ranges, list(buffers)), lambda _: sum(len(b) for b in buffers)
+        )
+        if got is None:
+            return False
+        for dst, src in zip(buffers, got, strict=True):
+            if src is not dst:  # a tier that did not read into the buffers
+                dst[:] = host_view(src)
+        return True
 
     def pin_objects(self, keys: Sequence[str]) -> None:
         """Keep object-level keys from eviction until ``unpin_objects`` (LMCache's pin)."""
@@ -491,7 +490,7 @@ class TieredStore:
             got = await t.get(k)
             if got is None or blob_nbytes(got) != n:
                 return None
-            out[k] = [host_view(got.cpu()) if isinstance(got, torch.Tensor) else host_view(got)]
+            out[k] = [host_view(got)]
         return out
 
     async def _copy_group(self, group: str, src: int, dst: int) -> None:
@@ -557,7 +556,7 @@ class TieredStore:
         if blob is None:
             return None
         try:
-            m = Manifest.from_bytes(host_view(blob.cpu() if isinstance(blob, torch.Tensor) else blob))
+            m = Manifest.from_bytes(host_view(blob))
             if m.segment_id.hex() != seg_hex:
                 raise FormatError(f"manifest names segment {m.segment_id.hex()}, stored as {seg_hex}")
             if any(lay.key != self._layer_key(seg_hex, lay.layer_index) for lay in m.layers):
@@ -952,7 +951,7 @@ class TieredStore:
             # Truncate each sequence at its first bad page and give back what it loses.
             lost = []
             for t in local:
-                cut = next((i for i, d in enumerate(t) if d in bad), len(t))
+                cut = _first_bad(t, bad)
                 keep = set(t[:cut])
                 lost += [new_ids[d] for d in set(t[cut:]) - keep]
                 del t[cut:]
@@ -972,10 +971,7 @@ class TieredStore:
             self.policy.unpin(groups)
 
     def _delivered(self, local: list[list[int]], new_ids: list[int], bad: set[int], P: int) -> tuple[list[list[int]], list[int]]:
-        tables = []
-        for t in local:
-            cut = next((i for i, d in enumerate(t) if d in bad), len(t))
-            tables.append([new_ids[d] for d in t[:cut]])
+        tables = [[new_ids[d] for d in t[: _first_bad(t, bad)]] for t in local]
         return tables, [len(t) * P for t in tables]
 
     def _verification_failed_all(self, seg: bytes, why: str) -> None:
@@ -1176,6 +1172,11 @@ class TieredStore:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _first_bad(table: list[int], bad: set[int]) -> int:
+    """Where a sequence stops: its first page that no tier had good, else its end."""
+    return next((i for i, d in enumerate(table) if d in bad), len(table))
 
 
 def _index_entries(m: Manifest) -> list[tuple[bytes, int, int, Sequence[bytes]]]:

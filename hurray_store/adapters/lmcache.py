@@ -59,11 +59,6 @@ _LAYER = struct.Struct("<QQQQQQ")
 _RECORD_VERSION = 2
 
 
-def _host_bytes(b: Any) -> memoryview:
-    """A byte view of a blob the store returned (a copy only for device blobs)."""
-    return host_view(b.cpu()) if isinstance(b, torch.Tensor) else host_view(b)
-
-
 def layout_fingerprint(num_layers: int, num_kv_heads: int, head_size: int, chunk_size: int, dtype: torch.dtype, use_mla: bool, page_size: int) -> bytes:
     """32 bytes that change with anything that changes what a chunk's bytes mean."""
     text = f"hurray_store/lmcache-layout/v1|{num_layers}|{num_kv_heads}|{head_size}|{chunk_size}|{dtype}|{int(use_mla)}|{page_size}"
@@ -216,7 +211,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         raw = await self.store.get_object(self._record_key(key))
         if raw is None:
             return None
-        rec = _host_bytes(raw)
+        rec = host_view(raw)
         try:
             if len(rec) < _RECORD.size + 8:
                 raise FormatError(f"chunk record of {len(rec)} bytes is shorter than its header")
@@ -510,7 +505,7 @@ class HurrayL2Adapter(L2AdapterInterface):
                 raw = await self.store.get_object(k + "/r")
                 if raw is None:
                     continue
-                rec = _host_bytes(raw)
+                rec = host_view(raw)
                 if len(rec) != _L2_RECORD.size:
                     raise FormatError("L2 record: wrong length")
                 magic, version, size, csum = _L2_RECORD.unpack(rec)
@@ -518,7 +513,7 @@ class HurrayL2Adapter(L2AdapterInterface):
                 if magic != b"HSL2" or version != 1 or size != len(dst):
                     raise FormatError(f"L2 record: {size} bytes recorded, the load buffer holds {len(dst)}")
                 got = await self.store.get_object(k)
-                data = None if got is None else _host_bytes(got)
+                data = None if got is None else host_view(got)
                 if data is None or len(data) != size or checksum(data) != csum:
                     raise FormatError("L2 object: missing, or its bytes differ from the record")
                 dst[:] = data
@@ -550,7 +545,7 @@ class HurrayL2Adapter(L2AdapterInterface):
                 await self.store.delete_object(k + "/r")
                 await self.store.delete_object(k)
                 gone.append(key)
-                sizes.append(_L2_RECORD.unpack(_host_bytes(raw))[2] if len(raw) == _L2_RECORD.size else 0)
+                sizes.append(_L2_RECORD.unpack(host_view(raw))[2] if len(raw) == _L2_RECORD.size else 0)
             return gone, sizes
 
         gone, sizes = asyncio.run_coroutine_threadsafe(drop(), self._loop).result()

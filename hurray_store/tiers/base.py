@@ -31,9 +31,10 @@ def blob_nbytes(b: Blob) -> int:
 
 
 def host_view(b: Blob) -> memoryview:
-    """A byte view of a host blob (a tensor on the CPU included)."""
+    """A byte view of a blob: zero-copy for host memory (a CPU tensor included); a
+    device tensor is copied to the host first."""
     if isinstance(b, torch.Tensor):
-        arr: Any = b.contiguous().view(torch.uint8).numpy()
+        arr: Any = b.cpu().contiguous().view(torch.uint8).numpy()
         return memoryview(arr).cast("B")
     mv = memoryview(b)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")

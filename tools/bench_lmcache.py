@@ -17,14 +17,12 @@ and over a Redis tier. Store and load MB/s, as the tool reports them.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,24 +31,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _bench import gbps, table  # noqa: E402
-from bench_store import dir_bytes, start_redis  # noqa: E402
+from bench_store import LMCacheBackend, dir_bytes, start_redis  # noqa: E402
+
+from hurray_store import KVSpec  # noqa: E402
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-
-
-def backends(extra: dict[str, Any], layers: int, heads: int, dim: int, chunk: int) -> tuple[Any, Any, Any]:
-    from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.metadata import LMCacheMetadata
-    from lmcache.v1.storage_backend import CreateStorageBackends
-
-    cfg = LMCacheEngineConfig.from_dict({"chunk_size": chunk, "local_cpu": False, "max_local_cpu_size": 2.0, **extra})
-    md = LMCacheMetadata(model_name="bench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-                         kv_dtype=torch.float16, kv_shape=(layers, 2, chunk, heads, dim))
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    b = CreateStorageBackends(cfg, md, loop)
-    backend = next(v for k, v in b.items() if k != "LocalCPUBackend")
-    return b["LocalCPUBackend"], backend, loop
 
 
 def run_backend(cpu: Any, backend: Any, data: list[torch.Tensor], keys: list[Any]) -> tuple[float, float]:
@@ -77,17 +62,6 @@ def run_backend(cpu: Any, backend: Any, data: list[torch.Tensor], keys: list[Any
     for g in got:
         g.ref_count_down()
     return t_put, t_get
-
-
-def close(backend: Any, cpu: Any, loop: Any) -> None:
-    def run() -> None:
-        backend.close()
-        cpu.close()
-
-    th = threading.Thread(target=run, daemon=True)  # LMCache's Redis backend can hang on close
-    th.start()
-    th.join(timeout=5)
-    loop.call_soon_threadsafe(loop.stop)
 
 
 def redis_bytes(port: int) -> int:
@@ -123,6 +97,7 @@ def main() -> None:
     a = ap.parse_args()
     from lmcache.utils import CacheEngineKey
 
+    spec = KVSpec("bench", a.layers, a.heads, a.dim, 16, torch.float16)
     g = torch.Generator().manual_seed(0)
     data = [torch.randn((2, a.layers, a.chunk_size, a.heads * a.dim), generator=g).half() for _ in range(a.chunks)]
     keys = [CacheEngineKey("bench", 1, 0, 1000 + i, torch.float16) for i in range(a.chunks)]
@@ -146,12 +121,12 @@ def main() -> None:
             subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
             if tiers:
                 (work / "h.yaml").write_text("tiers:\n" + tiers)
-            cpu, backend, loop = backends(extra, a.layers, a.heads, a.dim, a.chunk_size)
-            tp, tg = run_backend(cpu, backend, data, keys)
-            if hasattr(backend, "flush"):
-                backend.flush()
+            lm = LMCacheBackend(spec, a.chunk_size, extra)  # LMCache's own loader builds either backend
+            tp, tg = run_backend(lm.cpu, lm.backend, data, keys)
+            if hasattr(lm.backend, "flush"):
+                lm.backend.flush()
             stored = redis_bytes(port) if tier == "redis" else dir_bytes(work / ("lmc-disk" if "LMCache" in name else "h-disk"))
-            close(backend, cpu, loop)
+            lm.close()
             results[name] = (tp, tg, stored)
             rows.append([name, f"{gbps(nbytes, tp):.2f}", f"{gbps(nbytes, tg):.2f}", f"{stored / 2**20:.1f}"])
         ratio_rows = []

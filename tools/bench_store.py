@@ -328,6 +328,7 @@ class LMCacheBackend:
         th = threading.Thread(target=run, daemon=True)
         th.start()
         th.join(timeout=5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 # ---------------------------------------------------------------------- main

@@ -278,6 +278,35 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- serve
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The cache server on a config's tiers, until SIGTERM or SIGINT (then exit 0)."""
+    import asyncio
+    import logging
+
+    from hurray_store.config import load_config
+    from hurray_store.errors import ConfigError
+    from hurray_store.server import serve
+    from hurray_store.store import TieredStore
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config)
+        store = TieredStore(cfg)
+    except ConfigError as e:
+        print(f"hurray-store serve: {e}", file=sys.stderr)
+        return 2
+    metrics_port = -1 if args.metrics_port is None else (None if args.metrics_port < 0 else args.metrics_port)
+    try:
+        asyncio.run(serve(store, cfg.server, host=args.host, port=args.port, metrics_port=metrics_port))
+    except OSError as e:  # the port is taken, the address is not ours
+        print(f"hurray-store serve: cannot listen: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="store config (YAML); default: the embedded default")
     p.add_argument("--model", required=True, help="a model directory (save_pretrained)")
@@ -308,6 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dim", type=int, default=128)
     d.add_argument("--page-size", type=int, default=16)
     d.set_defaults(func=cmd_demo)
+    sv = sub.add_parser("serve", help="run the cache server (Hurray network transport) on a config's tiers")
+    sv.add_argument("--config", default=None, help="store config with a server: section (default: the embedded default)")
+    sv.add_argument("--host", default=None, help="address to listen on (default: server.host)")
+    sv.add_argument("--port", type=int, default=None, help="port (default: server.port; 0 picks a free one)")
+    sv.add_argument("--metrics-port", type=int, default=None, help="HTTP port for /metrics and health (default: server.metrics_port; -1: none)")
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sv.set_defaults(func=cmd_serve)
     i = sub.add_parser("inspect", help="print every descriptor field of a layer object or a manifest")
     i.add_argument("path")
     i.set_defaults(func=cmd_inspect)

@@ -93,13 +93,29 @@ class RedisTierConfig:
     backoff_max_s: float = _doc("longest wait between retries during an outage", 30.0)
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteTierConfig:
+    """A hurray_store cache server (``hurray-store serve``), shared by many engines."""
+
+    url: str = _doc("hurray://host:port of the cache server")
+    name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
+    token: str = _doc("shared secret the server asks for (empty: none); HURRAY_STORE__TIERS__REMOTE__TOKEN sets it from the environment", "")
+    connections: int = _doc("connection pool size; requests are pipelined on each connection", 4)
+    timeout_s: float = _doc("per request, plus one second per 50 MB it moves; a request past it is a miss", 5.0)
+    connect_timeout_s: float = _doc("to open one connection and finish its HELLO", 2.0)
+    max_message_bytes: int = _doc("largest message payload this client accepts (announced in its HELLO)", 64 << 20)
+    backoff_initial_s: float = _doc("first wait before reconnecting after the server went away", 0.2)
+    backoff_max_s: float = _doc("longest wait between reconnect attempts", 10.0)
+
+
 TIER_CONFIGS: dict[str, type] = {
     "gpu": GpuTierConfig,
     "cpu": CpuTierConfig,
     "disk": DiskTierConfig,
     "redis": RedisTierConfig,
+    "remote": RemoteTierConfig,
 }
-TierConfig = GpuTierConfig | CpuTierConfig | DiskTierConfig | RedisTierConfig
+TierConfig = GpuTierConfig | CpuTierConfig | DiskTierConfig | RedisTierConfig | RemoteTierConfig
 
 
 def tier_type(cfg: TierConfig) -> str:
@@ -121,6 +137,32 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """``hurray-store serve``: the cache server over this config's tiers (ignored by a
+    store opened in-process). Command-line flags override host and ports."""
+
+    host: str = _doc("address to listen on; 127.0.0.1 keeps the server on this machine", "127.0.0.1")
+    port: int = _doc("TCP port of the Hurray transport", 9470)
+    metrics_host: str = _doc("address of the HTTP endpoint (/metrics, /healthz, /readyz)", "127.0.0.1")
+    metrics_port: int | None = _doc("HTTP port for /metrics and the health checks; null: none", 9471)
+    token: str = _doc(
+        "shared secret every client must send in its HELLO (empty: no auth); "
+        "HURRAY_STORE__SERVER__TOKEN sets it from the environment", ""
+    )
+    max_message_bytes: int = _doc("largest message payload accepted; a larger header gets ERROR and the connection closes", 64 << 20)
+    max_object_bytes: int = _doc("largest object one TENSOR_PUT may announce", 1 << 30)
+    max_connections: int = _doc("connections served at once; one more gets ERROR (busy) and is closed", 256)
+    request_timeout_s: float = _doc("to read one message, or one put's data frames, once its header arrived", 30.0)
+    hello_timeout_s: float = _doc("for a new connection to send its CLIENT_HELLO", 5.0)
+    max_inflight_put_bytes: int = _doc(
+        "bytes of puts being received or staged; a put waits for room (up to request_timeout_s), then gets ERROR (busy)", 1 << 30
+    )
+    staging_timeout_s: float = _doc("how long a segment's layer objects wait for their commit before they are dropped", 120.0)
+    claim_timeout_s: float = _doc("how long pages claimed by one client's put make another client's put wait for them", 30.0)
+    shutdown_timeout_s: float = _doc("on SIGTERM/SIGINT, how long in-flight requests may take before connections are cut", 30.0)
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     tiers: tuple[TierConfig, ...] = _doc("tiers, fastest first; a put lands in the first")
     namespace: str = _doc("first component of every object key; stores sharing tiers share a namespace", "hurray")
@@ -128,6 +170,7 @@ class StoreConfig:
     quantization: Literal["none", "int8"] = _doc("store pages as int8 with per-slot scales, or as they are", "none")
     max_segment_bytes: int = _doc("largest segment one put writes; bigger batches are split", 256 << 20)
     policy: PolicyConfig = _doc("placement, write-through, promotion", PolicyConfig())
+    server: ServerConfig = _doc("the cache server (hurray-store serve); unused in-process", ServerConfig())
 
 
 # --------------------------------------------------------------------------- loading
@@ -177,7 +220,25 @@ def load_config(
         raise ConfigError(f"a config is a mapping of keys, got {type(raw).__name__}")
     _apply_env(raw, os.environ if env is None else env)
     cfg = _build(StoreConfig, raw, "")
+    _check_server(cfg.server)
     return _resolve_paths(cfg, base)
+
+
+def _check_server(s: ServerConfig) -> None:
+    for key in ("port", "metrics_port"):
+        v = getattr(s, key)
+        if v is not None and v > 65535:
+            raise ConfigError(f"server.{key}: expected a TCP port (0-65535), got {v}")
+    if not (64 << 10) <= s.max_message_bytes <= 0xFFFFFFFF:
+        raise ConfigError(f"server.max_message_bytes: expected 65536 to 4294967295 (a u32 payload length), got {s.max_message_bytes}")
+    for key in ("max_object_bytes", "max_connections", "max_inflight_put_bytes"):
+        if getattr(s, key) < 1:
+            raise ConfigError(f"server.{key}: expected a positive number, got {getattr(s, key)}")
+    if s.max_object_bytes > s.max_inflight_put_bytes:
+        raise ConfigError(
+            f"server.max_object_bytes ({s.max_object_bytes}) exceeds server.max_inflight_put_bytes "
+            f"({s.max_inflight_put_bytes}): such an object could never be received"
+        )
 
 
 def _plain(x: Any) -> Any:
@@ -266,8 +327,6 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
         kind = item.get("type")
         label = f"{where}.{item.get('name') or kind or i}"
         if kind not in TIER_CONFIGS:
-            if kind == "remote":
-                raise ConfigError(f"{label}.type: the remote tier (a cache server client) is not in this version")
             raise ConfigError(f"{label}.type: expected one of {sorted(TIER_CONFIGS)}, got {kind!r}")
         body = {k: v for k, v in item.items() if k != "type"}
         cfg = _build(TIER_CONFIGS[kind], body, label)
@@ -277,7 +336,7 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
             raise ConfigError(f"{label}.name: two tiers are named {cfg.name!r}; give each a distinct name")
         names.add(cfg.name)
         for k in ("capacity_bytes",):
-            v = getattr(cfg, k)
+            v = getattr(cfg, k, None)
             if v is not None and v < 1:
                 raise ConfigError(f"{label}.{k}: expected a positive number of bytes, got {v}")
         out.append(cfg)
@@ -335,6 +394,9 @@ def _resolve_paths(cfg: StoreConfig, base: Path) -> StoreConfig:
     return _replace(cfg, tiers=tiers)
 
 
+_SECTIONS: dict[str, type] = {"policy": PolicyConfig, "server": ServerConfig}
+
+
 def schema() -> list[tuple[str, str, str]]:
     """(dotted key, default, doc) of every key, for docs and the docs test."""
     rows: list[tuple[str, str, str]] = []
@@ -346,8 +408,8 @@ def schema() -> list[tuple[str, str, str]]:
                 rows.append((key, "(required)", f.metadata["doc"]))
                 for kind, tcls in TIER_CONFIGS.items():
                     walk(tcls, f"tiers[type={kind}]")
-            elif hasattr(f.type, "__dataclass_fields__") or f.name == "policy":
-                walk(PolicyConfig, key)
+            elif f.name in _SECTIONS:
+                walk(_SECTIONS[f.name], key)
             else:
                 d = "(required)" if f.default is MISSING else repr(f.default)
                 rows.append((key, d, f.metadata["doc"]))

@@ -121,3 +121,25 @@ class ConfigError(HurrayStoreError, ValueError):
 class TierUnavailableError(HurrayStoreError, ConnectionError):
     """A tier's backing service cannot be reached. Tiers catch this themselves and turn
     it into a miss or a skipped write; it never reaches the store's caller."""
+
+
+# --- network transport ------------------------------------------------------------------
+
+
+class ProtocolError(HurrayStoreError, ValueError):
+    """A message that breaks the Hurray network transport (or our extensions to it).
+    ``code`` is the ERROR code to answer with; ``fatal`` says the connection must close
+    (the byte stream can no longer be trusted), not just the stream."""
+
+    def __init__(self, code: int, message: str, *, fatal: bool = True) -> None:
+        super().__init__(message)
+        self.code = code
+        self.fatal = fatal
+
+
+class RemoteError(HurrayStoreError, RuntimeError):
+    """The peer answered ERROR. ``code`` is its error code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"{message} (error 0x{code:02x})")
+        self.code = code

@@ -52,3 +52,49 @@ def page_hashes(spec: KVSpec, token_ids: Sequence[int], *, salt: bytes = b"") ->
         prev = sha(prev + raw[i * step : (i + 1) * step]).digest()[:HASH_LEN]
         out.append(prev)
     return out
+
+
+# --------------------------------------------------------------------------- object keys
+#
+# The store's key scheme, here because three layers read it: the store writes these
+# keys, the remote tier and the cache server recognise a segment's objects by them.
+#
+#     <ns>/s/{<segment id hex>}/<layer>     layer object of a segment
+#     <ns>/s/{<segment id hex>}/m           its manifest (the commit point)
+#     <ns>/o/<key>                          an object-level key
+#
+# ``{...}`` is a Redis Cluster hash tag: a segment's objects share one slot.
+
+MANIFEST_PART = "m"
+
+
+def segment_prefix(ns: str, seg_hex: str) -> str:
+    return f"{ns}/s/{{{seg_hex}}}/"
+
+
+def layer_key(ns: str, seg_hex: str, layer: int) -> str:
+    return f"{segment_prefix(ns, seg_hex)}{layer}"
+
+
+def manifest_key(ns: str, seg_hex: str) -> str:
+    return f"{segment_prefix(ns, seg_hex)}{MANIFEST_PART}"
+
+
+def object_key(ns: str, key: str) -> str:
+    return f"{ns}/o/{key}"
+
+
+def parse_segment_key(key: str) -> tuple[str, str, str] | None:
+    """``(namespace, segment id hex, part)`` of a segment object's key (``part`` is the
+    layer index as text, or ``m`` for the manifest); None for any other key."""
+    ns, sep, rest = key.partition("/s/{")
+    if not sep or not ns:
+        return None
+    seg_hex, sep, part = rest.partition("}/")
+    if not sep or not seg_hex or not part:
+        return None
+    if any(c not in "0123456789abcdef" for c in seg_hex):
+        return None
+    if part != MANIFEST_PART and not part.isdigit():
+        return None
+    return ns, seg_hex, part

@@ -52,7 +52,7 @@ import xxhash
 from hurray_store import keys as keymod
 from hurray_store.buffers import BufferPool
 from hurray_store.config import StoreConfig, load_config
-from hurray_store.errors import FormatError, PagingError
+from hurray_store.errors import ChecksumError, FormatError, PagingError
 from hurray_store.format import (
     LayerPlan,
     Manifest,
@@ -190,7 +190,9 @@ class TieredStore:
         for t in self.tiers:
             await t.open()
         for i, t in enumerate(self.tiers):
-            if t.persistent:
+            # A shared tier (a cache server) is not scanned: what it holds is found per
+            # request (``_discover``), as other engines keep adding to it.
+            if t.persistent and not t.shared:
                 await self._rebuild(i)
         self._opened = True
         return self
@@ -220,17 +222,14 @@ class TieredStore:
 
     # ------------------------------------------------------------------ keys
 
-    def _seg_prefix(self, seg_hex: str) -> str:
-        return f"{self.ns}/s/{{{seg_hex}}}/"
-
     def _layer_key(self, seg_hex: str, layer: int) -> str:
-        return f"{self._seg_prefix(seg_hex)}{layer}"
+        return keymod.layer_key(self.ns, seg_hex, layer)
 
     def _manifest_key(self, seg_hex: str) -> str:
-        return f"{self._seg_prefix(seg_hex)}m"
+        return keymod.manifest_key(self.ns, seg_hex)
 
     def _obj_key(self, key: str) -> str:
-        return f"{self.ns}/o/{key}"
+        return keymod.object_key(self.ns, key)
 
     @staticmethod
     def _seg_group(seg_hex: str) -> str:
@@ -264,45 +263,52 @@ class TieredStore:
         group = self._obj_key(items[-1][0])
         return bool(await self._put_group(group, objs, sizes, depth=0))
 
-    async def _from_first_holder(self, key: str, op: str, read: Callable[[Tier, str], Awaitable[T | None]], nbytes: Callable[[Any], int]) -> T | None:
-        """``read`` an object-level key from the fastest tier holding it, with the
-        books and metrics kept (a tier that lost it is a miss there: on to the next)."""
-        k = self._obj_key(key)
-        for i in self.policy.holders(k):
+    async def _from_first_holder(self, k: str, op: str, read: Callable[[Tier, str], Awaitable[T | None]], nbytes: Callable[[Any], int]) -> T | None:
+        """``read`` a stored key from the fastest tier holding it, with the books and
+        metrics kept (a tier that lost it is a miss there: on to the next). A shared
+        tier the books do not name is asked last: other engines write to it."""
+        holders = self.policy.holders(k)
+        for i in holders:
             with self.metrics.timed(self.tiers[i].name, op):
                 got = await read(self.tiers[i], k)
             if got is None:
                 self._missing(i, k)
                 continue
             self._hit(i, nbytes(got))
-            self.policy.touch([k])
+            self.policy.touch([self.policy.group_of(i, k) or k])
             return got
+        for i, t in enumerate(self.tiers):
+            if t.shared and i not in holders and t.ready:
+                with self.metrics.timed(t.name, op):
+                    got = await read(t, k)
+                if got is not None:
+                    self._hit(i, nbytes(got))
+                    return got
         self._miss_all(k)
         return None
 
     async def get_object(self, key: str) -> Blob | None:
-        return await self._from_first_holder(key, "get", lambda t, k: t.get(k), blob_nbytes)
+        return await self.get_key(self._obj_key(key))
 
     async def get_object_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
-        got = await self._from_first_holder(
-            key, "get_ranges", lambda t, k: t.get_ranges(k, ranges), lambda parts: sum(blob_nbytes(b) for b in parts)
-        )
+        got = await self.get_key_ranges(self._obj_key(key), ranges)
         # Copies: a memory tier's views are only valid until its object is evicted.
         return None if got is None else [b.clone() if isinstance(b, torch.Tensor) else bytes(b) for b in got]
 
     async def contains_object(self, key: str) -> bool:
-        return self.has_object(key)
+        return await self.key_size(self._obj_key(key)) is not None
 
     def has_object(self, key: str) -> bool:
-        """``contains_object`` without a trip to the store's loop: a read of the books,
-        safe from another thread (membership tests of dicts are atomic in CPython)."""
+        """``contains_object`` from the books alone, without a trip to the store's loop
+        or a shared tier: safe from another thread (membership tests of dicts are
+        atomic in CPython)."""
         return bool(self.policy.holders(self._obj_key(key)))
 
     async def read_object_into(self, key: str, ranges: Sequence[Range], buffers: Sequence[memoryview]) -> bool:
         """Fill ``buffers[i]`` with range ``i`` of an object-level object, from the
         fastest tier holding it (a disk tier reads straight into them). False: a miss."""
         got = await self._from_first_holder(
-            key, "get_ranges", lambda t, k: t.get_ranges(k, ranges, list(buffers)), lambda _: sum(len(b) for b in buffers)
+            self._obj_key(key), "get_ranges", lambda t, k: t.get_ranges(k, ranges, list(buffers)), lambda _: sum(len(b) for b in buffers)
         )
         if got is None:
             return False
@@ -321,19 +327,201 @@ class TieredStore:
     async def delete_object(self, key: str) -> None:
         """Delete an object-level key everywhere; a key stored with ``put_objects``
         takes its whole group with it."""
-        k = self._obj_key(key)
-        # A write-through of this object still in flight would put it back in a lower
-        # tier after the delete: let it land first, then delete everywhere.
+        await self.delete_key(self._obj_key(key))
+
+    # ------------------------------------------------------------------ stored keys
+    #
+    # What the cache server serves: keys as the tiers store them. A client's segment
+    # keys in this store's namespace are kept as they are (so a restart finds them as
+    # segments); any other key a client names is kept as an object-level key.
+
+    def storage_key(self, client_key: str) -> str:
+        seg = keymod.parse_segment_key(client_key)
+        return client_key if seg is not None and seg[0] == self.ns else self._obj_key(client_key)
+
+    async def get_key(self, k: str) -> Blob | None:
+        return await self._from_first_holder(k, "get", lambda t, kk: t.get(kk), blob_nbytes)
+
+    async def get_key_ranges(self, k: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
+        """Views of the tier's bytes (valid while the key's group is pinned) or of
+        ``into``."""
+        return await self._from_first_holder(
+            k, "get_ranges", lambda t, kk: t.get_ranges(kk, ranges, into), lambda parts: sum(blob_nbytes(b) for b in parts)
+        )
+
+    async def key_size(self, k: str) -> int | None:
+        """Size of a stored key from the books, else from a shared tier; None: absent."""
+        for i in self.policy.holders(k):
+            g = self.policy.group_of(i, k)
+            if g is not None:
+                return self.policy.group_keys(i, g).get(k)
+        for t in self.tiers:
+            if t.shared and t.ready:
+                n = (await t.sizes([k]))[0]
+                if n is not None:
+                    return n
+        return None
+
+    def pin_keys(self, keys: Sequence[str]) -> list[str]:
+        """Pin the groups holding ``keys`` (a segment key pins its segment); returns
+        them, for ``unpin_groups``."""
+        groups = list(dict.fromkeys(self.policy.group_of(i, k) or k for k in keys for i in self.policy.holders(k)))
+        self.policy.pin(groups)
+        return groups
+
+    def unpin_groups(self, groups: Sequence[str]) -> None:
+        self.policy.unpin(groups)
+
+    async def put_key(self, k: str, data: Sequence[Buffer], release: Callable[[], None] | None = None) -> bool:
+        """Store one object under a stored key (a group of its own); ``release()`` runs
+        once no tier write needs ``data`` any more."""
+        if keymod.parse_segment_key(k) is not None and k.startswith(self.ns + "/"):
+            if release is not None:
+                release()
+            raise FormatError(f"{k} is a segment object: it is stored by commit_segment with its manifest")
+        return bool(await self._put_group(k, {k: data}, {k: sum(memoryview(b).nbytes for b in data)}, depth=0, release=release))
+
+    async def delete_key(self, k: str) -> None:
+        """Delete a stored key everywhere, with its whole group."""
         groups = {self.policy.group_of(i, k) or k for i in self.policy.holders(k)}
         # A write-through of this object still in flight would put it back in a lower
         # tier after the delete: let it land first, then delete everywhere.
         while groups & self._through.keys():
             await asyncio.sleep(0.001)
-        for i in self.policy.holders(k):
+        holders = self.policy.holders(k)
+        for i in holders:
             group = self.policy.group_of(i, k) or k
             # The whole group: a tier never keeps part of one (see put_objects).
             for kk in self.policy.forget(i, group) or {k: 0}:
                 await self.tiers[i].delete(kk)
+            self._after_group_left(group)
+        for i, t in enumerate(self.tiers):
+            if t.shared and i not in holders and t.ready:
+                await t.delete(k)
+
+    async def commit_segment(
+        self, manifest_key: str, manifest: Buffer, objects: Mapping[str, Buffer], release: Callable[[], None] | None = None,
+    ) -> bool:
+        """Store a segment a client built: its layer objects, then its manifest (the
+        commit). Everything is verified first: the manifest's checksum and key, each
+        object's size and every page's checksum. Raises FormatError (nothing stored)
+        when any of it is wrong; returns False when no tier took it, True when stored
+        or already held."""
+        try:
+            seg = keymod.parse_segment_key(manifest_key)
+            if seg is None or seg[2] != keymod.MANIFEST_PART:
+                raise FormatError(f"{manifest_key!r} is not a segment manifest key")
+            if seg[0] != self.ns:
+                raise FormatError(f"namespace {seg[0]!r} is not this store's ({self.ns!r})")
+            m = Manifest.from_bytes(manifest)
+            seg_hex = m.segment_id.hex()
+            if seg_hex != seg[1]:
+                raise FormatError(f"manifest names segment {seg_hex}, committed as {seg[1]}")
+            want = {self._layer_key(seg_hex, lay.layer_index): pos for pos, lay in enumerate(m.layers)}
+            if len(want) != len(m.layers) or set(want) != set(objects):
+                missing = sorted(set(want) - set(objects))
+                extra = sorted(set(objects) - set(want))
+                raise FormatError(f"segment {seg_hex}: layer objects missing {missing[:3]} or not in the manifest {extra[:3]}")
+            for k, pos in want.items():
+                why = m.verify_object(pos, objects[k])
+                if why:
+                    raise ChecksumError(f"segment {seg_hex}: {why}")
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        group = self._seg_group(seg_hex)
+        if self.policy.group_holders(group):
+            if release is not None:
+                release()
+            return True
+        items: dict[str, Sequence[Buffer]] = {k: [objects[k]] for k in want}
+        items[manifest_key] = [manifest]
+        sizes = {k: memoryview(v[0]).nbytes for k, v in items.items()}
+
+        def commit() -> None:
+            self._index_manifest(m)
+            self._cache_manifest(m)
+
+        return bool(await self._put_group(group, items, sizes, depth=_depth(m), commit=commit, release=release))
+
+    async def find_segments(self, seqs: Sequence[tuple[int, Sequence[bytes]]], max_bytes: int) -> tuple[list[int], list[bytes]]:
+        """Per sequence (pages the asker has, page hashes): the leading pages this store
+        holds, and the manifests of the segments holding them past what the asker has
+        (at most ``max_bytes`` of them; a sequence's match stops where they stop)."""
+        matched: list[int] = []
+        wanted: dict[bytes, None] = {}
+        runs: list[list[bytes]] = []
+        for have, hashes in seqs:
+            mt = self.index.longest_prefix(list(hashes))
+            matched.append(mt.num_pages)
+            runs.append(mt.segment_ids)
+            for sid in mt.segment_ids[have:]:
+                wanted.setdefault(sid)
+        out: dict[bytes, bytes] = {}
+        total = 0
+        for sid in wanted:
+            blob = await self._manifest_bytes(sid)
+            if blob is None or total + len(blob) > max_bytes:
+                continue
+            out[sid] = blob
+            total += len(blob)
+        for s, (have, _) in enumerate(seqs):
+            ids = runs[s]
+            cut = next((j for j in range(have, len(ids)) if ids[j] not in out), len(ids))
+            matched[s] = min(matched[s], cut)
+        return matched, list(out.values())
+
+    async def _manifest_bytes(self, seg: bytes) -> bytes | None:
+        m = self._manifests.get(seg)
+        if m is not None:
+            return m.to_bytes()
+        seg_hex = seg.hex()
+        key = self._manifest_key(seg_hex)
+        for i in self.policy.holders(key):
+            blob = await self.tiers[i].get(key)
+            if blob is None:
+                self._missing(i, key)
+                continue
+            m = self._parse_manifest(i, seg_hex, blob)
+            if m is not None:
+                self._cache_manifest(m)
+                return bytes(host_view(blob))
+        return None
+
+    async def _discover(self, spec: KVSpec, hashes: Sequence[Sequence[bytes]], *, claim: bool) -> None:
+        """Ask each shared tier (a cache server other engines write to) for the segments
+        holding pages past what the index knows, and index them as held there. With
+        ``claim``, the server also reserves the pages nobody holds for this put (another
+        engine's put of them waits for it, so a page is stored once)."""
+        for i, t in enumerate(self.tiers):
+            if not t.shared or not t.ready:
+                continue
+            have = [self.index.longest_prefix(list(hs)).num_pages for hs in hashes]
+            ask = [(h, list(hs)) for h, hs in zip(have, hashes, strict=True)]
+            if not claim and all(h == len(hs) for h, hs in ask):
+                return
+            got = await t.lookup_prefix(ask, claim=claim)
+            if got is None:
+                continue
+            for blob in got:
+                try:
+                    m = Manifest.from_bytes(blob)
+                except FormatError as e:
+                    self.metrics.tiers[t.name].verification_failures += 1
+                    log.warning("tier %s: a manifest it sent is invalid (%s); ignored", t.name, e)
+                    continue
+                seg_hex = m.segment_id.hex()
+                if _mismatch(m, spec) or any(lay.key != self._layer_key(seg_hex, lay.layer_index) for lay in m.layers):
+                    continue  # another model's, or foreign keys: not ours to read
+                group = self._seg_group(seg_hex)
+                if i in self.policy.group_holders(group):
+                    continue
+                sizes = {lay.key: lay.object_size for lay in m.layers}
+                sizes[self._manifest_key(seg_hex)] = len(blob)
+                self.policy.record(i, group, sizes, depth=_depth(m))
+                self._index_manifest(m)
+                self._cache_manifest(m)
 
     def _hit(self, tier: int, nbytes: int) -> None:
         c = self.metrics.tiers[self.tiers[tier].name]
@@ -619,6 +807,7 @@ class TieredStore:
         salt_b = self._salt(salt)
         toks: list[np.ndarray] = [keymod.token_array(t[: (n // P) * P]) for t, n in zip(token_ids, lens, strict=True)]
         hashes = [keymod.page_hashes(spec, t, salt=salt_b) for t in toks]  # type: ignore[arg-type]
+        await self._discover(spec, hashes, claim=True)
         # Wait for concurrent puts of the same pages, so a page is written once.
         while True:
             waits = {self._inflight[h] for hs in hashes for h in hs if h in self._inflight}
@@ -836,7 +1025,9 @@ class TieredStore:
     async def lookup(self, spec: KVSpec, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> list[int]:
         """Per sequence, the leading tokens (whole pages) ``retrieve`` can deliver now."""
         salt_b = self._salt(salt)
-        return [self.index.longest_prefix(keymod.page_hashes(spec, t, salt=salt_b)).num_pages * spec.page_size for t in token_ids]
+        hashes = [keymod.page_hashes(spec, t, salt=salt_b) for t in token_ids]
+        await self._discover(spec, hashes, claim=False)
+        return [self.index.longest_prefix(hs).num_pages * spec.page_size for hs in hashes]
 
     async def retrieve(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> RetrieveResult:
         """Re-page the longest stored prefix of each sequence into ``pool``."""
@@ -865,7 +1056,9 @@ class TieredStore:
         P = spec.page_size
         salt_b = self._salt(salt)
         toks = [keymod.token_array(t) for t in token_ids]
-        matches = [self.index.longest_prefix(keymod.page_hashes(spec, t, salt=salt_b)) for t in toks]  # type: ignore[arg-type]
+        hashes = [keymod.page_hashes(spec, t, salt=salt_b) for t in toks]  # type: ignore[arg-type]
+        await self._discover(spec, hashes, claim=False)
+        matches = [self.index.longest_prefix(hs) for hs in hashes]
         # Plan: per sequence the (segment, segment page) of each matched position.
         plans: dict[bytes, _Planned | None] = {}
         for mt in matches:

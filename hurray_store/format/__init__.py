@@ -17,6 +17,7 @@ from hurray_store.format.codec import (
     quantize_int8,
     supported_dtypes,
 )
+from hurray_store.format.wire import blob_descriptor, parse_blob_descriptor
 from hurray_store.format.manifest import (
     Manifest,
     ManifestLayer,
@@ -32,11 +33,13 @@ __all__ = [
     "Manifest",
     "ManifestLayer",
     "ManifestSeq",
+    "blob_descriptor",
     "checksum",
     "decode_layer",
     "encode_layer",
     "encode_layer_buffers",
     "object_checksum",
+    "parse_blob_descriptor",
     "parse_layer",
     "plan_layer",
     "quantize_int8",

@@ -139,6 +139,26 @@ class Manifest:
             out.append((sc + page * self.scale_bytes, self.scale_bytes))
         return out
 
+    def verify_object(self, layer_pos: int, data: bytes | bytearray | memoryview) -> str | None:
+        """Check a whole layer object against this manifest: its size, every page's
+        checksum (pages and scales), and the object checksum over the rest. Returns
+        what differs, or None when it all matches."""
+        lay = self.layers[layer_pos]
+        mv = memoryview(data).cast("B")
+        if mv.nbytes != lay.object_size:
+            return f"layer {lay.layer_index}: {mv.nbytes} bytes, the manifest says {lay.object_size}"
+        digest = xxhash.xxh3_64_intdigest
+        for role, sums in (("key", lay.key_page_checksums), ("value", lay.value_page_checksums)):
+            for p in range(self.num_pages):
+                rng = self.page_range(layer_pos, role, p)
+                got = digest(mv[rng[0][0] : rng[0][0] + rng[0][1]]) if len(rng) == 1 else checksum(*(mv[o : o + n] for o, n in rng))
+                if got != sums[p]:
+                    return f"layer {lay.layer_index}: {role} page {p} checksum differs"
+        fixed = [mv[o : o + n] for o, n in self.fixed_ranges(layer_pos)]
+        if object_checksum(fixed, lay.key_page_checksums, lay.value_page_checksums) != lay.object_checksum:
+            return f"layer {lay.layer_index}: object checksum differs"
+        return None
+
     # ------------------------------------------------------------------ encoding
 
     def encoded_size(self) -> int:

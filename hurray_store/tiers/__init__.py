@@ -6,6 +6,7 @@ from hurray_store.config import TierConfig, tier_type
 from hurray_store.tiers.base import Blob, Buffer, Range, Reservation, Tier, blob_nbytes, host_view
 from hurray_store.tiers.disk import DiskTier
 from hurray_store.tiers.memory import CpuTier, GpuTier
+from hurray_store.tiers.remote import RemoteTier
 
 TIER_TYPES: dict[str, type[Tier]] = {}
 
@@ -15,7 +16,7 @@ def register(cls: type[Tier]) -> type[Tier]:
     return cls
 
 
-for _cls in (GpuTier, CpuTier, DiskTier):
+for _cls in (GpuTier, CpuTier, DiskTier, RemoteTier):
     register(_cls)
 
 

@@ -12,6 +12,8 @@ Host tiers return ``memoryview``/``bytes``; a device tier returns ``torch.Tensor
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+log = logging.getLogger(__name__)
 Buffer = bytes | bytearray | memoryview
 Blob = bytes | bytearray | memoryview | torch.Tensor
 Range = tuple[int, int]  # (offset, length)
@@ -38,6 +41,49 @@ def host_view(b: Blob) -> memoryview:
         return memoryview(arr).cast("B")
     mv = memoryview(b)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+class Outage:
+    """The outage rules of a tier behind a network service: the first failure logs one
+    warning and starts a backoff (doubling from ``initial_s`` to ``max_s``) during
+    which calls return at once without touching the network; the first call after it
+    probes the service; a success logs the recovery."""
+
+    def __init__(self, tier: str, initial_s: float, max_s: float) -> None:
+        self.tier = tier
+        self.initial_s = initial_s
+        self.max_s = max_s
+        self.down_since: float | None = None
+        self.retry_at = 0.0
+        self.backoff = initial_s
+        self.count = 0
+
+    @property
+    def available(self) -> bool:
+        return self.down_since is None
+
+    @property
+    def ready(self) -> bool:
+        return self.down_since is None or time.monotonic() >= self.retry_at
+
+    def down(self, what: str, e: BaseException) -> None:
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since = now
+            self.count += 1
+            log.warning(
+                "tier %s: unreachable (%s during %s: %s); reads miss and writes are skipped "
+                "until it answers again", self.tier, e.__class__.__name__, what, e,
+            )
+        else:
+            self.backoff = min(self.backoff * 2, self.max_s)
+        self.retry_at = now + self.backoff
+
+    def up(self) -> None:
+        if self.down_since is not None:
+            log.warning("tier %s: reachable again after %.1f s", self.tier, time.monotonic() - self.down_since)
+            self.down_since = None
+            self.backoff = self.initial_s
 
 
 @dataclass(eq=False, slots=True)
@@ -60,6 +106,9 @@ class Tier(ABC):
     # In-process memory that only this process writes: pages read from it are not
     # re-verified (as the engine's own pool is not); everything else is, per page.
     trusted: ClassVar[bool] = False
+    # Other processes write to it (a cache server): the store does not scan it at open
+    # but asks it per request (``lookup_prefix``, ``sizes``) for what they added.
+    shared: ClassVar[bool] = False
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -112,6 +161,20 @@ class Tier(ABC):
     async def quarantine(self, key: str) -> None:
         """Take a corrupt object out of service (default: delete it)."""
         await self.delete(key)
+
+    async def sizes(self, keys: Sequence[str]) -> list[int | None]:
+        """The size of each key, None where absent."""
+        out: list[int | None] = []
+        for k in keys:
+            b = await self.get(k)
+            out.append(None if b is None else blob_nbytes(b))
+        return out
+
+    async def lookup_prefix(self, seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool) -> list[bytes] | None:
+        """Shared tiers: per sequence ``(pages the asker has, page hashes)``, the
+        manifests of the segments holding the pages after those; with ``claim``, the
+        pages nobody holds are reserved for the asker's put. None: not answered."""
+        return None
 
     # ------------------------------------------------------------------ in place
 

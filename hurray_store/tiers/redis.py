@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -36,7 +35,7 @@ from redis.retry import Retry
 
 from hurray_store.config import RedisTierConfig
 from hurray_store.errors import ConfigError
-from hurray_store.tiers.base import Blob, Buffer, Range, Tier
+from hurray_store.tiers.base import Blob, Buffer, Outage, Range, Tier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -100,18 +99,19 @@ class RedisTier(Tier):
             self.client = aioredis.Redis.from_url(cfg.url, **common)
         # redis-py's asyncio pools raise when exhausted instead of waiting: queue here.
         self._slots = asyncio.Semaphore(cfg.max_connections)
-        self._down_since: float | None = None
-        self._retry_at = 0.0
-        self._backoff = cfg.backoff_initial_s
-        self.outages = 0
+        self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)
+
+    @property
+    def outages(self) -> int:
+        return self.outage.count
 
     @property
     def available(self) -> bool:
-        return self._down_since is None
+        return self.outage.available
 
     @property
     def ready(self) -> bool:
-        return self._down_since is None or time.monotonic() >= self._retry_at
+        return self.outage.ready
 
     def k(self, key: str) -> str:
         return self.prefix + key
@@ -121,23 +121,19 @@ class RedisTier(Tier):
     async def _guard(self, what: str, call: Callable[[], Awaitable[T]], default: T, nbytes: int = 0) -> T:
         """Run one Redis call under the outage rules, timed out after ``timeout_s``
         plus one second per 50 MB it moves."""
-        now = time.monotonic()
-        if self._down_since is not None and now < self._retry_at:
+        if not self.outage.ready:
             return default
         try:
             async with self._slots, asyncio.timeout(self.cfg.timeout_s + nbytes / _BYTES_PER_S):
                 result = await call()
         except _OUTAGE as e:
-            self._mark_down(what, e)
+            self.outage.down(what, e)
             await self._drop_connections()
             return default
         except RedisError as e:  # a refused command, not an outage
             log.warning("redis tier %s: %s failed: %s", self.name, what, e)
             return default
-        if self._down_since is not None:
-            log.warning("redis tier %s: reachable again after %.1f s", self.name, time.monotonic() - self._down_since)
-            self._down_since = None
-            self._backoff = self.cfg.backoff_initial_s
+        self.outage.up()
         return result
 
     async def _drop_connections(self) -> None:
@@ -151,19 +147,6 @@ class RedisTier(Tier):
                 await self.client.connection_pool.disconnect()
         except Exception as e:  # best effort; the next probe reconnects anyway
             log.debug("redis tier %s: dropping connections: %s", self.name, e)
-
-    def _mark_down(self, what: str, e: BaseException) -> None:
-        now = time.monotonic()
-        if self._down_since is None:
-            self._down_since = now
-            self.outages += 1
-            log.warning(
-                "redis tier %s: unreachable (%s during %s); reads miss and writes are skipped "
-                "until it answers again", self.name, e.__class__.__name__, what,
-            )
-        else:
-            self._backoff = min(self._backoff * 2, self.cfg.backoff_max_s)
-        self._retry_at = now + self._backoff
 
     # ------------------------------------------------------------------ interface
 

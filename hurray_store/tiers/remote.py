@@ -1,0 +1,392 @@
+"""The ``remote`` tier: a hurray_store cache server (``hurray://host:port``) that many
+engine processes share (layer L3).
+
+A pool of ``connections`` connections, opened on first use; each speaks the Hurray
+network transport (``transport.py``) and carries many requests at once, told apart by
+their stream ids (pipelining): one task per connection reads the answers and hands each
+to its caller, writing object data straight into the caller's buffer.
+
+Mapping of the tier interface onto the wire:
+
+===============  ==============================================================
+get              TENSOR_REQUEST -> TENSOR_DESCRIPTOR, TENSOR_DATA..., DATA_END
+get_ranges       X_RANGES (the bytes of the ranges, as one object)
+put              TENSOR_PUT, TENSOR_DATA..., DATA_END -> TENSOR_PUT_ACK; a
+                 segment's manifest goes as X_COMMIT instead: the server then
+                 stores the segment's staged layer objects and the manifest as one
+contains/sizes   X_CONTAINS
+delete           X_DELETE
+lookup_prefix    X_LOOKUP (segments other engines stored; claims for a put)
+===============  ==============================================================
+
+Outages (server down, restarting, unreachable): a call that cannot connect, breaks or
+times out is a miss or a skipped write, never an exception; the tier logs once, backs
+off (``backoff_initial_s`` doubling to ``backoff_max_s``) and the first call after the
+backoff reconnects. An ERROR answer (not found, refused) is a miss or a skipped write
+for that call only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from hurray_store import keys as keymod
+from hurray_store import transport as tp
+from hurray_store.config import RemoteTierConfig
+from hurray_store.errors import ConfigError, ProtocolError, RemoteError
+from hurray_store.tiers.base import Blob, Buffer, Outage, Range, Tier
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_BYTES_PER_S = 50e6  # the slowest transfer rate a request's timeout allows for
+_MAX_FRAME = 16 << 20
+_NETWORK = (tp.ConnectionClosed, OSError, TimeoutError, ProtocolError)
+
+
+def parse_url(url: str) -> tuple[str, int]:
+    u = urlsplit(url)
+    if u.scheme != "hurray" or not u.hostname or u.port is None:
+        raise ConfigError(f"url: expected hurray://host:port, got {url!r}")
+    return u.hostname, u.port
+
+
+@dataclass(eq=False, slots=True)
+class _Call:
+    """One request in flight: where its object's bytes go, and its answer."""
+
+    fut: asyncio.Future[Any]
+    sink: list[memoryview] | None = None  # destination views, filled in order
+    total: int = -1  # bytes announced by TENSOR_DESCRIPTOR
+    pos: int = 0
+    data: bytearray | None = None
+    views: list[memoryview] = field(default_factory=list)
+
+    def begin(self, total: int) -> None:
+        if self.total >= 0:
+            raise tp.invalid("a second TENSOR_DESCRIPTOR on one stream")
+        if self.sink is not None:
+            if sum(v.nbytes for v in self.sink) != total:
+                raise tp.invalid(f"the server sent {total} bytes for ranges of {sum(v.nbytes for v in self.sink)}")
+            self.views = list(self.sink)
+        else:
+            self.data = bytearray(total)
+            self.views = [memoryview(self.data)]
+        self.total = total
+
+    async def take(self, ch: tp.Channel, offset: int, n: int) -> None:
+        if self.total < 0 or offset != self.pos or self.pos + n > self.total:
+            raise tp.invalid(f"TENSOR_DATA at {offset} (+{n}) where {self.pos} of {self.total} was expected")
+        while n:
+            v = self.views[0]
+            k = min(n, v.nbytes)
+            await ch.read_into(v[:k])
+            self.views[0] = v[k:]
+            if not self.views[0].nbytes:
+                self.views.pop(0)
+            n -= k
+            self.pos += k
+
+    def finish(self) -> None:
+        if self.pos != self.total:
+            raise tp.invalid(f"TENSOR_DATA_END after {self.pos} of {self.total} bytes")
+        if not self.fut.done():
+            self.fut.set_result(self.data if self.sink is None else self.sink)
+
+
+class _Conn:
+    def __init__(self, ch: tp.Channel, hello: tp.Hello, limit: int) -> None:
+        self.ch = ch
+        self.hello = hello
+        self.limit = limit
+        self.pending: dict[int, _Call] = {}
+        self.next_sid = 1
+        self.dead = False
+        self.frame = max(4096, min(hello.max_message_size, _MAX_FRAME))
+        self.reader = asyncio.ensure_future(self._read_loop())
+
+    def start(self, sink: list[memoryview] | None = None) -> tuple[int, _Call]:
+        sid = self.next_sid
+        self.next_sid = sid + 1 if sid < 0xFFFFFFF0 else 1
+        call = _Call(asyncio.get_running_loop().create_future(), sink)
+        self.pending[sid] = call
+        return sid, call
+
+    def close(self, why: BaseException | None = None) -> None:
+        self.dead = True
+        self.ch.close()
+        for call in self.pending.values():
+            if not call.fut.done():
+                call.fut.set_exception(why or tp.ConnectionClosed("connection closed"))
+        self.pending.clear()
+        if not self.reader.done() and self.reader is not asyncio.current_task():
+            self.reader.cancel()
+
+    async def _read_loop(self) -> None:
+        ch = self.ch
+        try:
+            while True:
+                kind, sid, n = await ch.read_header()
+                if n > self.limit:
+                    raise ProtocolError(tp.Err.MESSAGE_TOO_LARGE, f"server sent a {n}-byte message; the limit is {self.limit}")
+                call = self.pending.get(sid)
+                if kind == tp.Msg.TENSOR_DATA:
+                    if n < tp.DATA_OFFSET.size:
+                        raise tp.invalid("TENSOR_DATA shorter than its offset field")
+                    (off,) = tp.DATA_OFFSET.unpack(await ch.read(tp.DATA_OFFSET.size))
+                    if call is None:  # the caller gave up on this stream
+                        await ch.skip(n - tp.DATA_OFFSET.size)
+                    else:
+                        await call.take(ch, off, n - tp.DATA_OFFSET.size)
+                    continue
+                payload = memoryview(await ch.read(n))
+                if kind == tp.Msg.PING:
+                    async with ch.send_lock:
+                        await ch.send(tp.Msg.PONG, sid, payload)
+                    continue
+                if call is None:
+                    continue
+                if kind == tp.Msg.TENSOR_DESCRIPTOR:
+                    call.begin(tp.decode_descriptor(payload, self.limit << 8))
+                elif kind == tp.Msg.TENSOR_DATA_END:
+                    call.finish()
+                elif kind == tp.Msg.ERROR:
+                    if not call.fut.done():
+                        call.fut.set_exception(tp.decode_error(payload))
+                elif not call.fut.done():
+                    call.fut.set_result((kind, payload))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a broken stream: every call on it fails, the next reconnects
+            self.close(e if isinstance(e, _NETWORK) else tp.ConnectionClosed(f"{e.__class__.__name__}: {e}"))
+
+
+class RemoteTier(Tier):
+    kind = "remote"
+    persistent = True
+    shared = True
+
+    def __init__(self, cfg: RemoteTierConfig) -> None:
+        super().__init__(cfg)
+        self.host, self.port = parse_url(cfg.url)
+        if cfg.connections < 1:
+            raise ConfigError("connections: expected at least 1")
+        self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)
+        self._conns: list[_Conn | None] = [None] * cfg.connections
+        self._opening: list[asyncio.Lock] = [asyncio.Lock() for _ in range(cfg.connections)]
+        self._rr = 0
+        self.server_hello: tp.Hello | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.outage.available
+
+    @property
+    def ready(self) -> bool:
+        return self.outage.ready
+
+    # ------------------------------------------------------------------ connections
+
+    async def _connect(self) -> _Conn:
+        cfg = self.cfg
+        ch = await tp.Channel.connect(self.host, self.port, cfg.connect_timeout_s)
+        try:
+            async with asyncio.timeout(cfg.connect_timeout_s):
+                ext = {"extensions": tp.EXTENSION, "client": "hurray_store"}
+                if cfg.token:
+                    ext["token"] = cfg.token
+                await ch.send(tp.Msg.CLIENT_HELLO, 1, tp.Hello(max_message_size=cfg.max_message_bytes, ext=ext).encode())
+                kind, _sid, n = await ch.read_header()
+                if n > 1 << 20:
+                    raise ProtocolError(tp.Err.MESSAGE_TOO_LARGE, f"a {n}-byte answer to CLIENT_HELLO")
+                payload = memoryview(await ch.read(n))
+                if kind == tp.Msg.ERROR:
+                    raise tp.decode_error(payload)
+                if kind != tp.Msg.SERVER_HELLO:
+                    raise tp.invalid(f"message 0x{kind:x} where SERVER_HELLO was expected")
+                hello = tp.Hello.decode(payload)
+                if hello.version != tp.PROTOCOL_VERSION or not hello.ext or tp.EXTENSION not in hello.ext.get("extensions", "").split(","):
+                    raise tp.invalid(f"{self.cfg.url} is not a hurray_store server (version {hello.version}, extensions {hello.ext})")
+        except BaseException:
+            ch.close()
+            raise
+        self.server_hello = hello
+        return _Conn(ch, hello, cfg.max_message_bytes)
+
+    async def _conn(self) -> _Conn:
+        """The least busy live connection; a missing or dead slot is (re)opened."""
+        live = [c for c in self._conns if c is not None and not c.dead]
+        if live:
+            best = min(live, key=lambda c: len(c.pending))
+            if not best.pending or len(live) == len(self._conns):
+                return best
+        for i, c in enumerate(self._conns):
+            if c is None or c.dead:
+                async with self._opening[i]:
+                    c = self._conns[i]
+                    if c is None or c.dead:
+                        c = self._conns[i] = await self._connect()
+                return c
+        return min(live, key=lambda c: len(c.pending))  # pragma: no cover - all slots live
+
+    async def _call(
+        self, what: str, send: Callable[[_Conn, int], Awaitable[None]], default: T, *,
+        nbytes: int = 0, sink: list[memoryview] | None = None, expect: int | None = None,
+    ) -> T | Any:
+        """One request under the outage rules. ``expect``: the reply message type
+        (its payload is returned); else the request's object (bytes or ``sink``)."""
+        if not self.outage.ready:
+            return default
+        conn: _Conn | None = None
+        sid = 0
+        try:
+            async with asyncio.timeout(self.cfg.timeout_s + nbytes / _BYTES_PER_S):
+                conn = await self._conn()
+                sid, call = conn.start(sink)
+                async with conn.ch.send_lock:
+                    await send(conn, sid)
+                result = await call.fut
+        except RemoteError as e:
+            self.outage.up()
+            if e.code != tp.Err.UNKNOWN_TENSOR:
+                log.warning("tier %s: %s refused: %s", self.name, what, e)
+            return default
+        except _NETWORK as e:
+            if conn is not None:
+                conn.close(tp.ConnectionClosed(str(e)))  # a half-sent request leaves no usable stream
+            self.outage.down(what, e)
+            return default
+        finally:
+            if conn is not None:
+                conn.pending.pop(sid, None)
+        self.outage.up()
+        if expect is not None:
+            kind, payload = result
+            if kind != expect:
+                log.warning("tier %s: %s answered with message 0x%x", self.name, what, kind)
+                return default
+            return payload
+        return result
+
+    async def open(self) -> None:
+        await self.ping()
+
+    async def close(self) -> None:
+        for i, c in enumerate(self._conns):
+            if c is not None:
+                c.close()
+                await asyncio.gather(c.reader, return_exceptions=True)
+                self._conns[i] = None
+
+    async def ping(self) -> bool:
+        async def send(c: _Conn, sid: int) -> None:
+            await c.ch.send(tp.Msg.PING, sid, b"hs")
+
+        return await self._call("PING", send, None, expect=tp.Msg.PONG) is not None
+
+    # ------------------------------------------------------------------ interface
+
+    async def get(self, key: str) -> Blob | None:
+        async def send(c: _Conn, sid: int) -> None:
+            await c.ch.send(tp.Msg.TENSOR_REQUEST, sid, tp.encode_request(key))
+
+        return await self._call("TENSOR_REQUEST", send, None)
+
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
+        total = sum(n for _, n in ranges)
+        if into is None:
+            into = bytearray(total)
+        if isinstance(into, list):
+            views = [memoryview(v).cast("B") for v in into]
+        else:
+            mv = memoryview(into).cast("B")
+            views, pos = [], 0
+            for _, n in ranges:
+                views.append(mv[pos : pos + n])
+                pos += n
+
+        async def send(c: _Conn, sid: int) -> None:
+            await c.ch.send(tp.Msg.X_RANGES, sid, tp.encode_ranges(key, ranges))
+
+        got = await self._call("X_RANGES", send, None, nbytes=total, sink=list(views))
+        return None if got is None else list(views)
+
+    async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        parts = [memoryview(b).cast("B") for b in buffers]
+        n = sum(p.nbytes for p in parts)
+        seg = keymod.parse_segment_key(key)
+        if seg is not None and seg[2] == keymod.MANIFEST_PART:
+            # The commit point of a segment: its layer objects are staged on the server.
+            async def commit(c: _Conn, sid: int) -> None:
+                await c.ch.send(tp.Msg.X_COMMIT, sid, *tp.encode_commit(key, b"".join(parts) if len(parts) > 1 else parts[0]))
+
+            return await self._call("X_COMMIT", commit, None, nbytes=n, expect=tp.Msg.X_COMMIT_ACK) is not None
+
+        async def send(c: _Conn, sid: int) -> None:
+            head = tp.encode_put(key, n)
+            out: list[Buffer] = [tp.HEADER.pack(tp.Msg.TENSOR_PUT, sid, len(head)), head]
+            step = c.frame - tp.DATA_OFFSET.size
+            off = 0
+            for p in parts:
+                for a in range(0, p.nbytes, step):
+                    chunk = p[a : a + step]
+                    out += [tp.HEADER.pack(tp.Msg.TENSOR_DATA, sid, chunk.nbytes + 8), tp.DATA_OFFSET.pack(off), chunk]
+                    off += chunk.nbytes
+            out.append(tp.HEADER.pack(tp.Msg.TENSOR_DATA_END, sid, 0))
+            await c.ch.send_parts(out)
+
+        return await self._call("TENSOR_PUT", send, None, nbytes=n, expect=tp.Msg.TENSOR_PUT_ACK) is not None
+
+    async def sizes(self, keys: Sequence[str]) -> list[int | None]:
+        async def send(c: _Conn, sid: int) -> None:
+            await c.ch.send(tp.Msg.X_CONTAINS, sid, tp.encode_keys(keys))
+
+        payload = await self._call("X_CONTAINS", send, None, expect=tp.Msg.X_CONTAINS_REPLY)
+        if payload is None:
+            return [None] * len(keys)
+        got = tp.decode_sizes(payload)
+        return got if len(got) == len(keys) else [None] * len(keys)
+
+    async def contains(self, key: str) -> bool:
+        return (await self.sizes([key]))[0] is not None
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+
+        async def send(c: _Conn, sid: int) -> None:
+            await c.ch.send(tp.Msg.X_DELETE, sid, tp.encode_keys(keys))
+
+        await self._call("X_DELETE", send, None, expect=tp.Msg.X_DELETE_ACK)
+
+    async def delete(self, key: str) -> None:
+        await self.delete_many([key])
+
+    async def lookup_prefix(self, seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool) -> list[bytes] | None:
+        async def send(c: _Conn, sid: int) -> None:
+            await c.ch.send(tp.Msg.X_LOOKUP, sid, tp.encode_lookup(seqs, claim=claim))
+
+        payload = await self._call("X_LOOKUP", send, None, expect=tp.Msg.X_LOOKUP_REPLY)
+        if payload is None:
+            return None
+        try:
+            _matched, manifests = tp.decode_lookup_reply(payload)
+        except ProtocolError as e:
+            log.warning("tier %s: a malformed lookup answer: %s", self.name, e)
+            return None
+        return manifests
+
+    async def server_stats(self) -> dict[str, Any] | None:
+        """The server's stats (its store's, plus connections and requests)."""
+
+        async def send(c: _Conn, sid: int) -> None:
+            await c.ch.send(tp.Msg.X_STATS, sid)
+
+        payload = await self._call("X_STATS", send, None, expect=tp.Msg.X_STATS_REPLY)
+        return None if payload is None else json.loads(bytes(payload))
+

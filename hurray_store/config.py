@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -236,7 +237,7 @@ def _check_server(s: ServerConfig) -> None:
             raise ConfigError(f"server.{key}: expected a positive number, got {getattr(s, key)}")
     if s.max_object_bytes > s.max_inflight_put_bytes:
         raise ConfigError(
-            f"server.max_object_bytes ({s.max_object_bytes}) exceeds server.max_inflight_put_bytes "
+            f"server.max_object_bytes: {s.max_object_bytes} exceeds server.max_inflight_put_bytes "
             f"({s.max_inflight_put_bytes}): such an object could never be received"
         )
 
@@ -335,6 +336,14 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
         if cfg.name in names:
             raise ConfigError(f"{label}.name: two tiers are named {cfg.name!r}; give each a distinct name")
         names.add(cfg.name)
+        if isinstance(cfg, RemoteTierConfig):
+            u = urlsplit(cfg.url)
+            try:
+                port = u.port
+            except ValueError:
+                port = None
+            if u.scheme != "hurray" or not u.hostname or port is None:
+                raise ConfigError(f"{label}.url: expected hurray://host:port, got {cfg.url!r}")
         for k in ("capacity_bytes",):
             v = getattr(cfg, k, None)
             if v is not None and v < 1:

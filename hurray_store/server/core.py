@@ -356,10 +356,10 @@ class Session:
                 await self._loop()
         except ProtocolError as e:
             await self._fatal(0, e.code, str(e))
+        except TimeoutError:  # before OSError, its base class
+            await self._fatal(0, Err.TIMEOUT, "a message took longer than request_timeout_s")
         except (tp.ConnectionClosed, OSError):
             pass
-        except TimeoutError:
-            await self._fatal(0, Err.TIMEOUT, "a message took longer than request_timeout_s")
         except asyncio.CancelledError:
             pass
         finally:

@@ -3,19 +3,22 @@ redis, Redis Cluster), then the behaviour only some tiers have."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from hurray_store.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, RedisTierConfig
+from hurray_store.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, RedisTierConfig, RemoteTierConfig
 from hurray_store.tiers import Tier, blob_nbytes, host_view, open_tier
 from hurray_store.tiers.redis import RedisTier
 from tests.conftest import RedisProc
+from tests.server_helpers import ServerProc
 
 _n = itertools.count()
 
@@ -289,3 +292,54 @@ async def test_cpu_tier_falls_back_to_the_heap_when_the_arena_is_full() -> None:
     await t.delete("a")
     assert await t.put("c", [b"3" * 4000])  # the arena space came back
     assert as_bytes(await t.get("c")) == b"3" * 4000
+
+
+@pytest.fixture(scope="module")
+def cache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    s = ServerProc(tmp_path_factory.mktemp("cache-server"), token="tiers").start()
+    yield s
+    s.kill()
+
+
+class TestRemoteTier(TierContract):
+    """The remote tier against a real `hurray-store serve` process."""
+
+    @pytest.fixture
+    async def tier(self, cache_server: ServerProc) -> Tier:
+        t = open_tier(RemoteTierConfig(url=cache_server.url, name="remote", token="tiers", connections=2))
+        await t.open()
+        assert t.available, "the test server should be reachable"
+        yield t
+        await t.close()
+
+    async def test_many_requests_in_flight_on_one_connection(self, cache_server: ServerProc) -> None:
+        t = open_tier(RemoteTierConfig(url=cache_server.url, name="remote", token="tiers", connections=1))
+        blobs = {f"pipe/{i}": os.urandom(1000 + 37 * i) for i in range(64)}
+        assert await t.put_many([(k, [v]) for k, v in blobs.items()]) == [True] * 64
+        got = await asyncio.gather(*(t.get(k) for k in blobs), *(t.get_ranges(k, [(5, 10)]) for k in blobs))
+        assert [as_bytes(g) for g in got[:64]] == list(blobs.values())
+        assert [as_bytes(g[0]) for g in got[64:]] == [v[5:15] for v in blobs.values()]
+        await t.close()
+
+    async def test_a_segments_layer_objects_wait_for_its_commit(self, tier: Tier) -> None:
+        key = "hurray/s/{00ff}/0"
+        assert await tier.put(key, [b"layer bytes"])  # staged on the server
+        assert not await tier.contains(key) and await tier.get(key) is None
+        assert not await tier.put("hurray/s/{00ff}/m", [b"not a manifest"]), "a bad commit is a skipped write"
+        assert await tier.get(key) is None
+
+    async def test_wrong_token_is_an_outage_not_an_exception(self, cache_server: ServerProc, caplog: pytest.LogCaptureFixture) -> None:
+        t = open_tier(RemoteTierConfig(url=cache_server.url, name="remote", token="nope"))
+        await t.open()
+        assert not t.available and await t.get("x") is None and await t.put("x", [b"1"]) is False
+        assert "missing or wrong token" in caplog.text
+        await t.close()
+
+    async def test_nothing_listening(self) -> None:
+        from tests.conftest import free_port
+
+        t = open_tier(RemoteTierConfig(url=f"hurray://127.0.0.1:{free_port()}", name="remote", connect_timeout_s=0.5))
+        await t.open()
+        assert not t.available
+        assert await t.get("x") is None and await t.put("x", [b"1"]) is False and not await t.contains("x")
+        await t.close()

@@ -212,6 +212,8 @@ class CacheServer:
             await asyncio.sleep(0.01)
         for s in list(self.sessions):
             s.close()
+            if s.task is not None:
+                s.task.cancel()  # a read waiting on a closed socket would never wake
         while self.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for st in self.staged.values():
@@ -346,6 +348,8 @@ class Session:
             self.ch.close()
         else:
             self.sock.close()
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()  # its read would wait on the closed socket forever
 
     async def run(self) -> None:
         m = self.server.metrics

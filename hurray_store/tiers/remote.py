@@ -205,8 +205,8 @@ class RemoteTier(Tier):
                 if n > 1 << 20:
                     raise ProtocolError(tp.Err.MESSAGE_TOO_LARGE, f"a {n}-byte answer to CLIENT_HELLO")
                 payload = memoryview(await ch.read(n))
-                if kind == tp.Msg.ERROR:
-                    raise tp.decode_error(payload)
+                if kind == tp.Msg.ERROR:  # refused at the door (token, busy, draining): an outage
+                    raise ConnectionRefusedError(f"the server refused the connection: {tp.decode_error(payload)}")
                 if kind != tp.Msg.SERVER_HELLO:
                     raise tp.invalid(f"message 0x{kind:x} where SERVER_HELLO was expected")
                 hello = tp.Hello.decode(payload)

@@ -372,14 +372,27 @@ class TieredStore:
     def unpin_groups(self, groups: Sequence[str]) -> None:
         self.policy.unpin(groups)
 
-    async def put_key(self, k: str, data: Sequence[Buffer], release: Callable[[], None] | None = None) -> bool:
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Space in the tier a new object of ``nbytes`` lands in, to build or receive it
+        in place; pass it to ``put_key``/``commit_segment`` (None: that tier offers
+        none). Space never published goes back with ``reservation.tier.unreserve``."""
+        got = self._reserve(self.policy.place(nbytes), [nbytes])
+        return got[0] if got else None
+
+    async def put_key(
+        self, k: str, data: Sequence[Buffer], release: Callable[[], None] | None = None, reserved: Reservation | None = None,
+    ) -> bool:
         """Store one object under a stored key (a group of its own); ``release()`` runs
-        once no tier write needs ``data`` any more."""
+        once no tier write needs ``data`` any more. ``reserved``: ``data`` lies in this
+        reservation, which the top tier then publishes without a copy."""
         if keymod.parse_segment_key(k) is not None and k.startswith(self.ns + "/"):
             if release is not None:
                 release()
             raise FormatError(f"{k} is a segment object: it is stored by commit_segment with its manifest")
-        return bool(await self._put_group(k, {k: data}, {k: sum(memoryview(b).nbytes for b in data)}, depth=0, release=release))
+        return bool(await self._put_group(
+            k, {k: data}, {k: sum(memoryview(b).nbytes for b in data)}, depth=0, release=release,
+            reserved={k: reserved} if reserved is not None else None,
+        ))
 
     async def delete_key(self, k: str) -> None:
         """Delete a stored key everywhere, with its whole group."""
@@ -401,6 +414,7 @@ class TieredStore:
 
     async def commit_segment(
         self, manifest_key: str, manifest: Buffer, objects: Mapping[str, Buffer], release: Callable[[], None] | None = None,
+        reserved: Mapping[str, Reservation] | None = None,
     ) -> bool:
         """Store a segment a client built: its layer objects, then its manifest (the
         commit). Everything is verified first: the manifest's checksum and key, each
@@ -443,7 +457,7 @@ class TieredStore:
             self._index_manifest(m)
             self._cache_manifest(m)
 
-        return bool(await self._put_group(group, items, sizes, depth=_depth(m), commit=commit, release=release))
+        return bool(await self._put_group(group, items, sizes, depth=_depth(m), commit=commit, release=release, reserved=reserved))
 
     async def find_segments(self, seqs: Sequence[tuple[int, Sequence[bytes]]], max_bytes: int) -> tuple[list[int], list[bytes]]:
         """Per sequence (pages the asker has, page hashes): the leading pages this store

@@ -17,10 +17,14 @@ call, no joining). One channel is one connection; its owner serialises writes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import select
 import socket
 import struct
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -407,6 +411,20 @@ def encode_json(obj: Any) -> bytes:
 # --------------------------------------------------------------------------- socket channel
 
 
+_THREAD_BYTES = 1 << 20  # reads and writes this large run in a worker thread
+_io_pool: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Threads for large socket reads and writes: the kernel copies of several
+    connections then run on several cores (``recv_into``/``sendmsg`` release the GIL),
+    where the event loop's thread would do them one at a time."""
+    global _io_pool
+    if _io_pool is None:
+        _io_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hurray-io")
+    return _io_pool
+
+
 class ConnectionClosed(ConnectionError):
     """The peer closed the connection (or it broke) mid-message or between messages."""
 
@@ -448,10 +466,8 @@ class Channel:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self.sock.close()
 
     # ------------------------------------------------------------------ reading
@@ -462,7 +478,11 @@ class Channel:
         if fd < 0:
             raise ConnectionClosed("connection closed")
         add, remove = (self.loop.add_reader, self.loop.remove_reader) if reader else (self.loop.add_writer, self.loop.remove_writer)
-        add(fd, lambda: fut.done() or fut.set_result(None))
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        add(fd, ready)
         try:
             await fut
         finally:
@@ -493,6 +513,9 @@ class Channel:
             view[:k] = self._mv[self._lo : self._lo + k]
             self._lo += k
             pos = k
+        if need - pos >= _THREAD_BYTES:
+            await self._in_thread(self._recv_all, view[pos:])
+            return
         while pos < need:
             if need - pos >= len(self._buf) // 2:
                 pos += await self._recv_into(view[pos:])
@@ -503,6 +526,51 @@ class Channel:
             view[pos : pos + k] = self._mv[:k]
             self._lo = k
             pos += k
+
+    async def _in_thread(self, fn: Any, *args: Any) -> None:
+        """Run blocking socket I/O in a worker thread. On cancellation (a timeout) the
+        thread is told to stop and awaited, so no thread touches the caller's buffer
+        after this returns."""
+        stop = threading.Event()
+        fut = self.loop.run_in_executor(_pool(), fn, *args, stop)
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            stop.set()
+            await asyncio.wait([fut])
+            raise
+
+    def _recv_all(self, view: memoryview, stop: threading.Event) -> None:
+        pos, need = 0, view.nbytes
+        while pos < need:
+            if stop.is_set() or self.closed:
+                raise ConnectionClosed("read abandoned")
+            try:
+                n = self.sock.recv_into(view[pos:])
+            except (BlockingIOError, InterruptedError):
+                select.select([self.sock], [], [], 0.05)
+                continue
+            except OSError as e:
+                raise ConnectionClosed(f"connection broke: {e}") from e
+            if n == 0:
+                raise ConnectionClosed("peer closed the connection")
+            pos += n
+            self.bytes_in += n
+
+    def _send_all(self, views: list[memoryview], stop: threading.Event) -> None:
+        i = 0
+        while i < len(views):
+            if stop.is_set() or self.closed:
+                raise ConnectionClosed("write abandoned")
+            try:
+                n = self.sock.sendmsg(views[i : i + 512])
+            except (BlockingIOError, InterruptedError):
+                select.select([], [self.sock], [], 0.05)
+                continue
+            except OSError as e:
+                raise ConnectionClosed(f"connection broke: {e}") from e
+            self.bytes_out += n
+            i = _advance(views, i, n)
 
     async def read(self, n: int) -> bytearray:
         out = bytearray(n)
@@ -529,6 +597,9 @@ class Channel:
         """Write every part, in order, with as few ``sendmsg`` calls as the kernel
         allows. The caller holds ``send_lock`` when messages could interleave."""
         views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+        if sum(v.nbytes for v in views) >= _THREAD_BYTES:
+            await self._in_thread(self._send_all, views)
+            return
         i = 0
         while i < len(views):
             try:
@@ -539,13 +610,7 @@ class Channel:
             except OSError as e:
                 raise ConnectionClosed(f"connection broke: {e}") from e
             self.bytes_out += n
-            while n:
-                if n >= views[i].nbytes:
-                    n -= views[i].nbytes
-                    i += 1
-                else:
-                    views[i] = views[i][n:]
-                    n = 0
+            i = _advance(views, i, n)
 
     async def send(self, kind: int, stream: int, *payload: bytes | bytearray | memoryview) -> None:
         n = sum(memoryview(p).nbytes for p in payload)
@@ -570,3 +635,15 @@ class Channel:
 
     async def send_error(self, stream: int, code: int, message: str) -> None:
         await self.send(Msg.ERROR, stream, encode_error(code, message))
+
+
+def _advance(views: list[memoryview], i: int, n: int) -> int:
+    """Drop ``n`` sent bytes from ``views[i:]``; the index of the first unsent view."""
+    while n:
+        if n >= views[i].nbytes:
+            n -= views[i].nbytes
+            i += 1
+        else:
+            views[i] = views[i][n:]
+            n = 0
+    return i

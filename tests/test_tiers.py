@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hurray_store.config import CpuTierConfig, DiskTierConfig, GpuTierConfig, RedisTierConfig, RemoteTierConfig
+from hurray_store.config import (
+    CpuTierConfig,
+    DiskTierConfig,
+    GpuTierConfig,
+    RedisTierConfig,
+    RemoteTierConfig,
+)
 from hurray_store.tiers import Tier, blob_nbytes, host_view, open_tier
 from hurray_store.tiers.redis import RedisTier
 from tests.conftest import RedisProc

@@ -17,7 +17,6 @@ from hurray_store.format.codec import (
     quantize_int8,
     supported_dtypes,
 )
-from hurray_store.format.wire import blob_descriptor, parse_blob_descriptor
 from hurray_store.format.manifest import (
     Manifest,
     ManifestLayer,
@@ -25,6 +24,7 @@ from hurray_store.format.manifest import (
     checksum,
     object_checksum,
 )
+from hurray_store.format.wire import blob_descriptor, parse_blob_descriptor
 
 __all__ = [
     "EncodedLayer",

@@ -49,9 +49,9 @@ from hurray_store.format import Manifest
 from hurray_store.server.http import HealthEndpoint
 from hurray_store.store import TieredStore
 from hurray_store.tiers import host_view
+from hurray_store.transport import Err, Msg
 
 log = logging.getLogger(__name__)
-Msg, Err = tp.Msg, tp.Err
 _MAX_FRAME = 16 << 20
 _HELLO_LIMIT = 64 << 10
 # Messages a client may send; the rest flow server -> client only.
@@ -89,23 +89,30 @@ class _Budget:
         asyncio.ensure_future(wake())
 
 
-@dataclass(eq=False, slots=True)
 class _Landing:
-    """A put's bytes: a resident buffer borrowed from the store and its budget."""
+    """Where a put's bytes are received, and the budget they hold: space reserved in
+    the store's top tier (the object is then published there without a copy), else a
+    resident buffer borrowed from the store's pool."""
 
-    server: CacheServer
-    buf: bytearray
-    nbytes: int
-    released: bool = False
+    __slots__ = ("server", "nbytes", "res", "buf", "view", "released")
 
-    @property
-    def view(self) -> memoryview:
-        return memoryview(self.buf)[: self.nbytes]
+    def __init__(self, server: CacheServer, nbytes: int) -> None:
+        self.server = server
+        self.nbytes = nbytes
+        self.res = server.store.reserve(nbytes)
+        self.buf = None if self.res is not None else server.store.buffers.acquire(nbytes)
+        self.view = self.res.view if self.res is not None else memoryview(self.buf)[:nbytes]  # type: ignore[arg-type]
+        self.released = False
 
     def release(self) -> None:
+        """Once no tier write needs the bytes (space a tier published stays there)."""
         if not self.released:
             self.released = True
-            self.server.store.buffers.release(self.buf)
+            if self.res is not None:
+                self.res.tier.unreserve(self.res)
+            else:
+                assert self.buf is not None
+                self.server.store.buffers.release(self.buf)
             self.server.budget.give(self.nbytes)
 
 
@@ -313,7 +320,8 @@ class CacheServer:
                 landing.release()
 
         try:
-            ok = await self.store.commit_segment(manifest_key, data, {k: v.view for k, v in landings.items()}, release)
+            reserved = {k: v.res for k, v in landings.items() if v.res is not None}
+            ok = await self.store.commit_segment(manifest_key, data, {k: v.view for k, v in landings.items()}, release, reserved)
         except FormatError as e:
             return Err.REJECTED, str(e)
         finally:
@@ -482,7 +490,7 @@ class Session:
         if not await self.server.budget.take(n, self.cfg.request_timeout_s):
             await self._error(sid, Err.BUSY, f"no room for {n} more bytes of puts in flight within {self.cfg.request_timeout_s} s")
             return
-        put.landing = _Landing(self.server, self.server.store.buffers.acquire(n), n)
+        put.landing = _Landing(self.server, n)
 
     async def _data(self, sid: int, n: int) -> None:
         ch = self.ch
@@ -532,7 +540,7 @@ class Session:
             st.objects[k] = landing
             ok = True
         else:
-            ok = await store.put_key(k, [landing.view], landing.release)
+            ok = await store.put_key(k, [landing.view], landing.release, landing.res)
         assert self.ch is not None
         if ok:
             async with self.ch.send_lock:
@@ -589,10 +597,18 @@ class Session:
         if req.device != tp.DEVICE_CPU:
             await self._error(sid, Err.DEVICE_UNAVAILABLE, f"device 0x{req.device:02x}: this server serves CPU memory (0x00) only")
             return
-        k = self.server.store.storage_key(req.key)
+        store = self.server.store
+        k = store.storage_key(req.key)
 
         async def read() -> list[Any] | None:
-            blob = await self.server.store.get_key(k)
+            # The whole object as one range: a view of the tier's memory where it has
+            # one (sent while pinned), not a copy.
+            n = await store.key_size(k)
+            if n is not None:
+                got = await store.get_key_ranges(k, [(0, n)])
+                if got is not None:
+                    return got
+            blob = await store.get_key(k)
             return None if blob is None else [blob]
 
         await self._send_object(sid, k, read)

@@ -42,7 +42,7 @@ class HealthEndpoint:
     def app(self, environ: dict[str, Any], start: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
         if path == "/metrics":
-            return self._metrics(environ, start)  # type: ignore[no-any-return]
+            return self._metrics(environ, start)
         if path == "/healthz":
             age = time.monotonic() - self._beat()
             ok = age <= self._stale_s

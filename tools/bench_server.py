@@ -1,0 +1,274 @@
+"""Benchmark the cache server: put and retrieve GB/s through `hurray-store serve` from
+1, 2 and 4 client processes, beside references measured in the same run.
+
+    python tools/bench_server.py [--objects 32] [--object-mib 4] [--clients 1,2,4]
+
+* ours: each client process opens a ``remote`` tier (a pool of 4 pipelined
+  connections) and puts then gets its own ``objects`` objects of ``object-mib`` MiB
+  (the size of a layer object of a large segment). The server keeps them in its cpu
+  tier. Time: from a common start until the slowest client is done.
+* raw loopback copy: the same bytes from the same number of processes over plain TCP
+  sockets to a server process that receives into (or sends from) preallocated memory,
+  with no protocol: the ceiling of any socket-based cache server on this machine.
+* LMCache ``lmcache_server`` (``lm://``): LMCache 0.5.6's own cache server, fed KV
+  chunks of the same byte size through LMCache's RemoteBackend (1 client process;
+  LMCache's connector serialises its requests).
+
+Prints a markdown table for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from _bench import gbps, table  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on {port}")
+
+
+# ------------------------------------------------------------------------ clients
+
+OURS = textwrap.dedent(r"""
+    import asyncio, json, sys, time
+    from hurray_store.config import load_config
+    from hurray_store.tiers import open_tier
+    url, me, n, size, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    async def main():
+        cfg = load_config({"tiers": [{"type": "remote", "url": url, "connections": 4, "timeout_s": 60}]}, env={}).tiers[0]
+        t = open_tier(cfg); await t.open()
+        blobs = [bytes([(me * 7 + i) % 251]) * size for i in range(n)]
+        keys = [f"bench/{me}/{i}" for i in range(n)]
+        dests = [bytearray(size) for _ in range(n)]  # resident, as an engine's buffers are
+        for d in dests:
+            d[::4096] = b"\0" * len(d[::4096])
+        # Warm up (connections opened, the server's buffers grown), untimed.
+        warm = [(f"warm/{me}/{i}", [blobs[i]]) for i in range(n)]
+        await t.put_many(warm)
+        await asyncio.gather(*(t.get(k) for k, _ in warm))
+        await t.delete_many([k for k, _ in warm])
+        while time.time() < start:
+            time.sleep(0.001)
+        t0 = time.perf_counter()
+        oks = await t.put_many([(k, [b]) for k, b in zip(keys, blobs)])
+        t1 = time.perf_counter()
+        got = await asyncio.gather(*(t.get_ranges(k, [(0, size)], [memoryview(d)]) for k, d in zip(keys, dests)))
+        t2 = time.perf_counter()
+        ok = all(oks) and all(g is not None for g in got) and all(d == b for d, b in zip(dests, blobs))
+        await t.close()
+        print(json.dumps({"put_s": t1 - t0, "get_s": t2 - t1, "ok": ok}))
+    asyncio.run(main())
+""")
+
+RAW_SERVER = textwrap.dedent(r"""
+    import socket, sys, threading
+    port, n, size = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    srv = socket.create_server(("127.0.0.1", port), backlog=64)
+    def handle(c):
+        store = bytearray(n * size); store[::4096] = b"\1" * len(store[::4096])
+        mv = memoryview(store)
+        op = c.recv(1)
+        if op == b"P":  # receive n objects into preallocated memory, then ack
+            pos = 0
+            while pos < n * size:
+                pos += c.recv_into(mv[pos:])
+            c.sendall(b"k")
+        elif op == b"G":  # send n objects from memory
+            c.sendall(mv)
+        c.close()
+    while True:
+        c, _ = srv.accept()
+        threading.Thread(target=handle, args=(c,), daemon=True).start()
+""")
+
+RAW_CLIENT = textwrap.dedent(r"""
+    import json, socket, sys, time
+    port, me, n, size, start, op = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
+    buf = bytearray(n * size); buf[::4096] = b"\1" * len(buf[::4096])
+    mv = memoryview(buf)
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while time.time() < start:
+        time.sleep(0.001)
+    t0 = time.perf_counter()
+    if op == "P":
+        s.sendall(b"P"); s.sendall(mv); s.recv(1)
+    else:
+        s.sendall(b"G"); pos = 0
+        while pos < n * size:
+            pos += s.recv_into(mv[pos:])
+    print(json.dumps({"s": time.perf_counter() - t0}))
+""")
+
+
+def run_clients(argvs: list[list[str]]) -> list[dict]:
+    procs = [subprocess.Popen([sys.executable, "-c", *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT) for a in argvs]
+    out = []
+    for p in procs:
+        o, e = p.communicate(timeout=600)
+        if p.returncode:
+            raise RuntimeError(e.decode()[-3000:])
+        out.append(json.loads(o))
+    return out
+
+
+def bench_ours(url: str, clients: int, n: int, size: int) -> tuple[float, float]:
+    start = time.time() + 5.0  # every process imported, connected and warmed up by then
+    res = run_clients([[OURS, url, str(c), str(n), str(size), str(start)] for c in range(clients)])
+    assert all(r["ok"] for r in res), "a client read back different bytes"
+    # Aggregate: all clients' bytes over the slowest client's time, per phase.
+    total = clients * n * size
+    return gbps(total, max(r["put_s"] for r in res)), gbps(total, max(r["get_s"] for r in res))
+
+
+def bench_raw(port: int, clients: int, n: int, size: int) -> tuple[float, float]:
+    out = []
+    for op in ("P", "G"):
+        start = time.time() + 1.5
+        res = run_clients([[RAW_CLIENT, str(port), str(c), str(n), str(size), str(start), op] for c in range(clients)])
+        out.append(gbps(clients * n * size, max(r["s"] for r in res)))
+    return out[0], out[1]
+
+
+def bench_lmcache(n: int, size: int) -> tuple[float, float]:
+    """LMCache's lm:// server through its RemoteBackend, chunks of ``size`` bytes."""
+    import torch
+
+    os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+    from bench_store import LMCacheBackend
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+
+    from hurray_store import KVSpec
+
+    port = free_port()
+    srv = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, srv, "lmcache_server")
+        heads, dim, layers = 8, 128, 8
+        chunk = size // (2 * layers * heads * dim * 2)
+        spec = KVSpec(model="bench", num_layers=layers, num_kv_heads=heads, head_dim=dim, page_size=16, dtype=torch.float16)
+        lm = LMCacheBackend(spec, chunk, {"remote_url": f"lm://127.0.0.1:{port}", "remote_serde": "naive", "max_local_cpu_size": 4.0})
+        keys = [CacheEngineKey("bench", 1, 0, i, torch.float16) for i in range(n)]
+        objs = []
+        for i in range(n):
+            o = lm.cpu.allocate(torch.Size([2, layers, chunk, heads * dim]), torch.float16, MemoryFormat.KV_2LTD)
+            o.tensor.fill_(i % 7)
+            objs.append(o)
+        t0 = time.perf_counter()
+        lm.backend.batched_submit_put_task(keys, objs)
+        while not all(lm.backend.contains(k) for k in keys):
+            time.sleep(0.0005)
+        t1 = time.perf_counter()
+        for o in objs:
+            o.ref_count_down()
+        for k in keys:
+            g = lm.backend.get_blocking(k)
+            assert g is not None, "lmcache_server lost a chunk"
+            g.ref_count_down()
+        t2 = time.perf_counter()
+        lm.close()
+        return gbps(n * size, t1 - t0), gbps(n * size, t2 - t1)
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--objects", type=int, default=32, help="objects per client process")
+    ap.add_argument("--object-mib", type=int, default=4)
+    ap.add_argument("--clients", default="1,2,4")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per point; the median is shown")
+    ap.add_argument("--no-lmcache", action="store_true")
+    a = ap.parse_args()
+    size = a.object_mib << 20
+    counts = [int(c) for c in a.clients.split(",")]
+    with tempfile.TemporaryDirectory() as work:
+        port, raw_port = free_port(), free_port()
+        cfg = Path(work) / "server.yaml"
+        cap = max(counts) * a.objects * size * 2
+        cfg.write_text(json.dumps({
+            "tiers": [{"type": "cpu", "capacity_bytes": cap, "preallocate": True}],
+            "server": {"port": port, "metrics_port": None, "max_inflight_put_bytes": 2 << 30},
+        }))
+        srv = subprocess.Popen([sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(cfg), "--log-level", "warning"], cwd=ROOT)
+        raw = subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(raw_port), str(a.objects), str(size)])
+        rows = []
+        try:
+            wait_port(port, srv, "hurray-store serve")
+            wait_port(raw_port, raw, "raw server")
+            for c in counts:
+                # Alternate ours and the reference, and keep the median of each: this
+                # machine is shared and noisy (+-30% run to run).
+                runs = [(bench_ours(f"hurray://127.0.0.1:{port}", c, a.objects, size), bench_raw(raw_port, c, a.objects, size)) for _ in range(a.repeat)]
+                put, get = (statistics.median(r[0][i] for r in runs) for i in (0, 1))
+                rput, rget = (statistics.median(r[1][i] for r in runs) for i in (0, 1))
+                rows.append([f"{c} client process{'es' if c > 1 else ''}", f"{put:.2f}", f"{rput:.2f}", f"{put / rput:.2f}x",
+                             f"{get:.2f}", f"{rget:.2f}", f"{get / rget:.2f}x"])
+        finally:
+            srv.send_signal(signal.SIGTERM)
+            srv.wait(timeout=60)
+            raw.kill()
+        print(f"\n{a.objects} objects of {a.object_mib} MiB per client; GB/s, all clients together\n")
+        print(table(["clients", "put ours", "put raw TCP", "ratio", "get ours", "get raw TCP", "ratio"], rows))
+        if not a.no_lmcache:
+            lput, lget = bench_lmcache(a.objects, size)
+            ours_put, ours_get = bench_ours_single(a.objects, size)
+            print(f"\nbeside LMCache's lmcache_server (lm://), 1 client process, {a.objects} chunks of {a.object_mib} MiB\n")
+            print(table(["path", "put GB/s", "get GB/s"], [
+                ["hurray-store serve, remote tier", f"{ours_put:.2f}", f"{ours_get:.2f}"],
+                ["LMCache lmcache_server, RemoteBackend (lm://)", f"{lput:.2f}", f"{lget:.2f}"],
+                ["ratio", f"{ours_put / lput:.1f}x", f"{ours_get / lget:.1f}x"],
+            ]))
+
+
+def bench_ours_single(n: int, size: int) -> tuple[float, float]:
+    """Ours again beside LMCache, in the same conditions (a fresh server, 1 client)."""
+    with tempfile.TemporaryDirectory() as work:
+        port = free_port()
+        cfg = Path(work) / "server.yaml"
+        cfg.write_text(json.dumps({"tiers": [{"type": "cpu", "capacity_bytes": 2 * n * size, "preallocate": True}],
+                                   "server": {"port": port, "metrics_port": None}}))
+        srv = subprocess.Popen([sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(cfg), "--log-level", "warning"], cwd=ROOT)
+        try:
+            wait_port(port, srv, "hurray-store serve")
+            return bench_ours(f"hurray://127.0.0.1:{port}", 1, n, size)
+        finally:
+            srv.send_signal(signal.SIGTERM)
+            srv.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()

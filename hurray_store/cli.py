@@ -307,6 +307,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    """A running server's stats (its store's tiers, connections, staged segments)."""
+    import asyncio
+    import json
+
+    from hurray_store.config import RemoteTierConfig
+    from hurray_store.tiers.remote import RemoteTier
+
+    async def get() -> dict[str, Any] | None:
+        t = RemoteTier(RemoteTierConfig(url=args.url, name="remote", token=args.token or "", backoff_initial_s=0.0))
+        try:
+            return await t.server_stats()
+        finally:
+            await t.close()
+
+    stats = asyncio.run(get())
+    if stats is None:
+        print(f"hurray-store stats: no answer from {args.url}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2, sort_keys=True))
+    return 0
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="store config (YAML); default: the embedded default")
     p.add_argument("--model", required=True, help="a model directory (save_pretrained)")
@@ -344,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--metrics-port", type=int, default=None, help="HTTP port for /metrics and health (default: server.metrics_port; -1: none)")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=cmd_serve)
+    st = sub.add_parser("stats", help="print a running cache server's stats as JSON")
+    st.add_argument("--url", default="hurray://127.0.0.1:9470")
+    st.add_argument("--token", default=None, help="the server's token, if it asks for one")
+    st.set_defaults(func=cmd_stats)
     i = sub.add_parser("inspect", help="print every descriptor field of a layer object or a manifest")
     i.add_argument("path")
     i.set_defaults(func=cmd_inspect)

@@ -45,6 +45,7 @@ bench: setup redis
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_store.py
 	$(PY) tools/bench_reuse.py
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_lmcache.py
+	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_server.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models

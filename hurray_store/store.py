@@ -490,17 +490,25 @@ class TieredStore:
         m = self._manifests.get(seg)
         if m is not None:
             return m.to_bytes()
-        seg_hex = seg.hex()
+        got = await self._read_manifest(seg.hex())
+        if got is None:
+            return None
+        self._cache_manifest(got[0])
+        return bytes(host_view(got[1]))
+
+    async def _read_manifest(self, seg_hex: str) -> tuple[Manifest, Blob] | None:
+        """A segment's manifest (parsed, checked against its key) and its bytes, from
+        the fastest tier holding a good one."""
         key = self._manifest_key(seg_hex)
         for i in self.policy.holders(key):
             blob = await self.tiers[i].get(key)
             if blob is None:
                 self._missing(i, key)
                 continue
+            self._hit(i, blob_nbytes(blob))
             m = self._parse_manifest(i, seg_hex, blob)
             if m is not None:
-                self._cache_manifest(m)
-                return bytes(host_view(blob))
+                return m, blob
         return None
 
     async def _discover(self, spec: KVSpec, hashes: Sequence[Sequence[bytes]], *, claim: bool) -> None:
@@ -513,8 +521,8 @@ class TieredStore:
                 continue
             have = [self.index.longest_prefix(list(hs)).num_pages for hs in hashes]
             ask = [(h, list(hs)) for h, hs in zip(have, hashes, strict=True)]
-            if not claim and all(h == len(hs) for h, hs in ask):
-                return
+            if all(h == len(hs) for h, hs in ask):
+                return  # the index knows every page already
             got = await t.lookup_prefix(ask, claim=claim)
             if got is None:
                 continue
@@ -1191,19 +1199,10 @@ class TieredStore:
     async def _manifest(self, seg: bytes, spec: KVSpec) -> Manifest | None:
         """The segment's manifest, verified against ``spec``; None (and the segment
         dropped) when no tier has a good one."""
-        seg_hex = seg.hex()
         m = self._manifests.get(seg)
         if m is None:
-            key = self._manifest_key(seg_hex)
-            for i in self.policy.holders(key):
-                blob = await self.tiers[i].get(key)
-                if blob is None:
-                    self._missing(i, key)
-                    continue
-                self._hit(i, blob_nbytes(blob))
-                m = self._parse_manifest(i, seg_hex, blob)
-                if m is not None:
-                    break
+            got = await self._read_manifest(seg.hex())
+            m = None if got is None else got[0]
         if m is None:
             self.index.remove_segment(seg)
             return None

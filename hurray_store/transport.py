@@ -353,19 +353,21 @@ def decode_ranges(payload: memoryview, limit: int = 1 << 20) -> tuple[str, list[
     return key, ranges
 
 
-def encode_lookup(seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool) -> bytes:
-    """X_LOOKUP: flags (bit 0: claim the unmatched pages for a put), then per sequence
-    the pages the caller already has and the page hashes (16 bytes each)."""
-    out = [struct.pack("<II", 1 if claim else 0, len(seqs))]
+def encode_lookup(seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool, wait_ms: int = 0) -> bytes:
+    """X_LOOKUP: flags (bit 0: claim the unmatched pages for a put), the longest the
+    server may wait for other clients' claims, then per sequence the pages the caller
+    already has and the page hashes (16 bytes each)."""
+    out = [struct.pack("<III", 1 if claim else 0, wait_ms, len(seqs))]
     for have, hashes in seqs:
         out.append(struct.pack("<II", have, len(hashes)))
         out.extend(hashes)
     return b"".join(out)
 
 
-def decode_lookup(payload: memoryview, hash_len: int) -> tuple[bool, list[tuple[int, list[bytes]]]]:
+def decode_lookup(payload: memoryview, hash_len: int) -> tuple[bool, int, list[tuple[int, list[bytes]]]]:
     r = Reader(payload)
     flags = r.u32()
+    wait_ms = r.u32()
     if flags & ~1:
         raise invalid(f"reserved lookup flag bits set: 0x{flags:x}", fatal=False)
     seqs = []
@@ -374,7 +376,7 @@ def decode_lookup(payload: memoryview, hash_len: int) -> tuple[bool, list[tuple[
         raw = bytes(r.take(n * hash_len))
         seqs.append((have, [raw[i * hash_len : (i + 1) * hash_len] for i in range(n)]))
     r.end()
-    return bool(flags & 1), seqs
+    return bool(flags & 1), wait_ms, seqs
 
 
 def encode_lookup_reply(matched: Sequence[int], manifests: Sequence[bytes]) -> bytes:

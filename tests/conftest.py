@@ -35,6 +35,21 @@ def free_port(bus: bool = False) -> int:
                 pass
 
 
+def wait_listening(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float, log: Path | None = None) -> None:
+    """Wait until ``proc`` accepts connections on ``port``; raise (with its log) if it
+    exits or does not listen within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}" + (f":\n{log.read_text()}" if log else ""))
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on port {port}" + (f":\n{log.read_text()}" if log else ""))
+
+
 class RedisProc:
     """One redis-server on 127.0.0.1; ``stop`` kills it, ``start`` brings it back on
     the same port."""
@@ -62,14 +77,8 @@ class RedisProc:
              "--dir", str(self.workdir), *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        wait_listening(self.port, self.proc, "redis-server", 10)
+        return self
 
     def stop(self) -> None:
         if self.proc is not None:

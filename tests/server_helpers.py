@@ -7,14 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from hurray_store import transport as tp
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,16 +48,8 @@ class ServerProc:
             [sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(self.config), "--log-level", "info"],
             stdout=self.log.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT,
         )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"the server did not listen on {self.port}:\n{self.log.read_text()}")
+        wait_listening(self.port, self.proc, "the server", 60, self.log)
+        return self
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Signal the server and wait for it; its exit code."""

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -394,3 +395,38 @@ def test_commit_of_a_corrupt_segment_is_refused_and_nothing_is_stored(server: Se
         assert kind == Msg.X_CONTAINS_REPLY and tp.decode_sizes(memoryview(payload)) == [None] * (1 + len(objs))
 
     asyncio.run(main())
+
+
+def test_sigterm_finishes_the_put_in_flight_flushes_and_exits_0(tmp_path: Path) -> None:
+    srv = ServerProc(tmp_path / "srv").start()
+    try:
+        r, idle = Raw(srv.port), Raw(srv.port)
+        r.hello()
+        idle.hello()
+        data = os.urandom(3 << 20)
+        half = len(data) // 2
+        r.send(Msg.TENSOR_PUT, 3, tp.encode_put("late/object", len(data)))
+        r.send(Msg.TENSOR_DATA, 3, tp.DATA_OFFSET.pack(0) + data[:half])
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while True:  # draining: not ready any more, and no new connections
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/readyz", timeout=2)
+            except urllib.error.HTTPError as e:
+                assert e.code == 503
+                break
+            assert time.monotonic() < deadline, "/readyz still says ready while draining"
+            time.sleep(0.05)
+        r.send(Msg.TENSOR_DATA, 3, tp.DATA_OFFSET.pack(half) + data[half:])
+        r.send(Msg.TENSOR_DATA_END, 3)
+        assert r.recv()[0] == Msg.TENSOR_PUT_ACK, "the put in flight was finished"
+        assert srv.proc.wait(timeout=30) == 0
+        srv.proc = None
+        assert idle.is_closed()
+        srv.start()  # on the same disk: the object was flushed before the exit
+        r2 = Raw(srv.port)
+        r2.hello()
+        assert r2.get("late/object") == data
+    finally:
+        srv.kill()

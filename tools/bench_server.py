@@ -1,12 +1,14 @@
 """Benchmark the cache server: put and retrieve GB/s through `hurray-store serve` from
 1, 2 and 4 client processes, beside references measured in the same run.
 
-    python tools/bench_server.py [--objects 32] [--object-mib 4] [--clients 1,2,4]
+    python tools/bench_server.py [--objects 64] [--object-mib 4] [--clients 1,2,4]
 
 * ours: each client process opens a ``remote`` tier (a pool of 4 pipelined
   connections) and puts then gets its own ``objects`` objects of ``object-mib`` MiB
-  (the size of a layer object of a large segment). The server keeps them in its cpu
-  tier. Time: from a common start until the slowest client is done.
+  (the size of a layer object of a large segment), in ``rounds`` timed rounds per
+  phase. The server keeps them in its cpu tier. GB/s: all clients' bytes over the
+  slowest client's median round (the first round after a pause runs slow on this VM,
+  for every path alike).
 * raw loopback copy: the same bytes from the same number of processes over plain TCP
   sockets to a server process that receives into (or sends from) preallocated memory,
   with no protocol: the ceiling of any socket-based cache server on this machine.
@@ -61,33 +63,37 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
 # ------------------------------------------------------------------------ clients
 
 OURS = textwrap.dedent(r"""
-    import asyncio, json, sys, time
+    import asyncio, json, statistics, sys, time
     from hurray_store.config import load_config
     from hurray_store.tiers import open_tier
-    url, me, n, size, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    url, me, n, size, start, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
     async def main():
         cfg = load_config({"tiers": [{"type": "remote", "url": url, "connections": 4, "timeout_s": 60}]}, env={}).tiers[0]
         t = open_tier(cfg); await t.open()
         blobs = [bytes([(me * 7 + i) % 251]) * size for i in range(n)]
-        keys = [f"bench/{me}/{i}" for i in range(n)]
         dests = [bytearray(size) for _ in range(n)]  # resident, as an engine's buffers are
         for d in dests:
             d[::4096] = b"\0" * len(d[::4096])
-        # Warm up (connections opened, the server's buffers grown), untimed.
-        warm = [(f"warm/{me}/{i}", [blobs[i]]) for i in range(n)]
-        await t.put_many(warm)
-        await asyncio.gather(*(t.get(k) for k, _ in warm))
-        await t.delete_many([k for k, _ in warm])
         while time.time() < start:
             time.sleep(0.001)
-        t0 = time.perf_counter()
-        oks = await t.put_many([(k, [b]) for k, b in zip(keys, blobs)])
-        t1 = time.perf_counter()
-        got = await asyncio.gather(*(t.get_ranges(k, [(0, size)], [memoryview(d)]) for k, d in zip(keys, dests)))
-        t2 = time.perf_counter()
-        ok = all(oks) and all(g is not None for g in got) and all(d == b for d, b in zip(dests, blobs))
+        puts, gets, ok = [], [], True
+        for r in range(rounds):
+            keys = [f"bench/{me}/{r}/{i}" for i in range(n)]
+            t0 = time.perf_counter()
+            oks = await t.put_many([(k, [b]) for k, b in zip(keys, blobs)])
+            puts.append(time.perf_counter() - t0)
+            ok = ok and all(oks)
+            if r < rounds - 1:
+                await t.delete_many(keys)  # untimed: keeps the server's memory bounded
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            got = await asyncio.gather(*(t.get_ranges(k, [(0, size)], [memoryview(d)]) for k, d in zip(keys, dests)))
+            gets.append(time.perf_counter() - t0)
+            ok = ok and all(g is not None for g in got)
+        ok = ok and all(d == b for d, b in zip(dests, blobs))
+        await t.delete_many(keys)
         await t.close()
-        print(json.dumps({"put_s": t1 - t0, "get_s": t2 - t1, "ok": ok}))
+        print(json.dumps({"put_s": statistics.median(puts), "get_s": statistics.median(gets), "ok": ok}))
     asyncio.run(main())
 """)
 
@@ -98,14 +104,17 @@ RAW_SERVER = textwrap.dedent(r"""
     def handle(c):
         store = bytearray(n * size); store[::4096] = b"\1" * len(store[::4096])
         mv = memoryview(store)
-        op = c.recv(1)
-        if op == b"P":  # receive n objects into preallocated memory, then ack
-            pos = 0
-            while pos < n * size:
-                pos += c.recv_into(mv[pos:])
-            c.sendall(b"k")
-        elif op == b"G":  # send n objects from memory
-            c.sendall(mv)
+        while True:
+            op = c.recv(1)
+            if op == b"P":  # receive n objects into preallocated memory, then ack
+                pos = 0
+                while pos < n * size:
+                    pos += c.recv_into(mv[pos:])
+                c.sendall(b"k")
+            elif op == b"G":  # send n objects from memory
+                c.sendall(mv)
+            else:
+                break
         c.close()
     while True:
         c, _ = srv.accept()
@@ -113,22 +122,27 @@ RAW_SERVER = textwrap.dedent(r"""
 """)
 
 RAW_CLIENT = textwrap.dedent(r"""
-    import json, socket, sys, time
-    port, me, n, size, start, op = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
+    import json, socket, statistics, sys, time
+    port, me, n, size, start, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
     buf = bytearray(n * size); buf[::4096] = b"\1" * len(buf[::4096])
     mv = memoryview(buf)
     s = socket.create_connection(("127.0.0.1", port))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     while time.time() < start:
         time.sleep(0.001)
-    t0 = time.perf_counter()
-    if op == "P":
-        s.sendall(b"P"); s.sendall(mv); s.recv(1)
-    else:
-        s.sendall(b"G"); pos = 0
-        while pos < n * size:
-            pos += s.recv_into(mv[pos:])
-    print(json.dumps({"s": time.perf_counter() - t0}))
+    times = {"P": [], "G": []}
+    for op in "PG":
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            if op == "P":
+                s.sendall(b"P"); s.sendall(mv); s.recv(1)
+            else:
+                s.sendall(b"G"); pos = 0
+                while pos < n * size:
+                    pos += s.recv_into(mv[pos:])
+            times[op].append(time.perf_counter() - t0)
+    s.sendall(b"Q")
+    print(json.dumps({"put_s": statistics.median(times["P"]), "get_s": statistics.median(times["G"])}))
 """)
 
 
@@ -143,25 +157,25 @@ def run_clients(argvs: list[list[str]]) -> list[dict]:
     return out
 
 
-def bench_ours(url: str, clients: int, n: int, size: int) -> tuple[float, float]:
-    start = time.time() + 5.0  # every process imported, connected and warmed up by then
-    res = run_clients([[OURS, url, str(c), str(n), str(size), str(start)] for c in range(clients)])
+def bench_ours(url: str, clients: int, n: int, size: int, rounds: int) -> tuple[float, float]:
+    start = time.time() + 4.0  # every process imported and connected by then
+    res = run_clients([[OURS, url, str(c), str(n), str(size), str(start), str(rounds)] for c in range(clients)])
     assert all(r["ok"] for r in res), "a client read back different bytes"
-    # Aggregate: all clients' bytes over the slowest client's time, per phase.
-    total = clients * n * size
+    return _aggregate(res, clients * n * size)
+
+
+def bench_raw(port: int, clients: int, n: int, size: int, rounds: int) -> tuple[float, float]:
+    start = time.time() + 1.5
+    res = run_clients([[RAW_CLIENT, str(port), str(c), str(n), str(size), str(start), str(rounds)] for c in range(clients)])
+    return _aggregate(res, clients * n * size)
+
+
+def _aggregate(res: list[dict], total: int) -> tuple[float, float]:
+    """All clients' bytes over the slowest client's median round, per phase."""
     return gbps(total, max(r["put_s"] for r in res)), gbps(total, max(r["get_s"] for r in res))
 
 
-def bench_raw(port: int, clients: int, n: int, size: int) -> tuple[float, float]:
-    out = []
-    for op in ("P", "G"):
-        start = time.time() + 1.5
-        res = run_clients([[RAW_CLIENT, str(port), str(c), str(n), str(size), str(start), op] for c in range(clients)])
-        out.append(gbps(clients * n * size, max(r["s"] for r in res)))
-    return out[0], out[1]
-
-
-def bench_lmcache(n: int, size: int) -> tuple[float, float]:
+def bench_lmcache(n: int, size: int, rounds: int) -> tuple[float, float]:
     """LMCache's lm:// server through its RemoteBackend, chunks of ``size`` bytes."""
     import torch
 
@@ -180,26 +194,30 @@ def bench_lmcache(n: int, size: int) -> tuple[float, float]:
         chunk = size // (2 * layers * heads * dim * 2)
         spec = KVSpec(model="bench", num_layers=layers, num_kv_heads=heads, head_dim=dim, page_size=16, dtype=torch.float16)
         lm = LMCacheBackend(spec, chunk, {"remote_url": f"lm://127.0.0.1:{port}", "remote_serde": "naive", "max_local_cpu_size": 4.0})
-        keys = [CacheEngineKey("bench", 1, 0, i, torch.float16) for i in range(n)]
-        objs = []
-        for i in range(n):
-            o = lm.cpu.allocate(torch.Size([2, layers, chunk, heads * dim]), torch.float16, MemoryFormat.KV_2LTD)
-            o.tensor.fill_(i % 7)
-            objs.append(o)
-        t0 = time.perf_counter()
-        lm.backend.batched_submit_put_task(keys, objs)
-        while not all(lm.backend.contains(k) for k in keys):
-            time.sleep(0.0005)
-        t1 = time.perf_counter()
-        for o in objs:
-            o.ref_count_down()
-        for k in keys:
-            g = lm.backend.get_blocking(k)
-            assert g is not None, "lmcache_server lost a chunk"
-            g.ref_count_down()
-        t2 = time.perf_counter()
+        puts, gets = [], []
+        for r in range(rounds):
+            keys = [CacheEngineKey("bench", 1, 0, r * n + i, torch.float16) for i in range(n)]
+            objs = []
+            for i in range(n):
+                o = lm.cpu.allocate(torch.Size([2, layers, chunk, heads * dim]), torch.float16, MemoryFormat.KV_2LTD)
+                o.tensor.fill_(i % 7)
+                objs.append(o)
+            t0 = time.perf_counter()
+            lm.backend.batched_submit_put_task(keys, objs)
+            while not all(lm.backend.contains(k) for k in keys):
+                time.sleep(0.0005)
+            puts.append(time.perf_counter() - t0)
+            for o in objs:
+                o.ref_count_down()
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for k in keys:
+                g = lm.backend.get_blocking(k)
+                assert g is not None, "lmcache_server lost a chunk"
+                g.ref_count_down()
+            gets.append(time.perf_counter() - t0)
         lm.close()
-        return gbps(n * size, t1 - t0), gbps(n * size, t2 - t1)
+        return gbps(n * size, statistics.median(puts)), gbps(n * size, statistics.median(gets))
     finally:
         srv.kill()
         srv.wait()
@@ -207,10 +225,10 @@ def bench_lmcache(n: int, size: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--objects", type=int, default=32, help="objects per client process")
+    ap.add_argument("--objects", type=int, default=64, help="objects per client process")
     ap.add_argument("--object-mib", type=int, default=4)
     ap.add_argument("--clients", default="1,2,4")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per point; the median is shown")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per client process and phase; the median is kept")
     ap.add_argument("--no-lmcache", action="store_true")
     a = ap.parse_args()
     size = a.object_mib << 20
@@ -230,11 +248,10 @@ def main() -> None:
             wait_port(port, srv, "hurray-store serve")
             wait_port(raw_port, raw, "raw server")
             for c in counts:
-                # Alternate ours and the reference, and keep the median of each: this
-                # machine is shared and noisy (+-30% run to run).
-                runs = [(bench_ours(f"hurray://127.0.0.1:{port}", c, a.objects, size), bench_raw(raw_port, c, a.objects, size)) for _ in range(a.repeat)]
-                put, get = (statistics.median(r[0][i] for r in runs) for i in (0, 1))
-                rput, rget = (statistics.median(r[1][i] for r in runs) for i in (0, 1))
+                # Each client process times `rounds` rounds per phase and reports its
+                # median: the first round after a pause runs slow on this VM for both.
+                put, get = bench_ours(f"hurray://127.0.0.1:{port}", c, a.objects, size, a.rounds)
+                rput, rget = bench_raw(raw_port, c, a.objects, size, a.rounds)
                 rows.append([f"{c} client process{'es' if c > 1 else ''}", f"{put:.2f}", f"{rput:.2f}", f"{put / rput:.2f}x",
                              f"{get:.2f}", f"{rget:.2f}", f"{get / rget:.2f}x"])
         finally:
@@ -244,8 +261,8 @@ def main() -> None:
         print(f"\n{a.objects} objects of {a.object_mib} MiB per client; GB/s, all clients together\n")
         print(table(["clients", "put ours", "put raw TCP", "ratio", "get ours", "get raw TCP", "ratio"], rows))
         if not a.no_lmcache:
-            lput, lget = bench_lmcache(a.objects, size)
-            ours_put, ours_get = bench_ours_single(a.objects, size)
+            lput, lget = bench_lmcache(a.objects, size, a.rounds)
+            ours_put, ours_get = bench_ours_single(a.objects, size, a.rounds)
             print(f"\nbeside LMCache's lmcache_server (lm://), 1 client process, {a.objects} chunks of {a.object_mib} MiB\n")
             print(table(["path", "put GB/s", "get GB/s"], [
                 ["hurray-store serve, remote tier", f"{ours_put:.2f}", f"{ours_get:.2f}"],
@@ -254,7 +271,7 @@ def main() -> None:
             ]))
 
 
-def bench_ours_single(n: int, size: int) -> tuple[float, float]:
+def bench_ours_single(n: int, size: int, rounds: int) -> tuple[float, float]:
     """Ours again beside LMCache, in the same conditions (a fresh server, 1 client)."""
     with tempfile.TemporaryDirectory() as work:
         port = free_port()
@@ -264,7 +281,7 @@ def bench_ours_single(n: int, size: int) -> tuple[float, float]:
         srv = subprocess.Popen([sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(cfg), "--log-level", "warning"], cwd=ROOT)
         try:
             wait_port(port, srv, "hurray-store serve")
-            return bench_ours(f"hurray://127.0.0.1:{port}", 1, n, size)
+            return bench_ours(f"hurray://127.0.0.1:{port}", 1, n, size, rounds)
         finally:
             srv.send_signal(signal.SIGTERM)
             srv.wait(timeout=60)

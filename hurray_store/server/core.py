@@ -54,6 +54,7 @@ from hurray_store.transport import Err, Msg
 log = logging.getLogger(__name__)
 _MAX_FRAME = 16 << 20
 _HELLO_LIMIT = 64 << 10
+_BYTES_PER_S = 50e6  # the slowest client a send's timeout allows for
 # Messages a client may send; the rest flow server -> client only.
 _CLIENT_SENDS = {
     Msg.TENSOR_REQUEST, Msg.TENSOR_DATA, Msg.TENSOR_DATA_END, Msg.TENSOR_PUT, Msg.ERROR, Msg.PING, Msg.PONG,
@@ -280,8 +281,12 @@ class CacheServer:
         for h in [h for h, c in self.claims.items() if c.owner is owner]:
             self._end_claim(h)
 
-    async def lookup(self, session: Session, claim: bool, seqs: list[tuple[int, list[bytes]]], max_bytes: int) -> tuple[list[int], list[bytes]]:
-        deadline = time.monotonic() + self.cfg.request_timeout_s
+    async def lookup(
+        self, session: Session, claim: bool, wait_s: float, seqs: list[tuple[int, list[bytes]]], max_bytes: int,
+    ) -> tuple[list[int], list[bytes]]:
+        """Matched pages and manifests; with ``claim``, first wait (at most ``wait_s``)
+        for pages other connections claimed, then claim what is still missing."""
+        deadline = time.monotonic() + min(wait_s, self.cfg.request_timeout_s)
         while True:
             matched, manifests = await self.store.find_segments(seqs, max_bytes)
             if not claim:
@@ -565,6 +570,9 @@ class Session:
                     await self._fatal(sid_of(e), e.code, str(e))
                 else:
                     await self._error(sid_of(e), e.code, str(e))
+            except TimeoutError:  # an answer stuck half-sent: the stream is unusable
+                log.info("client %s: an answer took longer than request_timeout_s to send; closing", self.peer)
+                self.close()
             except (tp.ConnectionClosed, OSError):
                 self.close()
             finally:
@@ -586,7 +594,10 @@ class Session:
                 return
             views = [host_view(p) for p in parts]
             assert self.ch is not None
-            async with self.ch.send_lock:
+            nbytes = sum(v.nbytes for v in views)
+            # A client that stops reading cannot hold the object pinned (and the
+            # connection) forever: past the timeout its connection is cut.
+            async with self.ch.send_lock, asyncio.timeout(self.cfg.request_timeout_s + nbytes / _BYTES_PER_S):
                 await self.ch.send_object(sid, views, self.frame)
             self.server.metrics.bytes_out.inc(sum(v.nbytes for v in views))
         finally:
@@ -635,8 +646,8 @@ class Session:
         await self._reply(sid, Msg.X_DELETE_ACK, b"")
 
     async def _on_x_lookup(self, sid: int, payload: memoryview) -> None:
-        claim, seqs = _stream(sid, lambda p: tp.decode_lookup(p, keymod.HASH_LEN), payload)
-        matched, manifests = await self.server.lookup(self, claim, seqs, self.client_max - 4096)
+        claim, wait_ms, seqs = _stream(sid, lambda p: tp.decode_lookup(p, keymod.HASH_LEN), payload)
+        matched, manifests = await self.server.lookup(self, claim, wait_ms / 1000, seqs, self.client_max - 4096)
         await self._reply(sid, Msg.X_LOOKUP_REPLY, tp.encode_lookup_reply(matched, manifests))
 
     async def _on_x_commit(self, sid: int, payload: memoryview) -> None:
@@ -659,7 +670,7 @@ class Session:
 
     async def _reply(self, sid: int, kind: Msg, payload: bytes) -> None:
         assert self.ch is not None
-        async with self.ch.send_lock:
+        async with self.ch.send_lock, asyncio.timeout(self.cfg.request_timeout_s + len(payload) / _BYTES_PER_S):
             await self.ch.send(kind, sid, payload)
 
 

@@ -204,3 +204,18 @@ class Tier(ABC):
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         await asyncio.gather(*(self.delete(k) for k in keys))
+
+
+class ServiceTier(Tier):
+    """A tier behind a network service (Redis, a cache server): its availability is
+    its ``Outage``'s, which the subclass creates in its constructor."""
+
+    outage: Outage
+
+    @property
+    def available(self) -> bool:
+        return self.outage.available
+
+    @property
+    def ready(self) -> bool:
+        return self.outage.ready

@@ -35,7 +35,7 @@ from redis.retry import Retry
 
 from hurray_store.config import RedisTierConfig
 from hurray_store.errors import ConfigError
-from hurray_store.tiers.base import Blob, Buffer, Outage, Range, Tier
+from hurray_store.tiers.base import Blob, Buffer, Outage, Range, ServiceTier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,7 +67,7 @@ def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
     return nodes, auth
 
 
-class RedisTier(Tier):
+class RedisTier(ServiceTier):
     kind = "redis"
     persistent = True
 
@@ -104,14 +104,6 @@ class RedisTier(Tier):
     @property
     def outages(self) -> int:
         return self.outage.count
-
-    @property
-    def available(self) -> bool:
-        return self.outage.available
-
-    @property
-    def ready(self) -> bool:
-        return self.outage.ready
 
     def k(self, key: str) -> str:
         return self.prefix + key

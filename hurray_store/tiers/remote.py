@@ -40,7 +40,7 @@ from hurray_store import keys as keymod
 from hurray_store import transport as tp
 from hurray_store.config import RemoteTierConfig
 from hurray_store.errors import ConfigError, ProtocolError, RemoteError
-from hurray_store.tiers.base import Blob, Buffer, Outage, Range, Tier
+from hurray_store.tiers.base import Blob, Buffer, Outage, Range, ServiceTier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -166,7 +166,7 @@ class _Conn:
             self.close(e if isinstance(e, _NETWORK) else tp.ConnectionClosed(f"{e.__class__.__name__}: {e}"))
 
 
-class RemoteTier(Tier):
+class RemoteTier(ServiceTier):
     kind = "remote"
     persistent = True
     shared = True
@@ -181,14 +181,6 @@ class RemoteTier(Tier):
         self._opening: list[asyncio.Lock] = [asyncio.Lock() for _ in range(cfg.connections)]
         self._rr = 0
         self.server_hello: tp.Hello | None = None
-
-    @property
-    def available(self) -> bool:
-        return self.outage.available
-
-    @property
-    def ready(self) -> bool:
-        return self.outage.ready
 
     # ------------------------------------------------------------------ connections
 
@@ -369,7 +361,9 @@ class RemoteTier(Tier):
 
     async def lookup_prefix(self, seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool) -> list[bytes] | None:
         async def send(c: _Conn, sid: int) -> None:
-            await c.ch.send(tp.Msg.X_LOOKUP, sid, tp.encode_lookup(seqs, claim=claim))
+            # Waiting for another engine's claim must end well inside this call's timeout.
+            wait_ms = int(self.cfg.timeout_s * 500) if claim else 0
+            await c.ch.send(tp.Msg.X_LOOKUP, sid, tp.encode_lookup(seqs, claim=claim, wait_ms=wait_ms))
 
         payload = await self._call("X_LOOKUP", send, None, expect=tp.Msg.X_LOOKUP_REPLY)
         if payload is None:

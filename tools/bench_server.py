@@ -66,7 +66,7 @@ OURS = textwrap.dedent(r"""
     import asyncio, json, statistics, sys, time
     from hurray_store.config import load_config
     from hurray_store.tiers import open_tier
-    url, me, n, size, start, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
+    url, me, n, size, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     async def main():
         cfg = load_config({"tiers": [{"type": "remote", "url": url, "connections": 4, "timeout_s": 60}]}, env={}).tiers[0]
         t = open_tier(cfg); await t.open()
@@ -74,8 +74,8 @@ OURS = textwrap.dedent(r"""
         dests = [bytearray(size) for _ in range(n)]  # resident, as an engine's buffers are
         for d in dests:
             d[::4096] = b"\0" * len(d[::4096])
-        while time.time() < start:
-            time.sleep(0.001)
+        print("ready", flush=True)
+        sys.stdin.readline()  # every client is set up: go
         puts, gets, ok = [], [], True
         for r in range(rounds):
             keys = [f"bench/{me}/{r}/{i}" for i in range(n)]
@@ -123,13 +123,13 @@ RAW_SERVER = textwrap.dedent(r"""
 
 RAW_CLIENT = textwrap.dedent(r"""
     import json, socket, statistics, sys, time
-    port, me, n, size, start, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
+    port, me, n, size, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     buf = bytearray(n * size); buf[::4096] = b"\1" * len(buf[::4096])
     mv = memoryview(buf)
     s = socket.create_connection(("127.0.0.1", port))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    while time.time() < start:
-        time.sleep(0.001)
+    print("ready", flush=True)
+    sys.stdin.readline()
     times = {"P": [], "G": []}
     for op in "PG":
         for r in range(rounds):
@@ -147,7 +147,21 @@ RAW_CLIENT = textwrap.dedent(r"""
 
 
 def run_clients(argvs: list[list[str]]) -> list[dict]:
-    procs = [subprocess.Popen([sys.executable, "-c", *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT) for a in argvs]
+    """Start the client processes, wait until each says it is set up (imports, buffers,
+    connections), start them all at once, and collect their JSON reports."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", *a], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+        for a in argvs
+    ]
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if line.strip() != b"ready":
+            raise RuntimeError(f"a client failed to start: {line!r} {p.stderr.read().decode()[-3000:] if p.stderr else ''}")
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(b"go\n")
+        p.stdin.flush()
     out = []
     for p in procs:
         o, e = p.communicate(timeout=600)
@@ -158,15 +172,13 @@ def run_clients(argvs: list[list[str]]) -> list[dict]:
 
 
 def bench_ours(url: str, clients: int, n: int, size: int, rounds: int) -> tuple[float, float]:
-    start = time.time() + 4.0  # every process imported and connected by then
-    res = run_clients([[OURS, url, str(c), str(n), str(size), str(start), str(rounds)] for c in range(clients)])
+    res = run_clients([[OURS, url, str(c), str(n), str(size), str(rounds)] for c in range(clients)])
     assert all(r["ok"] for r in res), "a client read back different bytes"
     return _aggregate(res, clients * n * size)
 
 
 def bench_raw(port: int, clients: int, n: int, size: int, rounds: int) -> tuple[float, float]:
-    start = time.time() + 1.5
-    res = run_clients([[RAW_CLIENT, str(port), str(c), str(n), str(size), str(start), str(rounds)] for c in range(clients)])
+    res = run_clients([[RAW_CLIENT, str(port), str(c), str(n), str(size), str(rounds)] for c in range(clients)])
     return _aggregate(res, clients * n * size)
 
 

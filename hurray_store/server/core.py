@@ -31,6 +31,7 @@ its stream and the connection stays.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import signal
@@ -698,6 +699,9 @@ async def serve(store: TieredStore, cfg: ServerConfig, *, host: str | None = Non
     await store.open()
     server = CacheServer(store, cfg)
     await server.start(host, port, metrics_port)
+    # Everything loaded so far (torch, the index) lives as long as the server: keep it
+    # out of the garbage collector's passes, which the per-request objects trigger.
+    gc.freeze()
     await server.serve_forever()
 
 

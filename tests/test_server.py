@@ -430,3 +430,15 @@ def test_sigterm_finishes_the_put_in_flight_flushes_and_exits_0(tmp_path: Path) 
         assert r2.get("late/object") == data
     finally:
         srv.kill()
+
+
+def test_a_put_left_half_sent_times_out_and_gives_its_memory_back(server: ServerProc, bystander: Raw) -> None:
+    r = Raw(server.port)
+    r.hello(TOKEN)
+    r.send(Msg.TENSOR_PUT, 3, tp.encode_put("stalled", 2000))
+    r.send(Msg.TENSOR_DATA, 3, tp.DATA_OFFSET.pack(0) + b"a" * 1000)  # whole frames, then silence
+    code, _ = r.error()
+    assert code == Err.TIMEOUT and r.is_closed()
+    bystander.send(Msg.X_STATS, 9)
+    kind, _, payload = bystander.recv()
+    assert kind == Msg.X_STATS_REPLY and json.loads(payload)["server"]["inflight_put_bytes"] == 0

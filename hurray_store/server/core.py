@@ -456,7 +456,11 @@ class Session:
             self.reading = False
             if self.server.draining and not self.handlers and not self.puts:
                 return
-            kind, sid, n = await ch.read_header()
+            # Between a put's frames the client may not idle past the put's deadline
+            # (its bytes are held); between requests it may idle as long as it likes.
+            idle = max(0.0, min(p.deadline for p in self.puts.values()) - time.monotonic()) if self.puts else None
+            async with asyncio.timeout(idle):
+                kind, sid, n = await ch.read_header()
             self.reading = True
             if n > self.cfg.max_message_bytes:
                 raise ProtocolError(Err.MESSAGE_TOO_LARGE, f"a {n}-byte payload; this server takes at most {self.cfg.max_message_bytes}")
@@ -488,7 +492,7 @@ class Session:
             raise ProtocolError(Err.INVALID_MESSAGE, f"a second TENSOR_PUT on stream {sid}")
         key, n = tp.decode_put(payload)  # a bad descriptor is fatal: its frames cannot be told from what follows
         self.server.metrics.requests.labels("TENSOR_PUT").inc()
-        put = _Put(key, None, n, deadline=time.monotonic() + self.cfg.request_timeout_s)
+        put = _Put(key, None, n, deadline=time.monotonic() + self.cfg.request_timeout_s + n / _BYTES_PER_S)
         self.puts[sid] = put
         if n > self.cfg.max_object_bytes:
             await self._error(sid, Err.MESSAGE_TOO_LARGE, f"an object of {n} bytes; this server takes at most {self.cfg.max_object_bytes}")

@@ -298,6 +298,12 @@ class TieredStore:
     async def contains_object(self, key: str) -> bool:
         return await self.key_size(self._obj_key(key)) is not None
 
+    @property
+    def shared(self) -> bool:
+        """True when a tier is shared with other processes (a cache server): the books
+        then do not know everything the store can read."""
+        return any(t.shared for t in self.tiers)
+
     def has_object(self, key: str) -> bool:
         """``contains_object`` from the books alone, without a trip to the store's loop
         or a shared tier: safe from another thread (membership tests of dicts are

@@ -25,9 +25,12 @@ from hurray_store.adapters.lmcache import HurrayStoragePlugin  # noqa: E402
 LAYERS, HEADS, DIM = 3, 2, 16
 
 
-def backends(tmp_path: Path, *, chunk: int = 64, heads: int = HEADS, page_size: int | None = None) -> Any:
-    cfg_file = tmp_path / "hurray.yaml"
-    cfg_file.write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: 67108864}}\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n")
+def backends(tmp_path: Path, *, chunk: int = 64, heads: int = HEADS, page_size: int | None = None, lower: str | None = None) -> Any:
+    """LMCache's backends with the plugin; its tiers are cpu, then ``lower`` (a tier
+    entry in YAML flow style; default: a disk tier under ``tmp_path``)."""
+    cfg_file = tmp_path / f"hurray-{os.urandom(4).hex()}.yaml"
+    lower = lower or f"{{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}"
+    cfg_file.write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: 67108864}}\n  - {lower}\n")
     extra = {
         "storage_plugin.hurray.module_path": "hurray_store.adapters.lmcache",
         "storage_plugin.hurray.class_name": "HurrayStoragePlugin",
@@ -259,3 +262,28 @@ def test_l2_adapter_verifies_before_it_copies(tmp_path: Path) -> None:
         assert bool((dst[0].tensor == 1).all()) and bool((dst[1].tensor == 0).all())
     finally:
         a.close()
+
+
+def test_two_engines_share_chunks_through_a_cache_server(opened: Any, tmp_path: Path) -> None:
+    """Engine A's plugin stores chunks on the server (cpu -> remote); engine B, with
+    nothing of its own, finds and loads them bit-exact."""
+    from tests.server_helpers import ServerProc
+
+    srv = ServerProc(tmp_path / "srv").start()
+    try:
+        remote = f"{{type: remote, url: '{srv.url}', backoff_initial_s: 0.05}}"
+        a = opened(lower=remote)
+        pa = plugin_of(a)
+        objs = [chunk(a, 64, 11), chunk(a, 40, 12)]
+        want = [o.tensor.clone() for o in objs]
+        pa.batched_submit_put_task([key(11), key(12)], objs)
+        pa.flush()
+        b = opened(lower=remote)
+        pb = plugin_of(b)
+        assert pb.contains(key(11)) and pb.contains(key(12)) and not pb.contains(key(13))
+        for k, w in ((key(11), want[0]), (key(12), want[1])):
+            got = pb.get_blocking(k)
+            assert got is not None and torch.equal(got.tensor, w)
+            got.ref_count_down()
+    finally:
+        srv.kill()

@@ -202,7 +202,10 @@ class HurrayStoragePlugin(StoragePluginInterface):
     # ------------------------------------------------------------------ get
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        ok = self.store.has_object(self._record_key(key))
+        rk = self._record_key(key)
+        # The books first (no trip to the store's loop); a cache server shared with
+        # other engines is asked when they say no, as LMCache's remote backend asks.
+        ok = self.store.has_object(rk) or (self.store.shared and bool(self._call(self.store.contains_object(rk))))
         if ok and pin:
             self.pin(key)
         return ok

@@ -1,4 +1,4 @@
-"""The hurray-store command line: inspect and demo."""
+"""The hurray-store command line: inspect, demo, and the server commands' failures."""
 
 from __future__ import annotations
 
@@ -51,3 +51,37 @@ def test_demo_runs_and_checks(capsys) -> None:
     assert main(["codec-demo", "--layers", "2", "--seqs", "3", "--tokens", "64", "--heads", "2", "--dim", "8"]) == 0
     out = capsys.readouterr().out
     assert "distinct pages stored" in out and out.count(" ok") == 2
+
+
+def test_serve_with_a_bad_config_names_the_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("tiers: [{type: cpu, capacity_bytes: 1024}]\nserver: {port: 99999}\n")
+    r = subprocess.run([sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "server.port" in r.stderr
+
+
+def test_serve_on_a_taken_port_says_so(tmp_path: Path) -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text("tiers: [{type: cpu, capacity_bytes: 1048576}]\nserver: {metrics_port: null}\n")
+        r = subprocess.run([sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(cfg), "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "cannot listen" in r.stderr
+
+
+def test_stats_with_no_server(capsys) -> None:
+    from tests.conftest import free_port
+
+    assert main(["stats", "--url", f"hurray://127.0.0.1:{free_port()}"]) == 1
+    assert "no answer" in capsys.readouterr().err
+
+
+def test_server_token_from_the_environment() -> None:
+    from hurray_store.config import load_config
+
+    raw = {"tiers": [{"type": "cpu", "capacity_bytes": 1}, {"type": "remote", "url": "hurray://127.0.0.1:1"}]}
+    cfg = load_config(raw, env={"HURRAY_STORE__SERVER__TOKEN": "from-env", "HURRAY_STORE__TIERS__REMOTE__TOKEN": "t2"})
+    assert cfg.server.token == "from-env" and cfg.tiers[1].token == "t2"  # type: ignore[union-attr]

@@ -96,6 +96,7 @@ class Err(IntEnum):
     REJECTED = 0xF3  # a commit the server refused (bad manifest, missing objects)
     NOT_STORED = 0xF4  # the store could not keep it (no tier took it)
     SHUTTING_DOWN = 0xF5
+    INTERNAL = 0xF6  # the server failed on a well-formed request (a bug; it is logged)
 
 
 def invalid(message: str, *, fatal: bool = True) -> ProtocolError:

@@ -31,6 +31,7 @@ its stream and the connection stays.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hmac
 import logging
@@ -532,7 +533,7 @@ class Session:
                 put.landing.release()
             raise ProtocolError(Err.INVALID_MESSAGE, f"TENSOR_DATA_END after {put.pos} of {put.total} bytes")
         if put.landing is not None:
-            self._track(self._put_store(sid, put.key, put.landing), "TENSOR_PUT")
+            self._track(self._put_store(sid, put.key, put.landing), "TENSOR_PUT", sid)
 
     async def _put_store(self, sid: int, key: str, landing: _Landing) -> None:
         store = self.server.store
@@ -563,23 +564,27 @@ class Session:
     def _spawn(self, kind: Msg, sid: int, payload: memoryview) -> None:
         self.server.metrics.requests.labels(kind.name).inc()
         handler = getattr(self, f"_on_{kind.name.lower()}")
-        self._track(handler(sid, payload), kind.name)
+        self._track(handler(sid, payload), kind.name, sid)
 
-    def _track(self, coro: Any, name: str) -> None:
+    def _track(self, coro: Any, name: str, sid: int) -> None:
         async def timed() -> None:
             t0 = time.perf_counter()
             try:
                 await coro
             except ProtocolError as e:
                 if e.fatal:
-                    await self._fatal(sid_of(e), e.code, str(e))
+                    await self._fatal(sid, e.code, str(e))
                 else:
-                    await self._error(sid_of(e), e.code, str(e))
+                    await self._error(sid, e.code, str(e))
             except TimeoutError:  # an answer stuck half-sent: the stream is unusable
                 log.info("client %s: an answer took longer than request_timeout_s to send; closing", self.peer)
                 self.close()
             except (tp.ConnectionClosed, OSError):
                 self.close()
+            except Exception as e:  # a bug of ours: this request fails, the server goes on
+                log.exception("client %s: %s failed", self.peer, name)
+                with contextlib.suppress(Exception):
+                    await self._error(sid, Err.INTERNAL, f"{name} failed on the server: {e.__class__.__name__}")
             finally:
                 self.server.metrics.latency.labels(name).observe(time.perf_counter() - t0)
 
@@ -609,7 +614,7 @@ class Session:
             store.unpin_groups(groups)
 
     async def _on_tensor_request(self, sid: int, payload: memoryview) -> None:
-        req = _stream(sid, tp.decode_request, payload)
+        req = _stream(tp.decode_request, payload)
         if req.device != tp.DEVICE_CPU:
             await self._error(sid, Err.DEVICE_UNAVAILABLE, f"device 0x{req.device:02x}: this server serves CPU memory (0x00) only")
             return
@@ -630,7 +635,7 @@ class Session:
         await self._send_object(sid, k, read)
 
     async def _on_x_ranges(self, sid: int, payload: memoryview) -> None:
-        key, ranges = _stream(sid, tp.decode_ranges, payload)
+        key, ranges = _stream(tp.decode_ranges, payload)
         total = sum(n for _, n in ranges)
         if total > self.cfg.max_object_bytes:
             await self._error(sid, Err.MESSAGE_TOO_LARGE, f"ranges of {total} bytes; at most {self.cfg.max_object_bytes}")
@@ -639,24 +644,24 @@ class Session:
         await self._send_object(sid, k, lambda: self.server.store.get_key_ranges(k, ranges))
 
     async def _on_x_contains(self, sid: int, payload: memoryview) -> None:
-        keys = _stream(sid, tp.decode_keys, payload)
+        keys = _stream(tp.decode_keys, payload)
         store = self.server.store
         sizes = [await store.key_size(store.storage_key(k)) for k in keys]
         await self._reply(sid, Msg.X_CONTAINS_REPLY, tp.encode_sizes(sizes))
 
     async def _on_x_delete(self, sid: int, payload: memoryview) -> None:
         store = self.server.store
-        for k in _stream(sid, tp.decode_keys, payload):
+        for k in _stream(tp.decode_keys, payload):
             await store.delete_key(store.storage_key(k))
         await self._reply(sid, Msg.X_DELETE_ACK, b"")
 
     async def _on_x_lookup(self, sid: int, payload: memoryview) -> None:
-        claim, wait_ms, seqs = _stream(sid, lambda p: tp.decode_lookup(p, keymod.HASH_LEN), payload)
+        claim, wait_ms, seqs = _stream(lambda p: tp.decode_lookup(p, keymod.HASH_LEN), payload)
         matched, manifests = await self.server.lookup(self, claim, wait_ms / 1000, seqs, self.client_max - 4096)
         await self._reply(sid, Msg.X_LOOKUP_REPLY, tp.encode_lookup_reply(matched, manifests))
 
     async def _on_x_commit(self, sid: int, payload: memoryview) -> None:
-        key, manifest = _stream(sid, lambda p: tp.decode_commit(p, self.cfg.max_message_bytes), payload)
+        key, manifest = _stream(lambda p: tp.decode_commit(p, self.cfg.max_message_bytes), payload)
         failed = await self.server.commit(key, manifest)
         if failed is None:
             await self._reply(sid, Msg.X_COMMIT_ACK, b"")
@@ -679,23 +684,13 @@ class Session:
             await self.ch.send(kind, sid, payload)
 
 
-class _StreamError(ProtocolError):
-    """A well-framed request whose payload is wrong: ERROR on its stream only."""
-
-    def __init__(self, sid: int, e: ProtocolError) -> None:
-        super().__init__(e.code, str(e), fatal=False)
-        self.sid = sid
-
-
-def _stream(sid: int, decode: Any, payload: memoryview) -> Any:
+def _stream(decode: Any, payload: memoryview) -> Any:
+    """``decode(payload)``; a bad field is an ERROR on this request's stream only (the
+    message was well framed, so the connection can go on)."""
     try:
         return decode(payload)
     except ProtocolError as e:
-        raise _StreamError(sid, e) from None
-
-
-def sid_of(e: ProtocolError) -> int:
-    return e.sid if isinstance(e, _StreamError) else 0
+        raise ProtocolError(e.code, str(e), fatal=False) from None
 
 
 async def serve(store: TieredStore, cfg: ServerConfig, *, host: str | None = None, port: int | None = None, metrics_port: int | None = -1) -> None:

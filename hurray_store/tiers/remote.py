@@ -250,7 +250,10 @@ class RemoteTier(ServiceTier):
             return default
         except _NETWORK as e:
             if conn is not None:
-                conn.close(tp.ConnectionClosed(str(e)))  # a half-sent request leaves no usable stream
+                # A half-sent request leaves no usable stream. Wait for the reader to
+                # stop: until then it may still be writing into this call's buffer.
+                conn.close(tp.ConnectionClosed(str(e)))
+                await asyncio.gather(conn.reader, return_exceptions=True)
             self.outage.down(what, e)
             return default
         finally:

@@ -214,9 +214,10 @@ class CacheServer:
         self.draining = True
         if self._listener is not None:
             self._listener.close()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        accept, janitor = self._tasks or (None, None)
+        if accept is not None:
+            accept.cancel()
+            await asyncio.gather(accept, return_exceptions=True)
         deadline = time.monotonic() + self.cfg.shutdown_timeout_s
         while any(s.busy for s in self.sessions) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -231,6 +232,9 @@ class CacheServer:
                 landing.release()
         self.staged.clear()
         await self.store.close()
+        if janitor is not None:  # the heartbeat ran through the drain: /healthz stayed up
+            janitor.cancel()
+            await asyncio.gather(janitor, return_exceptions=True)
         if self.http is not None:
             self.http.stop()
         log.info("shut down")
@@ -252,7 +256,7 @@ class CacheServer:
             s.task = asyncio.ensure_future(s.run())
 
     async def _janitor(self) -> None:
-        """Once a second: the liveness heartbeat; drop expired staged objects and claims."""
+        """Twice a second: the liveness heartbeat; drop expired staged objects and claims."""
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()

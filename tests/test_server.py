@@ -442,3 +442,11 @@ def test_a_put_left_half_sent_times_out_and_gives_its_memory_back(server: Server
     bystander.send(Msg.X_STATS, 9)
     kind, _, payload = bystander.recv()
     assert kind == Msg.X_STATS_REPLY and json.loads(payload)["server"]["inflight_put_bytes"] == 0
+
+
+def test_a_connection_level_error_names_the_offending_stream(server: ServerProc) -> None:
+    r = Raw(server.port)
+    r.hello(TOKEN)
+    r.send(0x77, 1234, b"")
+    kind, sid, payload = r.recv()
+    assert (kind, sid) == (Msg.ERROR, 1234)

@@ -357,6 +357,7 @@ class Session:
         self.frame = 1 << 20
         self.client_max = 1 << 20
         self.reading = False  # inside a message (its header has arrived)
+        self.last_sid = 0  # stream of the last header read: where a connection-level ERROR goes
 
     @property
     def busy(self) -> bool:
@@ -378,9 +379,9 @@ class Session:
             if await self._hello():
                 await self._loop()
         except ProtocolError as e:
-            await self._fatal(0, e.code, str(e))
+            await self._fatal(self.last_sid, e.code, str(e))
         except TimeoutError:  # before OSError, its base class
-            await self._fatal(0, Err.TIMEOUT, "a message took longer than request_timeout_s")
+            await self._fatal(self.last_sid, Err.TIMEOUT, "a message took longer than request_timeout_s")
         except (tp.ConnectionClosed, OSError):
             pass
         except asyncio.CancelledError:
@@ -415,7 +416,7 @@ class Session:
         """ERROR on one stream; the connection stays."""
         assert self.ch is not None
         self.server.metrics.errors.labels(f"0x{code:02x}").inc()
-        async with self.ch.send_lock:
+        async with self.ch.send_lock, asyncio.timeout(self.cfg.request_timeout_s):
             await self.ch.send_error(stream, code, message)
 
     async def _hello(self) -> bool:
@@ -423,6 +424,7 @@ class Session:
         assert ch is not None
         async with asyncio.timeout(self.cfg.hello_timeout_s):
             kind, sid, n = await ch.read_header()
+            self.last_sid = sid
             if kind != Msg.CLIENT_HELLO:
                 raise ProtocolError(Err.INVALID_MESSAGE, f"message 0x{kind:x} before CLIENT_HELLO: a connection starts with CLIENT_HELLO")
             if n > _HELLO_LIMIT:
@@ -467,6 +469,7 @@ class Session:
             async with asyncio.timeout(idle):
                 kind, sid, n = await ch.read_header()
             self.reading = True
+            self.last_sid = sid
             if n > self.cfg.max_message_bytes:
                 raise ProtocolError(Err.MESSAGE_TOO_LARGE, f"a {n}-byte payload; this server takes at most {self.cfg.max_message_bytes}")
             if kind not in tp.KNOWN:

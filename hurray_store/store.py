@@ -165,6 +165,8 @@ class TieredStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.tiers: list[Tier] = [open_tier(t) for t in config.tiers]
+        for t in self.tiers:
+            t.namespace = config.namespace
         self.policy = Policy(
             [TierInfo(t.name, getattr(c, "capacity_bytes", None), t.persistent) for t, c in zip(self.tiers, config.tiers, strict=True)],
             write_mode=config.policy.write_mode,

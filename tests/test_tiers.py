@@ -349,3 +349,10 @@ class TestRemoteTier(TierContract):
         assert not t.available
         assert await t.get("x") is None and await t.put("x", [b"1"]) is False and not await t.contains("x")
         await t.close()
+
+    async def test_a_namespace_other_than_the_servers_is_named(self, cache_server: ServerProc, caplog: pytest.LogCaptureFixture) -> None:
+        t = open_tier(RemoteTierConfig(url=cache_server.url, name="remote", token="tiers"))
+        t.namespace = "not-hurray"
+        await t.open()
+        assert "the server's namespace is 'hurray', this store's 'not-hurray'" in caplog.text
+        await t.close()

@@ -109,6 +109,9 @@ class Tier(ABC):
     # Other processes write to it (a cache server): the store does not scan it at open
     # but asks it per request (``lookup_prefix``, ``sizes``) for what they added.
     shared: ClassVar[bool] = False
+    # The namespace of the store using the tier (the store sets it); a shared tier
+    # checks it against its server's.
+    namespace: str | None = None
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg

@@ -179,8 +179,8 @@ class RemoteTier(ServiceTier):
         self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)
         self._conns: list[_Conn | None] = [None] * cfg.connections
         self._opening: list[asyncio.Lock] = [asyncio.Lock() for _ in range(cfg.connections)]
-        self._rr = 0
         self.server_hello: tp.Hello | None = None
+        self._warned_ns = False
 
     # ------------------------------------------------------------------ connections
 
@@ -208,6 +208,13 @@ class RemoteTier(ServiceTier):
             ch.close()
             raise
         self.server_hello = hello
+        theirs = (hello.ext or {}).get("namespace")
+        if self.namespace is not None and theirs != self.namespace and not self._warned_ns:
+            self._warned_ns = True
+            log.warning(
+                "tier %s: the server's namespace is %r, this store's %r: it will refuse this store's segments "
+                "(set the same namespace on both)", self.name, theirs, self.namespace,
+            )
         return _Conn(ch, hello, cfg.max_message_bytes)
 
     async def _conn(self) -> _Conn:
@@ -266,6 +273,9 @@ class RemoteTier(ServiceTier):
                 log.warning("tier %s: %s answered with message 0x%x", self.name, what, kind)
                 return default
             return payload
+        if isinstance(result, tuple):  # a control message where an object was due
+            log.warning("tier %s: %s answered with message 0x%x", self.name, what, result[0])
+            return default
         return result
 
     async def open(self) -> None:

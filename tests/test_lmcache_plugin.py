@@ -192,17 +192,23 @@ def test_shipped_lmcache_config_loads_the_plugin_over_the_shipped_tiers(monkeypa
         loop.call_soon_threadsafe(loop.stop)
 
 
-@pytest.mark.parametrize("tier", ["disk", "redis"])
+@pytest.mark.parametrize("tier", ["disk", "redis", "remote"])
 def test_l2_adapter_under_lmcache_bench_with_verification(tmp_path: Path, tier: str, request: pytest.FixtureRequest) -> None:
     import json
     import subprocess
     import sys
 
+    from tests.server_helpers import ServerProc
+
     if tier == "disk":
         lower = f"{{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}"
-    else:
+    elif tier == "redis":
         r = request.getfixturevalue("redis_fresh")
         lower = f"{{type: redis, url: '{r.url}'}}"
+    else:
+        srv = ServerProc(tmp_path / "srv").start()
+        request.addfinalizer(srv.kill)
+        lower = f"{{type: remote, url: '{srv.url}'}}"
     (tmp_path / "h.yaml").write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: 67108864}}\n  - {lower}\n")
     spec = {"type": "plugin", "module_path": "hurray_store.adapters.lmcache", "class_name": "HurrayL2Adapter",
             "adapter_params": {"config": str(tmp_path / "h.yaml")}}

@@ -450,3 +450,30 @@ def test_a_connection_level_error_names_the_offending_stream(server: ServerProc)
     r.send(0x77, 1234, b"")
     kind, sid, payload = r.recv()
     assert (kind, sid) == (Msg.ERROR, 1234)
+
+
+def test_write_back_engine_flushes_its_segments_to_the_server(tmp_path: Path) -> None:
+    """write_mode back: a put stays in the engine's own tier until flush moves it to
+    the server (its first persistent tier); then a fresh engine reads it there."""
+    srv = ServerProc(tmp_path / "srv").start()
+
+    async def main() -> None:
+        cfg = load_config({"policy": {"write_mode": "back"},
+                           "tiers": [{"type": "gpu", "device": "cpu", "capacity_bytes": 64 << 20}, srv.tier()]}, env={})
+        seqs = sc.batches(3, 1)[0]
+        async with TieredStore(cfg) as engine:
+            pool = PagedKVPool(sc.SPEC, 512)
+            await engine.put(pool, seqs, sc.fill(pool, seqs))
+            assert engine.stats()["tiers"]["remote"]["bytes_written"] == 0, "write-back: nothing sent before flush"
+            await engine.flush()
+            assert engine.stats()["tiers"]["remote"]["bytes_written"] > 0
+        async with TieredStore(cfg) as fresh:
+            dst = PagedKVPool(sc.SPEC, 512)
+            res = await fresh.retrieve(dst, seqs)
+            assert res.num_tokens == [len(t) // 8 * 8 for t in seqs]
+            assert sc.check(dst, seqs, res.block_tables, res.num_tokens) == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        srv.kill()

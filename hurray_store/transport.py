@@ -622,22 +622,27 @@ class Channel:
     async def send_object(self, stream: int, parts: Sequence[bytes | bytearray | memoryview], frame: int) -> None:
         """TENSOR_DESCRIPTOR, TENSOR_DATA frames of at most ``frame`` payload bytes,
         TENSOR_DATA_END: the concatenation of ``parts`` as one object."""
-        total = sum(memoryview(p).nbytes for p in parts)
-        desc = encode_descriptor(total)
-        out: list[bytes | bytearray | memoryview] = [HEADER.pack(Msg.TENSOR_DESCRIPTOR, stream, len(desc)), desc]
-        step = frame - DATA_OFFSET.size
-        off = 0
-        for p in parts:
-            mv = memoryview(p).cast("B")
-            for a in range(0, mv.nbytes, step):
-                chunk = mv[a : a + step]
-                out += [HEADER.pack(Msg.TENSOR_DATA, stream, chunk.nbytes + DATA_OFFSET.size), DATA_OFFSET.pack(off), chunk]
-                off += chunk.nbytes
-        out.append(HEADER.pack(Msg.TENSOR_DATA_END, stream, 0))
-        await self.send_parts(out)
+        desc = encode_descriptor(sum(memoryview(p).nbytes for p in parts))
+        await self.send_parts([HEADER.pack(Msg.TENSOR_DESCRIPTOR, stream, len(desc)), desc, *data_frames(stream, parts, frame)])
 
     async def send_error(self, stream: int, code: int, message: str) -> None:
         await self.send(Msg.ERROR, stream, encode_error(code, message))
+
+
+def data_frames(stream: int, parts: Sequence[bytes | bytearray | memoryview], frame: int) -> list[bytes | memoryview]:
+    """The concatenation of ``parts`` as TENSOR_DATA frames of at most ``frame`` payload
+    bytes (headers and zero-copy views, ready for ``send_parts``), then TENSOR_DATA_END."""
+    out: list[bytes | memoryview] = []
+    step = frame - DATA_OFFSET.size
+    off = 0
+    for p in parts:
+        mv = memoryview(p).cast("B")
+        for a in range(0, mv.nbytes, step):
+            chunk = mv[a : a + step]
+            out += [HEADER.pack(Msg.TENSOR_DATA, stream, chunk.nbytes + DATA_OFFSET.size), DATA_OFFSET.pack(off), chunk]
+            off += chunk.nbytes
+    out.append(HEADER.pack(Msg.TENSOR_DATA_END, stream, 0))
+    return out
 
 
 def _advance(views: list[memoryview], i: int, n: int) -> int:

@@ -334,16 +334,7 @@ class RemoteTier(ServiceTier):
 
         async def send(c: _Conn, sid: int) -> None:
             head = tp.encode_put(key, n)
-            out: list[Buffer] = [tp.HEADER.pack(tp.Msg.TENSOR_PUT, sid, len(head)), head]
-            step = c.frame - tp.DATA_OFFSET.size
-            off = 0
-            for p in parts:
-                for a in range(0, p.nbytes, step):
-                    chunk = p[a : a + step]
-                    out += [tp.HEADER.pack(tp.Msg.TENSOR_DATA, sid, chunk.nbytes + 8), tp.DATA_OFFSET.pack(off), chunk]
-                    off += chunk.nbytes
-            out.append(tp.HEADER.pack(tp.Msg.TENSOR_DATA_END, sid, 0))
-            await c.ch.send_parts(out)
+            await c.ch.send_parts([tp.HEADER.pack(tp.Msg.TENSOR_PUT, sid, len(head)), head, *tp.data_frames(sid, parts, c.frame)])
 
         return await self._call("TENSOR_PUT", send, None, nbytes=n, expect=tp.Msg.TENSOR_PUT_ACK) is not None
 

@@ -393,7 +393,8 @@ class TieredStore:
         """Store one object under a stored key (a group of its own); ``release()`` runs
         once no tier write needs ``data`` any more. ``reserved``: ``data`` lies in this
         reservation, which the top tier then publishes without a copy."""
-        if keymod.parse_segment_key(k) is not None and k.startswith(self.ns + "/"):
+        seg = keymod.parse_segment_key(k)
+        if seg is not None and seg[0] == self.ns:
             if release is not None:
                 release()
             raise FormatError(f"{k} is a segment object: it is stored by commit_segment with its manifest")
@@ -422,20 +423,21 @@ class TieredStore:
 
     async def commit_segment(
         self, manifest_key: str, manifest: Buffer, objects: Mapping[str, Buffer], release: Callable[[], None] | None = None,
-        reserved: Mapping[str, Reservation] | None = None,
+        reserved: Mapping[str, Reservation] | None = None, *, parsed: Manifest | None = None,
     ) -> bool:
         """Store a segment a client built: its layer objects, then its manifest (the
         commit). Everything is verified first: the manifest's checksum and key, each
         object's size and every page's checksum. Raises FormatError (nothing stored)
         when any of it is wrong; returns False when no tier took it, True when stored
-        or already held."""
+        or already held. ``parsed``: ``Manifest.from_bytes(manifest)``, when the caller
+        has it already."""
         try:
             seg = keymod.parse_segment_key(manifest_key)
             if seg is None or seg[2] != keymod.MANIFEST_PART:
                 raise FormatError(f"{manifest_key!r} is not a segment manifest key")
             if seg[0] != self.ns:
                 raise FormatError(f"namespace {seg[0]!r} is not this store's ({self.ns!r})")
-            m = Manifest.from_bytes(manifest)
+            m = parsed if parsed is not None else Manifest.from_bytes(manifest)
             seg_hex = m.segment_id.hex()
             if seg_hex != seg[1]:
                 raise FormatError(f"manifest names segment {seg_hex}, committed as {seg[1]}")

@@ -321,22 +321,24 @@ class CacheServer:
         st = self.staged.pop(seg[1], None)
         landings = st.objects if st else {}
         data = bytes(manifest)
-        try:
-            hashes = [h for s in Manifest.from_bytes(data).sequences for h in s.page_hashes]
-        except FormatError:
-            hashes = []
 
         def release() -> None:
             for landing in landings.values():
                 landing.release()
 
         try:
+            m = Manifest.from_bytes(data)  # parsed once: the store checks it, the claims end by it
+        except FormatError as e:
+            release()
+            return Err.REJECTED, str(e)
+        try:
             reserved = {k: v.res for k, v in landings.items() if v.res is not None}
-            ok = await self.store.commit_segment(manifest_key, data, {k: v.view for k, v in landings.items()}, release, reserved)
+            views = {k: v.view for k, v in landings.items()}
+            ok = await self.store.commit_segment(manifest_key, data, views, release, reserved, parsed=m)
         except FormatError as e:
             return Err.REJECTED, str(e)
         finally:
-            for h in hashes:
+            for h in (h for sq in m.sequences for h in sq.page_hashes):
                 self._end_claim(h)
         return None if ok else (Err.NOT_STORED, "no tier of the server took the segment")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,47 +55,144 @@ def page_hashes(spec: KVSpec, token_ids: Sequence[int], *, salt: bytes = b"") ->
     return out
 
 
-# --------------------------------------------------------------------------- object keys
+# --------------------------------------------------------------------------- stored keys
 #
-# The store's key scheme, here because three layers read it: the store writes these
-# keys, the remote tier and the cache server recognise a segment's objects by them.
+# The store's key scheme. Typed values travel inside the package; strings exist only at
+# the edges (tiers store them, clients send them) and are parsed once, by ``parse_key``.
 #
 #     <ns>/s/{<segment id hex>}/<layer>     layer object of a segment
 #     <ns>/s/{<segment id hex>}/m           its manifest (the commit point)
-#     <ns>/o/<key>                          an object-level key
+#     <ns>/o/<name>                         an object-level key
+#     <ns>/g/<name>                         the member list of an object-level group
+#                                           whose last object is <ns>/o/<name>
 #
 # ``{...}`` is a Redis Cluster hash tag: a segment's objects share one slot.
 
 MANIFEST_PART = "m"
 
 
-def segment_prefix(ns: str, seg_hex: str) -> str:
-    return f"{ns}/s/{{{seg_hex}}}/"
+@dataclass(frozen=True, slots=True)
+class SegmentKey:
+    """A segment: its layer objects and its manifest enter and leave a tier together."""
+
+    namespace: str
+    segment_id: bytes
+
+    @property
+    def hex(self) -> str:
+        return self.segment_id.hex()
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.namespace}/s/{{{self.hex}}}/"
+
+    def layer(self, index: int) -> str:
+        return f"{self.prefix}{index}"
+
+    @property
+    def manifest(self) -> str:
+        return f"{self.prefix}{MANIFEST_PART}"
 
 
-def layer_key(ns: str, seg_hex: str, layer: int) -> str:
-    return f"{segment_prefix(ns, seg_hex)}{layer}"
+@dataclass(frozen=True, slots=True)
+class SegmentPart:
+    """A stored key that belongs to a segment: layer ``layer``, or the manifest (None)."""
+
+    segment: SegmentKey
+    layer: int | None
+
+    @property
+    def is_manifest(self) -> bool:
+        return self.layer is None
 
 
-def manifest_key(ns: str, seg_hex: str) -> str:
-    return f"{segment_prefix(ns, seg_hex)}{MANIFEST_PART}"
+@dataclass(frozen=True, slots=True)
+class ObjectKey:
+    """An object-level key; as a group id it names the group whose last object it is."""
+
+    namespace: str
+    name: str
+
+    @property
+    def stored(self) -> str:
+        return f"{self.namespace}/o/{self.name}"
+
+    @property
+    def group_record(self) -> str:
+        """Where the member list of a group of several objects is kept."""
+        return f"{self.namespace}/g/{self.name}"
 
 
-def object_key(ns: str, key: str) -> str:
-    return f"{ns}/o/{key}"
+@dataclass(frozen=True, slots=True)
+class GroupRecordKey:
+    """The member list of the object-level group ``group``."""
+
+    group: ObjectKey
 
 
-def parse_segment_key(key: str) -> tuple[str, str, str] | None:
-    """``(namespace, segment id hex, part)`` of a segment object's key (``part`` is the
-    layer index as text, or ``m`` for the manifest); None for any other key."""
-    ns, sep, rest = key.partition("/s/{")
-    if not sep or not ns:
+# A policy group: what enters and leaves a tier as one.
+GroupId = SegmentKey | ObjectKey
+StoredKey = SegmentPart | ObjectKey | GroupRecordKey
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def parse_key(key: str) -> StoredKey | None:
+    """The typed value of a stored key, or None for a key outside the scheme (a key with
+    a namespace but no known kind, an empty name, a segment id that is not lower-case
+    hex of even length, a part that is neither a layer index nor ``m``)."""
+    seg_ns, sep, rest = key.partition("/s/{")
+    if sep and seg_ns and "/o/" not in seg_ns and "/g/" not in seg_ns:
+        seg_hex, sep, part = rest.partition("}/")
+        if not sep or not seg_hex or len(seg_hex) % 2 or not _HEX.issuperset(seg_hex):
+            return None
+        seg = SegmentKey(seg_ns, bytes.fromhex(seg_hex))
+        if part == MANIFEST_PART:
+            return SegmentPart(seg, None)
+        if part.isascii() and part.isdigit() and len(part) < 10:
+            return SegmentPart(seg, int(part))
         return None
-    seg_hex, sep, part = rest.partition("}/")
-    if not sep or not seg_hex or not part:
+    for kind in ("/o/", "/g/"):
+        ns, sep, name = key.partition(kind)
+        if sep and ns and name:
+            obj = ObjectKey(ns, name)
+            return obj if kind == "/o/" else GroupRecordKey(obj)
+    return None
+
+
+def encode_group_record(keys: Sequence[tuple[str, int]]) -> bytes:
+    """The member list of an object-level group: (stored key, size) per member, as
+    ``u32 count`` then per member ``u32 key length, key utf-8, u64 size``."""
+    out = [struct.pack("<I", len(keys))]
+    for k, n in keys:
+        b = k.encode()
+        out.append(struct.pack("<I", len(b)) + b + struct.pack("<Q", n))
+    return b"".join(out)
+
+
+def decode_group_record(blob: bytes | bytearray | memoryview) -> list[tuple[str, int]] | None:
+    """``encode_group_record``'s members, or None when the bytes are not one (every
+    length is checked against what is left before it is used)."""
+    mv = memoryview(blob).cast("B")
+    if len(mv) < 4:
         return None
-    if any(c not in "0123456789abcdef" for c in seg_hex):
+    (count,) = struct.unpack_from("<I", mv, 0)
+    if count * 12 > len(mv) - 4:  # each member takes at least 12 bytes
         return None
-    if part != MANIFEST_PART and not part.isdigit():
-        return None
-    return ns, seg_hex, part
+    pos = 4
+    out: list[tuple[str, int]] = []
+    for _ in range(count):
+        if len(mv) - pos < 4:
+            return None
+        (n,) = struct.unpack_from("<I", mv, pos)
+        pos += 4
+        if len(mv) - pos < n + 8:
+            return None
+        try:
+            k = bytes(mv[pos : pos + n]).decode()
+        except UnicodeDecodeError:
+            return None
+        (size,) = struct.unpack_from("<Q", mv, pos + n)
+        pos += n + 8
+        out.append((k, size))
+    return out if pos == len(mv) else None

@@ -1,10 +1,11 @@
-"""Snapshot and re-page: batches out of a paged KV pool and back (layer L2).
+"""Snapshot and re-page: batches out of a paged KV pool and back.
 
 The engine side is laid out as vLLM lays it out: per layer one tensor
 ``[2, num_blocks, page_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values), and a
 block table per sequence. ``snapshot`` gathers the pages a batch references, each
 distinct page once; ``restore`` allocates one new page per distinct stored page the
-chosen sequences need and copies into it, so sharing survives the round trip.
+chosen sequences need and copies into it, so sharing survives the round trip. Pages
+move through ``page_io``, the path the store's objects take too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from hurray_store.errors import PagingError, PoolExhaustedError
 from hurray_store.format import LayerKV
+from hurray_store.page_io import gather_pages, scatter_pages
 from hurray_store.spec import KVSpec
 
 
@@ -220,11 +222,12 @@ def snapshot(
     for i, li in enumerate(layer_ids):
         kv = pool.layers[li]
         if out is None:
-            keys = kv[0].index_select(0, idx)
-            values = kv[1].index_select(0, idx)
+            keys = kv.new_empty((n, *kv.shape[2:]))
+            values = kv.new_empty((n, *kv.shape[2:]))
         else:
-            keys = torch.index_select(kv[0], 0, idx, out=out[i, 0, :n])
-            values = torch.index_select(kv[1], 0, idx, out=out[i, 1, :n])
+            keys, values = out[i, 0, :n], out[i, 1, :n]
+        gather_pages(kv[0], idx, keys)
+        gather_pages(kv[1], idx, values)
         for j, u in partial:
             keys[j, u:] = 0
             values[j, u:] = 0
@@ -280,8 +283,7 @@ def restore(
             for lay in snap.layers:
                 kv = pool.layers[lay.layer_index]
                 for role, src in ((0, lay.keys), (1, lay.values)):
-                    part = src if whole else src.index_select(0, needed)
-                    kv[role].index_copy_(0, dst, part.to(pool.device, non_blocking=True))
+                    scatter_pages(kv[role], dst, src if whole else src.index_select(0, needed))
     except BaseException:
         release_shared(pool, new_ids, local_tables)
         raise

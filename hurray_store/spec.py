@@ -47,9 +47,13 @@ class KVSpec:
             raise SpecError(f"dtype must be one of {list(SUPPORTED_DTYPES.values())}, got {self.dtype}")
 
     @property
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    @property
     def page_bytes(self) -> int:
         """Bytes of one page of one role in one layer."""
-        return self.page_size * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        return self.page_size * self.num_kv_heads * self.head_dim * self.element_size
 
     def canonical(self) -> bytes:
         """The canonical encoding the fingerprint hashes (see docs/format.md)."""

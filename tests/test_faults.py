@@ -47,10 +47,10 @@ async def stored_segment(tmp_path: Path, tails: list[list[int]], **spec_kw: Any)
     b = shared_batch(src, PREFIX, tails)
     async with await open_store(disk_cfg(tmp_path)) as store:
         await store.put(src, b.tokens, b.tables)
-        (seg,) = store.index.segments()
-        keys = [lay.key for lay in store._manifests[seg].layers] + [store._manifest_key(seg.hex())]
+        (seg,) = store.catalog.segments()
+        keys = [lay.key for lay in store.catalog.cached_manifest(seg).layers] + [store.catalog.key(seg).manifest]
         paths = {k: store.tiers[0].path_of(k) for k in keys}  # type: ignore[attr-defined]
-        return Stored(sp, src, b.tokens, b.tables, seg, store._manifests[seg], paths)
+        return Stored(sp, src, b.tokens, b.tables, seg, store.catalog.cached_manifest(seg), paths)
 
 
 async def test_redis_killed_mid_run_degrades_to_misses_and_recovers(redis_fresh: RedisProc, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -89,9 +89,9 @@ async def test_redis_killed_mid_run_degrades_to_misses_and_recovers(redis_fresh:
         assert store.stats()["tiers"]["redis"]["available"]
         await store.put(src, batches[3].tokens, batches[3].tables)
         await store.flush()
-        (seg3,) = store.index.longest_prefix(page_hashes(sp, batches[3].tokens[0])).segment_ids[:1]
+        (seg3,) = store.catalog.longest_prefix(page_hashes(sp, batches[3].tokens[0])).segment_ids[:1]
         keys = redis_fresh.cli("--scan", "--pattern", "hurray:*").split()
-        assert f"hurray:{store._manifest_key(seg3.hex())}" in keys, "writes resumed after Redis came back"
+        assert f"hurray:{store.catalog.key(seg3).manifest}" in keys, "writes resumed after Redis came back"
 
 
 async def test_corrupt_layer_object_on_disk_is_a_miss_quarantined_and_counted(tmp_path: Path) -> None:

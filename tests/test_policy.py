@@ -5,20 +5,33 @@ from __future__ import annotations
 
 import pytest
 
-from hurray_store.policy import Policy, TierInfo
+from hurray_store.ledger import Ledger
+from hurray_store.policy import Admission, Policy, TierInfo
 
 MEM = TierInfo("cpu", 100, False)
 DISK = TierInfo("disk", 1000, True)
 
 
+def make(tiers: list[TierInfo], **kw: object) -> Policy:
+    return Policy(Ledger(tiers), **kw)  # type: ignore[arg-type]
+
+
+def admit(p: Policy, tier: int, group: str, sizes: dict[str, int], depth: int = 0) -> Admission:
+    """Plan a write and complete it (the bytes written)."""
+    adm = p.plan_write(tier, group, sizes, depth=depth)
+    if adm.accepted:
+        p.ledger.complete_write(tier, group, True)
+    return adm
+
+
 def evicted(p: Policy, tier: int, group: str, size: int, depth: int = 0) -> list[str]:
-    adm = p.admit(tier, group, {group + "/0": size}, depth=depth)
+    adm = admit(p, tier, group, {group + "/0": size}, depth=depth)
     assert adm.accepted, adm.reason
-    return [v.group for v in adm.victims]
+    return [v.group for v in adm.victims]  # type: ignore[misc]
 
 
 def test_lru_order_of_eviction() -> None:
-    p = Policy([MEM])
+    p = make([MEM])
     table = [  # (group, size, touched before admit, expected victims)
         ("a", 40, [], []),
         ("b", 40, [], []),
@@ -28,40 +41,40 @@ def test_lru_order_of_eviction() -> None:
         ("f", 60, ["d"], ["b", "e"]),
     ]
     for group, size, touched, victims in table:
-        p.touch(touched)
+        p.ledger.touch(touched)
         assert evicted(p, 0, group, size) == victims, group
-    assert p.groups(0) == ["d", "f"] and p.used_bytes(0) == 80
+    assert p.ledger.groups(0) == ["d", "f"] and p.ledger.used_bytes(0) == 80
 
 
 def test_deeper_groups_go_first_when_ages_tie() -> None:
-    p = Policy([MEM])
+    p = make([MEM])
     for g, depth in (("prefix", 1), ("mid", 2), ("suffix", 3)):
         evicted(p, 0, g, 30, depth)
-    p.touch(["prefix", "suffix", "mid"])  # one operation: ages tie
-    assert p.groups(0) == ["suffix", "mid", "prefix"]
+    p.ledger.touch(["prefix", "suffix", "mid"])  # one operation: ages tie
+    assert p.ledger.groups(0) == ["suffix", "mid", "prefix"]
     assert evicted(p, 0, "new", 50) == ["suffix", "mid"]
 
 
 def test_pinned_groups_survive_and_a_fully_pinned_tier_refuses() -> None:
-    p = Policy([MEM])
+    p = make([MEM])
     evicted(p, 0, "a", 50)
     evicted(p, 0, "b", 50)
-    p.pin(["a"])
+    p.ledger.pin(["a"])
     assert evicted(p, 0, "c", 50) == ["b"]
-    p.pin(["c"])
-    adm = p.admit(0, "d", {"d/0": 10})
+    p.ledger.pin(["c"])
+    adm = admit(p, 0, "d", {"d/0": 10})
     assert not adm.accepted and "pinned" in adm.reason
-    assert p.groups(0) == ["a", "c"]  # the refusal evicted nothing
-    p.unpin(["a"])
+    assert p.ledger.groups(0) == ["a", "c"]  # the refusal evicted nothing
+    p.ledger.unpin(["a"])
     assert evicted(p, 0, "d", 10) == ["a"]
 
 
 def test_placement_skips_tiers_too_small_for_the_group() -> None:
-    p = Policy([MEM, DISK])
+    p = make([MEM, DISK])
     assert p.place(100) == 0
     assert p.place(101) == 1
     assert p.place(1001) is None
-    assert not p.admit(0, "big", {"big/0": 101}).accepted
+    assert not admit(p, 0, "big", {"big/0": 101}).accepted
 
 
 @pytest.mark.parametrize(
@@ -69,62 +82,121 @@ def test_placement_skips_tiers_too_small_for_the_group() -> None:
     [("through", 0, [1, 2]), ("through", 1, [2]), ("through", 2, []), ("back", 0, [])],
 )
 def test_write_through_targets(mode: str, top: int, through: list[int]) -> None:
-    p = Policy([MEM, MEM, DISK], write_mode=mode)
+    p = make([MEM, MEM, DISK], write_mode=mode)
     assert p.write_through_targets(top) == through
 
 
 def test_write_back_demotes_victims_one_tier_down() -> None:
-    p = Policy([MEM, DISK], write_mode="back")
+    p = make([MEM, DISK], write_mode="back")
     evicted(p, 0, "a", 60)
-    adm = p.admit(0, "b", {"b/0": 60})
+    adm = admit(p, 0, "b", {"b/0": 60})
     assert [(v.group, v.demote_to) for v in adm.victims] == [("a", 1)]
-    p.admit(1, "b", {"b/0": 60})  # b also below: no demotion when it leaves the top
-    adm = p.admit(0, "c", {"c/0": 60})
+    admit(p, 1, "b", {"b/0": 60})  # b also below: no demotion when it leaves the top
+    adm = admit(p, 0, "c", {"c/0": 60})
     assert [(v.group, v.demote_to) for v in adm.victims] == [("b", None)]
 
 
 def test_write_through_victims_are_not_demoted() -> None:
-    p = Policy([MEM, DISK], write_mode="through")
+    p = make([MEM, DISK], write_mode="through")
     evicted(p, 0, "a", 60)
-    assert [v.demote_to for v in p.admit(0, "b", {"b/0": 60}).victims] == [None]
+    assert [v.demote_to for v in admit(p, 0, "b", {"b/0": 60}).victims] == [None]
 
 
 def test_promotion_targets() -> None:
-    p = Policy([MEM, MEM, DISK])
-    p.admit(2, "g", {"g/0": 10})
-    p.admit(0, "g", {"g/0": 10})
+    p = make([MEM, MEM, DISK])
+    admit(p, 2, "g", {"g/0": 10})
+    admit(p, 0, "g", {"g/0": 10})
     assert p.promote_targets(2, "g") == [1]
     assert p.promote_targets(0, "g") == []
-    assert Policy([MEM, DISK], promote_on_hit=False).promote_targets(1, "g") == []
+    assert make([MEM, DISK], promote_on_hit=False).promote_targets(1, "g") == []
 
 
 def test_flush_targets_in_write_back() -> None:
-    p = Policy([MEM, DISK], write_mode="back")
-    p.admit(0, "a", {"a/0": 10})
-    p.admit(0, "b", {"b/0": 10})
-    p.admit(1, "b", {"b/0": 10})
+    p = make([MEM, DISK], write_mode="back")
+    admit(p, 0, "a", {"a/0": 10})
+    admit(p, 0, "b", {"b/0": 10})
+    admit(p, 1, "b", {"b/0": 10})
     assert p.flush_targets() == [("a", 0, 1)]
-    assert Policy([MEM, DISK]).flush_targets() == []
+    assert make([MEM, DISK]).flush_targets() == []
 
 
 def test_books_follow_keys_and_groups() -> None:
-    p = Policy([MEM, DISK])
-    p.admit(0, "s", {"s/0": 10, "s/m": 2})
-    p.record(1, "s", {"s/0": 10, "s/m": 2})
-    assert p.holders("s/m") == [0, 1] and p.group_of(0, "s/0") == "s"
-    assert p.num_objects(0) == 2 and p.used_bytes(0) == 12
-    assert p.forget(0, "s") == {"s/0": 10, "s/m": 2}
-    assert p.holders("s/m") == [1] and p.used_bytes(0) == 0
+    p = make([MEM, DISK])
+    admit(p, 0, "s", {"s/0": 10, "s/m": 2})
+    p.ledger.record(1, "s", {"s/0": 10, "s/m": 2})
+    assert p.ledger.holders("s/m") == [0, 1] and p.ledger.group_of(0, "s/0") == "s"
+    assert p.ledger.num_objects(0) == 2 and p.ledger.used_bytes(0) == 12
+    assert p.ledger.forget(0, "s") == {"s/0": 10, "s/m": 2}
+    assert p.ledger.holders("s/m") == [1] and p.ledger.used_bytes(0) == 0
 
 
 def test_readmitting_a_group_replaces_its_bytes() -> None:
-    p = Policy([MEM])
-    p.admit(0, "a", {"a/0": 80})
-    assert p.admit(0, "a", {"a/0": 90}).victims == ()
-    assert p.used_bytes(0) == 90
+    p = make([MEM])
+    admit(p, 0, "a", {"a/0": 80})
+    assert admit(p, 0, "a", {"a/0": 90}).victims == ()
+    assert p.ledger.used_bytes(0) == 90
 
 
 def test_unbounded_tier_never_evicts() -> None:
-    p = Policy([TierInfo("redis", None, True)])
+    p = make([TierInfo("redis", None, True)])
     for i in range(100):
-        assert p.admit(0, f"g{i}", {f"g{i}/0": 1 << 40}).victims == ()
+        assert admit(p, 0, f"g{i}", {f"g{i}/0": 1 << 40}).victims == ()
+
+
+def test_a_group_being_written_is_unreadable_and_never_a_victim() -> None:
+    p = make([MEM])
+    led = p.ledger
+    assert p.plan_write(0, "w", {"w/0": 60, "w/m": 10}).accepted
+    assert led.holders("w/m") == [] and led.group_holders("w") == [], "not readable before its bytes exist"
+    assert led.used_bytes(0) == 70, "its room is taken at once"
+    adm = p.plan_write(0, "x", {"x/0": 40})
+    assert not adm.accepted and "being written" in adm.reason, "the only candidate victim is being written"
+    led.complete_write(0, "w", True)
+    assert led.holders("w/m") == [0] and led.group_holders("w") == [0]
+    assert [v.group for v in p.plan_write(0, "x", {"x/0": 40}).victims] == ["w"]
+
+
+def test_a_failed_write_leaves_no_trace_in_the_books() -> None:
+    p = make([MEM])
+    assert p.plan_write(0, "w", {"w/0": 60}).accepted
+    p.ledger.complete_write(0, "w", False)
+    assert p.ledger.groups(0) == [] and p.ledger.used_bytes(0) == 0 and p.ledger.group_of(0, "w/0") is None
+
+
+def test_a_group_cannot_be_written_twice_into_one_tier_at_once() -> None:
+    p = make([MEM])
+    assert p.plan_write(0, "w", {"w/0": 10}).accepted
+    assert not p.plan_write(0, "w", {"w/0": 10}).accepted
+
+
+@pytest.mark.parametrize(
+    ("tiers_read", "source"),
+    [({1}, 1), ({2}, 2), ({0}, None), ({None}, None), ({1, None}, None), ({1, 2}, None), (set(), None)],
+)
+def test_promotion_after_a_read(tiers_read: set[int | None], source: int | None) -> None:
+    assert make([MEM, MEM, DISK]).promote_after_read(tiers_read) == source
+
+
+def test_read_whole_only_when_every_page_is_wanted_and_it_will_be_promoted() -> None:
+    p = make([MEM, DISK])
+    admit(p, 1, "g", {"g/0": 10})
+    assert p.read_whole(1, "g", every_page=True, on_device=False)
+    assert not p.read_whole(1, "g", every_page=False, on_device=False)
+    assert not p.read_whole(1, "g", every_page=True, on_device=True)
+    admit(p, 0, "g", {"g/0": 10})
+    assert not p.read_whole(1, "g", every_page=True, on_device=False), "already above: no promotion"
+
+
+def test_verification_and_scans_follow_the_tier_kind() -> None:
+    trusted = TierInfo("cpu", 100, False, trusted=True)
+    shared = TierInfo("remote", None, True, shared=True)
+    p = make([trusted, DISK, shared])
+    assert [p.verify_reads(i) for i in range(3)] == [False, True, True]
+    assert [p.scan_at_open(i) for i in range(3)] == [False, True, False]
+
+
+def test_flush_skips_groups_still_being_written() -> None:
+    p = make([MEM, DISK], write_mode="back")
+    admit(p, 0, "a", {"a/0": 10})
+    assert p.plan_write(0, "b", {"b/0": 10}).accepted
+    assert p.flush_targets() == [("a", 0, 1)]

@@ -96,9 +96,9 @@ async def test_a_partial_hit_after_eviction_reuses_what_is_left(model_dirs: dict
         pool = PagedKVPool(spec, 256)
         await prefill_with_cache(model, store, pool, REQ1[:96])  # segment A: 6 pages
         await prefill_with_cache(model, store, pool, REQ1)  # segment B: the rest
-        assert len(store.index.segments()) == 2
-        seg_b = next(s for s in store.index.segments() if store._manifests[s].sequences[0].first_page > 0)
-        for k in store.policy.group_keys(0, store._seg_group(seg_b.hex())):  # evict B
+        assert len(store.catalog.segments()) == 2
+        seg_b = next(s for s in store.catalog.segments() if store.catalog.cached_manifest(s).sequences[0].first_page > 0)
+        for k in store.ledger.group_keys(0, store.catalog.key(seg_b)):  # evict B
             await store.tiers[0].delete(k)
         logits, _, reused = await prefill_with_cache(model, store, pool, REQ1, store_result=False)
         assert reused == 96  # B's pages are gone: a miss from there on

@@ -378,9 +378,10 @@ def test_commit_of_a_corrupt_segment_is_refused_and_nothing_is_stored(server: Se
             seqs = sc.batches(7, 1)[0]
             pool = PagedKVPool(sc.SPEC, 512)
             await builder.put(pool, seqs, sc.fill(pool, seqs))
-            seg = next(iter(builder._manifests.values()))
+            seg = builder.catalog.cached_manifest(builder.catalog.segments()[0])
+            assert seg is not None
             objs = {lay.key: bytes(await builder.tiers[0].get(lay.key)) for lay in seg.layers}
-            mkey = builder._manifest_key(seg.segment_id.hex())
+            mkey = builder.catalog.key(seg.segment_id).manifest
         r = Raw(server.port)
         r.hello(TOKEN)
         for i, (k, v) in enumerate(objs.items()):

@@ -10,6 +10,8 @@ from hurray_store import PagedKVPool
 from hurray_store import keys as keymod
 from hurray_store.config import load_config
 from hurray_store.errors import ChecksumError, FormatError
+from hurray_store.keys import ObjectKey, SegmentKey, SegmentPart, parse_key
+from hurray_store.server.backing import ServedStore
 from hurray_store.store import TieredStore
 from tests import server_client as sc
 
@@ -18,22 +20,25 @@ def _cpu() -> TieredStore:
     return TieredStore(load_config({"tiers": [{"type": "cpu", "capacity_bytes": 64 << 20}]}, env={}))
 
 
-async def _segment(client: int = 0) -> tuple[str, bytes, dict[str, bytes], list[list[int]]]:
-    """A committed segment's manifest key, manifest and layer objects, built by a store."""
+async def _segment(client: int = 0) -> tuple[SegmentKey, bytes, dict[str, bytes], list[list[int]]]:
+    """A committed segment's key, manifest and layer objects, built by a store."""
     async with _cpu() as builder:
         seqs = sc.batches(client, 1)[0]
         pool = PagedKVPool(sc.SPEC, 512)
         await builder.put(pool, seqs, sc.fill(pool, seqs))
-        (m,) = builder._manifests.values()
+        (seg,) = builder.catalog.segments()
+        m = builder.catalog.cached_manifest(seg)
+        assert m is not None
         objs = {lay.key: bytes(await builder.tiers[0].get(lay.key)) for lay in m.layers}  # type: ignore[arg-type]
-        return builder._manifest_key(m.segment_id.hex()), m.to_bytes(), objs, seqs
+        return builder.catalog.key(seg), m.to_bytes(), objs, seqs
 
 
 async def test_a_good_commit_is_stored_and_found_by_prefix() -> None:
-    mkey, manifest, objs, seqs = await _segment()
-    async with _cpu() as server:
-        assert await server.commit_segment(mkey, manifest, objs)
-        assert await server.commit_segment(mkey, manifest, objs), "a second commit of it is a no-op"
+    seg, manifest, objs, seqs = await _segment()
+    async with _cpu() as store:
+        server = ServedStore(store)
+        assert await server.commit_segment(seg, manifest, objs)
+        assert await server.commit_segment(seg, manifest, objs), "a second commit of it is a no-op"
         hashes = [keymod.page_hashes(sc.SPEC, t) for t in seqs]
         matched, manifests = await server.find_segments([(0, hs) for hs in hashes], 1 << 20)
         assert matched == [len(hs) for hs in hashes] and manifests == [manifest]
@@ -48,7 +53,7 @@ async def test_a_good_commit_is_stored_and_found_by_prefix() -> None:
     "case", ["missing_layer", "extra_object", "flipped_page_byte", "truncated_object", "garbage_manifest", "other_namespace", "wrong_segment_key"],
 )
 async def test_a_bad_commit_raises_and_stores_nothing(case: str) -> None:
-    mkey, manifest, objs, _ = await _segment()
+    seg, manifest, objs, _ = await _segment()
     first = next(iter(objs))
     if case == "missing_layer":
         del objs[first]
@@ -63,31 +68,47 @@ async def test_a_bad_commit_raises_and_stores_nothing(case: str) -> None:
     elif case == "garbage_manifest":
         manifest = b"HSMF" + bytes(64)
     elif case == "other_namespace":
-        mkey = "other" + mkey[mkey.index("/") :]
+        seg = SegmentKey("other", seg.segment_id)
     elif case == "wrong_segment_key":
-        mkey = keymod.manifest_key("hurray", "ab" * 8)
+        seg = SegmentKey("hurray", bytes.fromhex("ab" * 8))
     released = []
-    async with _cpu() as server:
+    async with _cpu() as store:
+        server = ServedStore(store)
         with pytest.raises(FormatError) as e:
-            await server.commit_segment(mkey, manifest, objs, release=lambda: released.append(1))
+            await server.commit_segment(seg, manifest, objs, release=lambda: released.append(1))
         if case == "flipped_page_byte":
             assert isinstance(e.value, ChecksumError)
         assert released == [1], "the caller's buffers are given back"
-        assert server.stats()["tiers"]["cpu"]["objects"] == 0 and len(server.index) == 0
+        assert store.stats()["tiers"]["cpu"]["objects"] == 0 and len(store.catalog.segments()) == 0
 
 
-async def test_storage_keys() -> None:
-    async with _cpu() as s:
-        seg = keymod.layer_key("hurray", "00ff", 3)
-        assert s.storage_key(seg) == seg, "a segment key of this namespace is kept as it is"
-        assert s.storage_key("my/tensor") == "hurray/o/my/tensor"
-        assert s.storage_key(keymod.layer_key("elsewhere", "00ff", 3)).startswith("hurray/o/")
+async def test_served_keys() -> None:
+    async with _cpu() as store:
+        s = ServedStore(store)
+        seg = SegmentKey("hurray", bytes.fromhex("00ff")).layer(3)
+        k = s.key(seg)
+        assert k.stored == seg and k.segment == SegmentPart(SegmentKey("hurray", bytes.fromhex("00ff")), 3), (
+            "a segment key of this namespace is kept as it is"
+        )
+        assert s.key("my/tensor").stored == "hurray/o/my/tensor" and s.key("my/tensor").segment is None
+        other = s.key(SegmentKey("elsewhere", bytes.fromhex("00ff")).layer(3))
+        assert other.stored.startswith("hurray/o/") and other.segment is None
         with pytest.raises(FormatError):
-            await s.put_key(seg, [b"x"])  # a segment object is only stored by its commit
+            await s.put_key(k, [b"x"])  # a segment object is only stored by its commit
 
 
-def test_segment_key_parsing() -> None:
-    assert keymod.parse_segment_key("ns/s/{0a1b}/12") == ("ns", "0a1b", "12")
-    assert keymod.parse_segment_key("a/b/s/{ff}/m") == ("a/b", "ff", "m")
-    for bad in ["ns/o/x", "ns/s/{XY}/1", "ns/s/{ab}/", "ns/s/{ab}/x", "/s/{ab}/1", "ns/s/{}/1", "ns/s/ab/1"]:
-        assert keymod.parse_segment_key(bad) is None, bad
+def test_stored_key_parsing() -> None:
+    table = [
+        ("ns/s/{0a1b}/12", SegmentPart(SegmentKey("ns", bytes.fromhex("0a1b")), 12)),
+        ("a/b/s/{ff}/m", SegmentPart(SegmentKey("a/b", b"\xff"), None)),
+        ("ns/o/x/y", ObjectKey("ns", "x/y")),
+    ]
+    for text, want in table:
+        assert parse_key(text) == want, text
+    for bad in ["ns/s/{XY}/1", "ns/s/{ab}/", "ns/s/{ab}/x", "/s/{ab}/1", "ns/s/{}/1", "ns/s/ab/1", "ns/s/{abc}/1",
+                "ns/o/", "/o/x", "plain", "ns/s/{ab}/1x", "ns/s/{ab}/99999999999"]:
+        assert parse_key(bad) is None, bad
+    seg = SegmentKey("ns", bytes.fromhex("0a1b"))
+    for k in (seg.layer(0), seg.layer(31), seg.manifest):
+        got = parse_key(k)
+        assert isinstance(got, SegmentPart) and got.segment == seg

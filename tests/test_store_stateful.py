@@ -102,7 +102,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def index_size_matches_the_model(self) -> None:
-        assert len(self.store.index) == len(self.stored)
+        assert len(self.store.catalog.index) == len(self.stored)
 
     def teardown(self) -> None:
         self.run(self.store.close())

@@ -138,8 +138,8 @@ async def segment_objects(store: TieredStore) -> list[bytes]:
     """The bytes of the measured segment's objects (manifest included), for references."""
     out = []
     tier = store.tiers[0]
-    for g in store.policy.groups(0)[-1:]:
-        for k in store.policy.group_keys(0, g):
+    for g in store.ledger.groups(0)[-1:]:
+        for k in store.ledger.group_keys(0, g):
             b = await tier.get(k)
             assert b is not None
             out.append(bytes(b) if not isinstance(b, torch.Tensor) else bytes(b.numpy()))

@@ -134,7 +134,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         return n, layers
 
     def _token_bytes(self, n: int) -> int:
-        return n * self.num_kv_heads * self.head_size * torch.empty(0, dtype=self.dtype).element_size()
+        return n * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
     async def _put(self, key: CacheEngineKey, n: int, layers: list[Any]) -> None:
         nb = self._token_bytes(n)

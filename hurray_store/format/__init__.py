@@ -23,6 +23,7 @@ from hurray_store.format.manifest import (
     ManifestSeq,
     checksum,
     object_checksum,
+    page_checksum,
 )
 from hurray_store.format.wire import blob_descriptor, parse_blob_descriptor
 
@@ -39,6 +40,7 @@ __all__ = [
     "encode_layer",
     "encode_layer_buffers",
     "object_checksum",
+    "page_checksum",
     "parse_blob_descriptor",
     "parse_layer",
     "plan_layer",

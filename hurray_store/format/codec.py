@@ -439,7 +439,7 @@ def plan_layer(
     bt_b = bt_np.astype(idx).tobytes()
     sp_b = sp_np.astype(idx).tobytes()
     hname = _TORCH_TO_HURRAY[dtype].name
-    esize = torch.empty(0, dtype=dtype).element_size()
+    esize = dtype.itemsize
     page_bytes = page_size * heads * dim * (1 if quantization else esize)
     scale_bytes = page_size * esize if quantization else 0
     parts: list[bytes | Slot] = []
@@ -784,7 +784,7 @@ def _index_array(mv: memoryview, p: ParsedTensor, i: int) -> np.ndarray:
 def _view(mv: memoryview, off: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
-    esz = torch.empty(0, dtype=dtype).element_size()
+    esz = dtype.itemsize
     return torch.frombuffer(mv, dtype=dtype, count=nbytes // esz, offset=off)
 
 

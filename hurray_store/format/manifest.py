@@ -55,6 +55,18 @@ def checksum(*buffers: bytes | bytearray | memoryview) -> int:
     return h.intdigest()
 
 
+def page_checksum(page: bytes | bytearray | memoryview, scales: bytes | bytearray | memoryview | None = None) -> int:
+    """The checksum of one stored page of one role: xxh3-64 over its bytes, then its
+    scales when quantized. The one definition: writers, readers, the server's commit
+    and ``Manifest.verify_object`` all use it."""
+    if scales is None:
+        return xxhash.xxh3_64_intdigest(page)
+    h = xxhash.xxh3_64()
+    h.update(page)
+    h.update(scales)
+    return h.intdigest()
+
+
 def object_checksum(fixed: Sequence[bytes | bytearray | memoryview], key_sums: Sequence[int], value_sums: Sequence[int]) -> int:
     """A layer object's checksum, without a second pass over its pages: xxh3-64 over
     the object's bytes outside its pools and scales (descriptors, index buffers; in
@@ -147,12 +159,10 @@ class Manifest:
         mv = memoryview(data).cast("B")
         if mv.nbytes != lay.object_size:
             return f"layer {lay.layer_index}: {mv.nbytes} bytes, the manifest says {lay.object_size}"
-        digest = xxhash.xxh3_64_intdigest
         for role, sums in (("key", lay.key_page_checksums), ("value", lay.value_page_checksums)):
             for p in range(self.num_pages):
-                rng = self.page_range(layer_pos, role, p)
-                got = digest(mv[rng[0][0] : rng[0][0] + rng[0][1]]) if len(rng) == 1 else checksum(*(mv[o : o + n] for o, n in rng))
-                if got != sums[p]:
+                parts = [mv[o : o + n] for o, n in self.page_range(layer_pos, role, p)]
+                if page_checksum(*parts) != sums[p]:
                     return f"layer {lay.layer_index}: {role} page {p} checksum differs"
         fixed = [mv[o : o + n] for o, n in self.fixed_ranges(layer_pos)]
         if object_checksum(fixed, lay.key_page_checksums, lay.value_page_checksums) != lay.object_checksum:

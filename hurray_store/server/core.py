@@ -43,11 +43,12 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from hurray_store import keys as keymod
 from hurray_store import transport as tp
 from hurray_store.config import ServerConfig
 from hurray_store.errors import FormatError, ProtocolError
 from hurray_store.format import Manifest
+from hurray_store.keys import HASH_LEN, SegmentKey
+from hurray_store.server.backing import ServedKey, ServedStore
 from hurray_store.server.http import HealthEndpoint
 from hurray_store.store import TieredStore
 from hurray_store.tiers import host_view
@@ -159,13 +160,13 @@ class ServerMetrics:
 
 class CacheServer:
     def __init__(self, store: TieredStore, cfg: ServerConfig) -> None:
-        self.store = store
+        self.store = ServedStore(store)
         self.cfg = cfg
         self.budget = _Budget(cfg.max_inflight_put_bytes)
-        self.staged: dict[str, _Staged] = {}  # segment id hex -> its staged layer objects
+        self.staged: dict[SegmentKey, _Staged] = {}  # a segment's staged layer objects
         self.claims: dict[bytes, _ClaimSet] = {}
         self.sessions: set[Session] = set()
-        self.metrics = ServerMetrics(store.metrics.registry)
+        self.metrics = ServerMetrics(self.store.registry)
         self.metrics.inflight.set_function(lambda: self.budget.used)
         self.metrics.staged.set_function(lambda: len(self.staged))
         self.draining = False
@@ -185,7 +186,7 @@ class CacheServer:
         port = self.cfg.port if port is None else port
         mport = self.cfg.metrics_port if metrics_port == -1 else metrics_port
         if mport is not None:
-            self.http = HealthEndpoint(self.store.metrics.registry, lambda: self.beat, lambda: self.draining)
+            self.http = HealthEndpoint(self.store.registry, lambda: self.beat, lambda: self.draining)
             self.http.start(self.cfg.metrics_host, mport)
             log.info("metrics and health on http://%s:%d/metrics (/healthz, /readyz)", self.cfg.metrics_host, self.http.port)
         sock = socket.create_server((host, port), backlog=512, reuse_port=False)
@@ -193,7 +194,7 @@ class CacheServer:
         self._listener = sock
         self.port = sock.getsockname()[1]
         self._tasks = [asyncio.ensure_future(self._accept()), asyncio.ensure_future(self._janitor())]
-        log.info("serving the Hurray transport on %s:%d (tiers: %s)", host, self.port, ", ".join(t.name for t in self.store.tiers))
+        log.info("serving the Hurray transport on %s:%d (tiers: %s)", host, self.port, ", ".join(self.store.tier_names))
         return self.port
 
     async def serve_forever(self) -> None:
@@ -263,7 +264,7 @@ class CacheServer:
             self.beat = now
             for seg, st in list(self.staged.items()):
                 if now - st.since > self.cfg.staging_timeout_s:
-                    log.warning("segment %s: %d staged layer objects saw no commit in %.0f s; dropped", seg, len(st.objects), self.cfg.staging_timeout_s)
+                    log.warning("segment %s: %d staged layer objects saw no commit in %.0f s; dropped", seg.hex, len(st.objects), self.cfg.staging_timeout_s)
                     self._drop_staged(seg)
             for h, c in list(self.claims.items()):
                 if c.deadline <= now:
@@ -271,7 +272,7 @@ class CacheServer:
 
     # ------------------------------------------------------------------ staging and claims
 
-    def _drop_staged(self, seg: str) -> None:
+    def _drop_staged(self, seg: SegmentKey) -> None:
         st = self.staged.pop(seg, None)
         for landing in st.objects.values() if st else ():
             landing.release()
@@ -315,10 +316,10 @@ class CacheServer:
     async def commit(self, manifest_key: str, manifest: memoryview) -> tuple[int, str] | None:
         """Store a segment from its manifest and staged objects; None when stored, else
         (error code, why)."""
-        seg = keymod.parse_segment_key(manifest_key)
-        if seg is None or seg[2] != keymod.MANIFEST_PART:
-            return Err.REJECTED, f"{manifest_key!r} is not a segment manifest key"
-        st = self.staged.pop(seg[1], None)
+        seg = self.store.key(manifest_key).segment
+        if seg is None or not seg.is_manifest:
+            return Err.REJECTED, f"{manifest_key!r} is not a manifest key of this server's namespace ({self.store.namespace!r})"
+        st = self.staged.pop(seg.segment, None)
         landings = st.objects if st else {}
         data = bytes(manifest)
 
@@ -334,7 +335,7 @@ class CacheServer:
         try:
             reserved = {k: v.res for k, v in landings.items() if v.res is not None}
             views = {k: v.view for k, v in landings.items()}
-            ok = await self.store.commit_segment(manifest_key, data, views, release, reserved, parsed=m)
+            ok = await self.store.commit_segment(seg.segment, data, views, release, reserved, parsed=m)
         except FormatError as e:
             return Err.REJECTED, str(e)
         finally:
@@ -451,7 +452,7 @@ class Session:
         self.frame = min(self.client_max, _MAX_FRAME)
         ext = None
         if hello.ext is not None:
-            ext = {"extensions": tp.EXTENSION, "server": "hurray_store", "namespace": self.server.store.ns,
+            ext = {"extensions": tp.EXTENSION, "server": "hurray_store", "namespace": self.server.store.namespace,
                    "max_object_bytes": str(self.cfg.max_object_bytes)}
         reply = tp.Hello(max_message_size=self.cfg.max_message_bytes, ext=ext)
         async with ch.send_lock:
@@ -546,18 +547,18 @@ class Session:
 
     async def _put_store(self, sid: int, key: str, landing: _Landing) -> None:
         store = self.server.store
-        k = store.storage_key(key)
-        seg = keymod.parse_segment_key(k)
-        if seg is not None and seg[2] == keymod.MANIFEST_PART:
+        k = store.key(key)
+        seg = k.segment
+        if seg is not None and seg.is_manifest:
             landing.release()
             await self._error(sid, Err.REJECTED, "a segment's manifest commits it: send it with X_COMMIT")
             return
         if seg is not None:
-            st = self.server.staged.setdefault(seg[1], _Staged())
-            old = st.objects.pop(k, None)
+            st = self.server.staged.setdefault(seg.segment, _Staged())
+            old = st.objects.pop(k.stored, None)
             if old is not None:
                 old.release()
-            st.objects[k] = landing
+            st.objects[k.stored] = landing
             ok = True
         else:
             ok = await store.put_key(k, [landing.view], landing.release, landing.res)
@@ -601,7 +602,7 @@ class Session:
         self.handlers.add(task)
         task.add_done_callback(self.handlers.discard)
 
-    async def _send_object(self, sid: int, k: str, read: Any) -> None:
+    async def _send_object(self, sid: int, k: ServedKey, read: Any) -> None:
         """Answer with a stored object (or byte ranges of one): pinned while it is sent,
         so no eviction reuses its memory under the send."""
         store = self.server.store
@@ -628,7 +629,7 @@ class Session:
             await self._error(sid, Err.DEVICE_UNAVAILABLE, f"device 0x{req.device:02x}: this server serves CPU memory (0x00) only")
             return
         store = self.server.store
-        k = store.storage_key(req.key)
+        k = store.key(req.key)
 
         async def read() -> list[Any] | None:
             # The whole object as one range: a view of the tier's memory where it has
@@ -649,23 +650,23 @@ class Session:
         if total > self.cfg.max_object_bytes:
             await self._error(sid, Err.MESSAGE_TOO_LARGE, f"ranges of {total} bytes; at most {self.cfg.max_object_bytes}")
             return
-        k = self.server.store.storage_key(key)
+        k = self.server.store.key(key)
         await self._send_object(sid, k, lambda: self.server.store.get_key_ranges(k, ranges))
 
     async def _on_x_contains(self, sid: int, payload: memoryview) -> None:
         keys = _stream(tp.decode_keys, payload)
         store = self.server.store
-        sizes = [await store.key_size(store.storage_key(k)) for k in keys]
+        sizes = [await store.key_size(store.key(k)) for k in keys]
         await self._reply(sid, Msg.X_CONTAINS_REPLY, tp.encode_sizes(sizes))
 
     async def _on_x_delete(self, sid: int, payload: memoryview) -> None:
         store = self.server.store
         for k in _stream(tp.decode_keys, payload):
-            await store.delete_key(store.storage_key(k))
+            await store.delete_key(store.key(k))
         await self._reply(sid, Msg.X_DELETE_ACK, b"")
 
     async def _on_x_lookup(self, sid: int, payload: memoryview) -> None:
-        claim, wait_ms, seqs = _stream(lambda p: tp.decode_lookup(p, keymod.HASH_LEN), payload)
+        claim, wait_ms, seqs = _stream(lambda p: tp.decode_lookup(p, HASH_LEN), payload)
         matched, manifests = await self.server.lookup(self, claim, wait_ms / 1000, seqs, self.client_max - 4096)
         await self._reply(sid, Msg.X_LOOKUP_REPLY, tp.encode_lookup_reply(matched, manifests))
 

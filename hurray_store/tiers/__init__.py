@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 from hurray_store.config import TierConfig, tier_type
-from hurray_store.tiers.base import Blob, Buffer, Range, Reservation, Tier, blob_nbytes, host_view
+from hurray_store.tiers.base import (
+    Blob,
+    Buffer,
+    GroupObject,
+    Range,
+    ReadInto,
+    Reservation,
+    SharedTier,
+    StoredObject,
+    Tier,
+    blob_nbytes,
+    host_view,
+)
 from hurray_store.tiers.disk import DiskTier
 from hurray_store.tiers.memory import CpuTier, GpuTier
 from hurray_store.tiers.remote import RemoteTier
@@ -20,14 +32,18 @@ for _cls in (GpuTier, CpuTier, DiskTier, RemoteTier):
     register(_cls)
 
 
-def open_tier(cfg: TierConfig) -> Tier:
-    """The tier for one config entry (not yet opened: ``await tier.open()``)."""
+def open_tier(cfg: TierConfig, namespace: str | None = None) -> Tier:
+    """The tier for one config entry, for a store of ``namespace`` (not yet opened:
+    ``await tier.open()``)."""
     kind = tier_type(cfg)
     if kind == "redis" and kind not in TIER_TYPES:
         from hurray_store.tiers.redis import RedisTier  # redis-py loads only when used
 
         register(RedisTier)
-    return TIER_TYPES[kind](cfg)
+    return TIER_TYPES[kind](cfg, namespace)
 
 
-__all__ = ["TIER_TYPES", "Blob", "Buffer", "Range", "Reservation", "Tier", "blob_nbytes", "host_view", "open_tier", "register"]
+__all__ = [
+    "TIER_TYPES", "Blob", "Buffer", "GroupObject", "Range", "ReadInto", "Reservation", "SharedTier", "StoredObject",
+    "Tier", "blob_nbytes", "host_view", "open_tier", "register",
+]

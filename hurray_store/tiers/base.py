@@ -1,9 +1,18 @@
-"""The one async tier interface (layer L2).
+"""The one async tier interface.
 
 A tier moves opaque bytes under string keys. A miss is ``None``; a write the tier could
 not make (service down, disk full) returns ``False`` after logging why; exceptions are
 for broken contracts. Batch methods default to gathering the primitives; a tier
 overrides them only to go faster (Redis pipelines them).
+
+The primitives and their contracts:
+
+- ``get`` / ``get_ranges``: the bytes, or None when absent or short.
+- ``put``: one object, atomically (old, none or the whole new one is visible).
+- ``put_group``: several objects that enter the tier together; the last is written
+  after all the others (the group's commit record). On failure none of them remains.
+- ``delete`` / ``contains`` / ``scan`` / ``quarantine``.
+- ``reserve`` / ``put_reserved`` / ``unreserve``: build an object in the tier's memory.
 
 Host tiers return ``memoryview``/``bytes``; a device tier returns ``torch.Tensor``
 (uint8) views, so a retrieve copies device to device.
@@ -17,7 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -25,6 +34,9 @@ log = logging.getLogger(__name__)
 Buffer = bytes | bytearray | memoryview
 Blob = bytes | bytearray | memoryview | torch.Tensor
 Range = tuple[int, int]  # (offset, length)
+# Where ``get_ranges`` may read to: one buffer of at least the ranges' total size, or one
+# writable view per range.
+ReadInto = bytearray | memoryview | list[memoryview] | None
 
 
 def blob_nbytes(b: Blob) -> int:
@@ -96,9 +108,40 @@ class Reservation:
     committed: bool = False
 
 
+class GroupObject(ABC):
+    """One object of a group as the cascade hands it to a tier: its key and size, and
+    its bytes, built on first use (a segment's layer is gathered out of the engine's
+    pool only when the tier is ready to write it). ``reservation``: the bytes already
+    lie in space reserved in a tier, which that tier publishes without a copy."""
+
+    __slots__ = ("key", "nbytes", "reservation")
+
+    def __init__(self, key: str, nbytes: int, reservation: Reservation | None = None) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self.reservation = reservation
+
+    @abstractmethod
+    def buffers(self) -> Sequence[Buffer]:
+        """The object's bytes (their concatenation); the same every call."""
+
+
+class StoredObject(GroupObject):
+    """An object whose bytes exist already."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, key: str, data: Sequence[Buffer], reservation: Reservation | None = None) -> None:
+        super().__init__(key, sum(memoryview(b).nbytes for b in data), reservation)
+        self.data = data
+
+    def buffers(self) -> Sequence[Buffer]:
+        return self.data
+
+
 class Tier(ABC):
     """Base of every tier. Subclasses set ``kind`` and ``persistent`` and take their
-    config dataclass as the only constructor argument."""
+    config dataclass and the store's namespace as constructor arguments."""
 
     kind: ClassVar[str]
     persistent: ClassVar[bool] = False
@@ -107,15 +150,15 @@ class Tier(ABC):
     # re-verified (as the engine's own pool is not); everything else is, per page.
     trusted: ClassVar[bool] = False
     # Other processes write to it (a cache server): the store does not scan it at open
-    # but asks it per request (``lookup_prefix``, ``sizes``) for what they added.
+    # but asks it per request (``SharedTier.lookup_prefix``, ``sizes``) for what they added.
     shared: ClassVar[bool] = False
-    # The namespace of the store using the tier (the store sets it); a shared tier
-    # checks it against its server's.
-    namespace: str | None = None
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, namespace: str | None = None) -> None:
         self.cfg = cfg
         self.name: str = cfg.name or self.kind
+        # The namespace of the store using the tier; a shared tier checks it against
+        # its server's.
+        self.namespace = namespace
 
     @property
     def available(self) -> bool:
@@ -138,7 +181,7 @@ class Tier(ABC):
     async def get(self, key: str) -> Blob | None: ...
 
     @abstractmethod
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
         """The bytes of each ``(offset, length)`` range; ``None`` when the object is
         missing or shorter than a range asks. A tier that copies may read into ``into``:
         one buffer of at least the ranges' total size (the results are then views of
@@ -173,12 +216,6 @@ class Tier(ABC):
             out.append(None if b is None else blob_nbytes(b))
         return out
 
-    async def lookup_prefix(self, seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool) -> list[bytes] | None:
-        """Shared tiers: per sequence ``(pages the asker has, page hashes)``, the
-        manifests of the segments holding the pages after those; with ``claim``, the
-        pages nobody holds are reserved for the asker's put. None: not answered."""
-        return None
-
     # ------------------------------------------------------------------ in place
 
     def reserve(self, nbytes: int) -> Reservation | None:
@@ -207,6 +244,50 @@ class Tier(ABC):
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         await asyncio.gather(*(self.delete(k) for k in keys))
+
+    async def put_group(self, objects: Sequence[GroupObject]) -> bool:
+        """Store ``objects`` as one group: all but the last concurrently, each built
+        just before its write starts (so the next is built while the last is being
+        written: a disk write runs in a worker thread), then the last. False, or an
+        exception, leaves none of them in the tier."""
+        ok = False
+        try:
+            for batch in (objects[:-1], objects[-1:]):
+                tasks: list[asyncio.Future[bool]] = []
+                try:
+                    for obj in batch:
+                        bufs = obj.buffers()  # built now, beside the previous write
+                        tasks.append(asyncio.ensure_future(self._put_object(obj, bufs)))
+                        await asyncio.sleep(0)  # let the write start
+                finally:
+                    oks = await asyncio.gather(*tasks, return_exceptions=True)
+                for o in oks:
+                    if isinstance(o, BaseException):
+                        raise o
+                if not all(oks):
+                    return False
+            ok = True
+            return True
+        finally:
+            if not ok:
+                await self.delete_many([o.key for o in objects])
+
+    async def _put_object(self, obj: GroupObject, bufs: Sequence[Buffer]) -> bool:
+        res = obj.reservation
+        if res is not None and res.tier is self and not res.committed:
+            return await self.put_reserved(obj.key, res)
+        return await self.put(obj.key, bufs)
+
+
+@runtime_checkable
+class SharedTier(Protocol):
+    """A tier other processes write to (a cache server), asked per request for what
+    they added."""
+
+    async def lookup_prefix(self, seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool) -> list[bytes] | None:
+        """Per sequence ``(pages the asker has, page hashes)``, the manifests of the
+        segments holding the pages after those; with ``claim``, the pages nobody holds
+        are reserved for the asker's put. None: not answered."""
 
 
 class ServiceTier(Tier):

@@ -31,7 +31,7 @@ import aiofiles.os
 import xxhash
 
 from hurray_store.config import DiskTierConfig
-from hurray_store.tiers.base import Blob, Buffer, Range, Tier
+from hurray_store.tiers.base import Blob, Buffer, Range, ReadInto, Tier
 
 log = logging.getLogger(__name__)
 _TMP = ".tmp."
@@ -44,8 +44,8 @@ class DiskTier(Tier):
     kind = "disk"
     persistent = True
 
-    def __init__(self, cfg: DiskTierConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: DiskTierConfig, namespace: str | None = None) -> None:
+        super().__init__(cfg, namespace)
         self.root = Path(cfg.path)
         self.objects = self.root / "objects"
         self.quarantine_dir = self.root / "quarantine"
@@ -184,7 +184,7 @@ class DiskTier(Tier):
     def _read_many_sync(self, keys: Sequence[str]) -> list[Blob | None]:
         return [self._read_sync(k) for k in keys]
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
         got: list[Blob] | None = await self._ranges(key, ranges, into)
         return got
 

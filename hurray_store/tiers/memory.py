@@ -9,13 +9,12 @@ what to evict. Neither is persistent.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from hurray_store.buffers import Arena
 from hurray_store.config import CpuTierConfig, GpuTierConfig
-from hurray_store.tiers.base import Blob, Buffer, Range, Reservation, Tier
+from hurray_store.tiers.base import Blob, Buffer, Range, ReadInto, Reservation, Tier
 
 
 def _ranges_of(obj: Blob, ranges: Sequence[Range]) -> list[Blob] | None:
@@ -33,8 +32,8 @@ class CpuTier(Tier):
     kind = "cpu"
     trusted = True
 
-    def __init__(self, cfg: CpuTierConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: CpuTierConfig, namespace: str | None = None) -> None:
+        super().__init__(cfg, namespace)
         pin = cfg.pin_memory
         self.pinned = torch.cuda.is_available() if pin == "auto" else pin == "true"
         self._arena = None if self.pinned else Arena(cfg.capacity_bytes, populate=cfg.preallocate)
@@ -55,7 +54,7 @@ class CpuTier(Tier):
         # A copy: arena space is reused once the object is evicted.
         return None if v is None else (v.clone() if isinstance(v, torch.Tensor) else bytes(v))
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
         """Zero-copy views, valid until the object is deleted or replaced (the store
         pins the groups it reads)."""
         v = self._view(key)
@@ -124,8 +123,8 @@ class GpuTier(Tier):
     on_device = True
     trusted = True
 
-    def __init__(self, cfg: GpuTierConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: GpuTierConfig, namespace: str | None = None) -> None:
+        super().__init__(cfg, namespace)
         self.device = torch.device(cfg.device)
         self._objects: dict[str, torch.Tensor] = {}
 
@@ -133,7 +132,7 @@ class GpuTier(Tier):
         obj = self._objects.get(key)
         return None if obj is None else obj.clone()
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
         obj = self._objects.get(key)
         return None if obj is None else _ranges_of(obj, ranges)
 

@@ -35,7 +35,7 @@ from redis.retry import Retry
 
 from hurray_store.config import RedisTierConfig
 from hurray_store.errors import ConfigError
-from hurray_store.tiers.base import Blob, Buffer, Outage, Range, ServiceTier
+from hurray_store.tiers.base import Blob, Buffer, GroupObject, Outage, Range, ReadInto, ServiceTier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,8 +71,8 @@ class RedisTier(ServiceTier):
     kind = "redis"
     persistent = True
 
-    def __init__(self, cfg: RedisTierConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: RedisTierConfig, namespace: str | None = None) -> None:
+        super().__init__(cfg, namespace)
         self.prefix = cfg.key_prefix
         self.ttl_s = cfg.ttl_s
         scheme = urlsplit(cfg.url).scheme
@@ -159,7 +159,7 @@ class RedisTier(ServiceTier):
     async def get(self, key: str) -> Blob | None:
         return await self._guard("GET", lambda: self.client.get(self.k(key)), None)
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
         return (await self.get_ranges_many([(key, ranges)]))[0]
 
     async def get_ranges_many(self, items: Sequence[tuple[str, Sequence[Range]]]) -> list[list[Blob] | None]:
@@ -205,6 +205,23 @@ class RedisTier(ServiceTier):
             got = await self._guard("SET", run, None, sum(memoryview(v).nbytes for _, v in part))
             out += [bool(g) for g in got] if got is not None else [False] * len(part)
         return out
+
+    async def put_group(self, objects: Sequence[GroupObject]) -> bool:
+        """The group in pipelines (MULTI-free), bounded in bytes: one when it fits. A
+        single Redis runs a connection's commands in order, so the last object lands
+        after the others; a cluster may spread the keys over several masters, so there
+        the last one goes after the others' pipelines have answered."""
+        ok = False
+        try:
+            if self.is_cluster or len(objects) == 1:
+                oks = await self.put_many([(o.key, o.buffers()) for o in objects[:-1]])
+                ok = all(oks) and await self.put(objects[-1].key, objects[-1].buffers())
+            else:
+                ok = all(await self.put_many([(o.key, o.buffers()) for o in objects]))
+            return ok
+        finally:
+            if not ok:
+                await self.delete_many([o.key for o in objects])
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         if keys:

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from hurray_store import keys as keymod
 from hurray_store import transport as tp
 from hurray_store.config import RemoteTierConfig
 from hurray_store.errors import ConfigError, ProtocolError, RemoteError
-from hurray_store.tiers.base import Blob, Buffer, Outage, Range, ServiceTier
+from hurray_store.keys import SegmentPart, parse_key
+from hurray_store.tiers.base import Blob, Buffer, GroupObject, Outage, Range, ReadInto, ServiceTier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -171,8 +171,8 @@ class RemoteTier(ServiceTier):
     persistent = True
     shared = True
 
-    def __init__(self, cfg: RemoteTierConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: RemoteTierConfig, namespace: str | None = None) -> None:
+        super().__init__(cfg, namespace)
         self.host, self.port = parse_url(cfg.url)
         if cfg.connections < 1:
             raise ConfigError("connections: expected at least 1")
@@ -302,7 +302,7 @@ class RemoteTier(ServiceTier):
 
         return await self._call("TENSOR_REQUEST", send, None)
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: Any = None) -> list[Blob] | None:
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
         total = sum(n for _, n in ranges)
         if into is None:
             into = bytearray(total)
@@ -321,16 +321,26 @@ class RemoteTier(ServiceTier):
         got = await self._call("X_RANGES", send, None, nbytes=total, sink=list(views))
         return None if got is None else list(views)
 
+    async def put_group(self, objects: Sequence[GroupObject]) -> bool:
+        """A segment (its last object is its manifest): the layer objects are staged on
+        the server by TENSOR_PUT, then X_COMMIT stores the segment, verified, at once.
+        Any other group: as the base class does it."""
+        last = parse_key(objects[-1].key) if objects else None
+        if not (isinstance(last, SegmentPart) and last.is_manifest):
+            return await super().put_group(objects)
+        if len(objects) > 1 and not await super().put_group(objects[:-1]):
+            return False
+        manifest = objects[-1]
+        parts = [memoryview(b).cast("B") for b in manifest.buffers()]
+
+        async def commit(c: _Conn, sid: int) -> None:
+            await c.ch.send(tp.Msg.X_COMMIT, sid, *tp.encode_commit(manifest.key, b"".join(parts) if len(parts) > 1 else parts[0]))
+
+        return await self._call("X_COMMIT", commit, None, nbytes=manifest.nbytes, expect=tp.Msg.X_COMMIT_ACK) is not None
+
     async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
         parts = [memoryview(b).cast("B") for b in buffers]
         n = sum(p.nbytes for p in parts)
-        seg = keymod.parse_segment_key(key)
-        if seg is not None and seg[2] == keymod.MANIFEST_PART:
-            # The commit point of a segment: its layer objects are staged on the server.
-            async def commit(c: _Conn, sid: int) -> None:
-                await c.ch.send(tp.Msg.X_COMMIT, sid, *tp.encode_commit(key, b"".join(parts) if len(parts) > 1 else parts[0]))
-
-            return await self._call("X_COMMIT", commit, None, nbytes=n, expect=tp.Msg.X_COMMIT_ACK) is not None
 
         async def send(c: _Conn, sid: int) -> None:
             head = tp.encode_put(key, n)

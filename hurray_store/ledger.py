@@ -1,0 +1,189 @@
+"""The books: which tier holds which group, how big, how recent, pinned (no I/O).
+
+A group (a segment's layer objects and manifest, or an object-level group) enters and
+leaves a tier as one. In a tier it is in one of two states, as vLLM's offloading
+manager marks a block allocated but not yet ready:
+
+=========  ===================================================================
+WRITING    its room is taken from the tier's budget and it is never chosen as
+           a victim, but no reader sees it: ``holders`` leaves it out
+READY      every byte is where a get finds it (the group's last object, its
+           commit record, included)
+=========  ===================================================================
+
+``begin_write`` records a group as WRITING; ``complete_write`` makes it READY or drops
+it. ``record`` notes a READY group found in a tier (restart scan, discovery).
+
+Group ids are opaque hashable values to the books (``keys.SegmentKey``,
+``keys.ObjectKey``); keys are the stored strings the tiers know.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+Group = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class TierInfo:
+    name: str
+    capacity_bytes: int | None  # None: no budget of ours (Redis' maxmemory decides)
+    persistent: bool
+    trusted: bool = False  # in-process memory only this process writes
+    shared: bool = False  # other processes write to it (a cache server)
+
+
+@dataclass(slots=True)
+class Entry:
+    sizes: dict[str, int]
+    depth: int
+    nbytes: int
+    ready: bool
+
+
+@dataclass(slots=True)
+class _TierBooks:
+    info: TierInfo
+    used: int = 0
+    groups: OrderedDict[Group, Entry] = field(default_factory=OrderedDict)  # LRU first
+    key_group: dict[str, Group] = field(default_factory=dict)
+
+
+class Ledger:
+    def __init__(self, tiers: Sequence[TierInfo]) -> None:
+        self.tiers = list(tiers)
+        self._books = [_TierBooks(t) for t in self.tiers]
+        self._pins: dict[Group, int] = {}
+
+    # ------------------------------------------------------------------ readers' view
+
+    def holders(self, key: str) -> list[int]:
+        """Tiers where a get of ``key`` finds it now (READY), fastest first."""
+        out = []
+        for i, b in enumerate(self._books):
+            g = b.key_group.get(key)
+            if g is not None and b.groups[g].ready:
+                out.append(i)
+        return out
+
+    def group_holders(self, group: Group) -> list[int]:
+        """Tiers holding ``group`` READY, fastest first."""
+        return [i for i, b in enumerate(self._books) if (e := b.groups.get(group)) is not None and e.ready]
+
+    def group_of(self, tier: int, key: str) -> Group | None:
+        return self._books[tier].key_group.get(key)
+
+    def group_keys(self, tier: int, group: Group) -> dict[str, int]:
+        e = self._books[tier].groups.get(group)
+        return dict(e.sizes) if e else {}
+
+    def key_size(self, key: str) -> int | None:
+        """The size of ``key`` in the fastest tier holding it READY."""
+        for i in self.holders(key):
+            b = self._books[i]
+            return b.groups[b.key_group[key]].sizes[key]
+        return None
+
+    def depth(self, group: Group) -> int:
+        for b in self._books:
+            e = b.groups.get(group)
+            if e is not None:
+                return e.depth
+        return 0
+
+    # ------------------------------------------------------------------ the policy's view
+
+    def groups(self, tier: int) -> list[Group]:
+        """Groups of a tier, WRITING ones included, least recently used first."""
+        return list(self._books[tier].groups)
+
+    def entries(self, tier: int) -> Iterator[tuple[Group, Entry]]:
+        """``(group, entry)`` of a tier, least recently used first."""
+        return iter(self._books[tier].groups.items())
+
+    def held(self, tier: int, group: Group) -> bool:
+        """The group is in the tier, READY or WRITING."""
+        return group in self._books[tier].groups
+
+    def is_writing(self, tier: int, group: Group) -> bool:
+        e = self._books[tier].groups.get(group)
+        return e is not None and not e.ready
+
+    def used_bytes(self, tier: int) -> int:
+        return self._books[tier].used
+
+    def num_objects(self, tier: int) -> int:
+        return len(self._books[tier].key_group)
+
+    def is_pinned(self, group: Group) -> bool:
+        return self._pins.get(group, 0) > 0
+
+    # ------------------------------------------------------------------ changes
+
+    def begin_write(self, tier: int, group: Group, sizes: Mapping[str, int], depth: int) -> None:
+        """The group's room is taken in ``tier``; readers do not see it yet."""
+        self._drop(tier, group)
+        self._add(tier, group, dict(sizes), depth, ready=False)
+
+    def complete_write(self, tier: int, group: Group, ok: bool) -> None:
+        """The write ``begin_write`` announced ended: READY, or gone when it failed."""
+        e = self._books[tier].groups.get(group)
+        if e is None:
+            return
+        if ok:
+            e.ready = True
+        else:
+            self._drop(tier, group)
+
+    def record(self, tier: int, group: Group, sizes: Mapping[str, int], *, depth: int = 0) -> None:
+        """Note a READY group found in a tier (restart scan, discovery)."""
+        self._drop(tier, group)
+        self._add(tier, group, dict(sizes), depth, ready=True)
+
+    def forget(self, tier: int, group: Group) -> dict[str, int]:
+        """The group left the tier (evicted, deleted, found missing); its sizes."""
+        e = self._drop(tier, group)
+        return e.sizes if e else {}
+
+    def touch(self, groups: Iterable[Group]) -> None:
+        """Mark groups used now, in every tier holding them. Groups touched together
+        age together; the deeper ones are placed as the older, so they go first."""
+        gs = list(dict.fromkeys(groups))
+        for b in self._books:
+            held = [g for g in gs if g in b.groups]
+            held.sort(key=lambda g: -b.groups[g].depth)
+            for g in held:
+                b.groups.move_to_end(g)
+
+    def pin(self, groups: Iterable[Group]) -> None:
+        for g in groups:
+            self._pins[g] = self._pins.get(g, 0) + 1
+
+    def unpin(self, groups: Iterable[Group]) -> None:
+        for g in groups:
+            n = self._pins.get(g, 0) - 1
+            if n <= 0:
+                self._pins.pop(g, None)
+            else:
+                self._pins[g] = n
+
+    def _add(self, tier: int, group: Group, sizes: dict[str, int], depth: int, *, ready: bool) -> None:
+        b = self._books[tier]
+        e = Entry(sizes, depth, sum(sizes.values()), ready)
+        b.groups[group] = e
+        b.used += e.nbytes
+        for k in sizes:
+            b.key_group[k] = group
+
+    def _drop(self, tier: int, group: Group) -> Entry | None:
+        b = self._books[tier]
+        e = b.groups.pop(group, None)
+        if e is not None:
+            b.used -= e.nbytes
+            for k in e.sizes:
+                if b.key_group.get(k) == group:
+                    del b.key_group[k]
+        return e

@@ -1,0 +1,176 @@
+"""ServedStore: what the cache server needs from a store, and nothing else.
+
+Clients name keys as the tiers store them. A client's segment keys in the store's
+namespace stay what they are (a restart finds them as segments); any other key a client
+names is kept as an object-level key. ``key`` parses a client's key once; the rest takes
+the parsed value.
+
+- ``reserve`` / ``buffers``: where a put's bytes land (tier space, else a resident buffer).
+- ``put_key``: one object-level object. ``commit_segment``: a segment, verified first.
+- ``get_key`` / ``get_key_ranges`` / ``key_size`` / ``pin_keys`` / ``delete_key``.
+- ``find_segments``: the prefix lookup other engines ask for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hurray_store.errors import ChecksumError, FormatError
+from hurray_store.format import Manifest
+from hurray_store.keys import ObjectKey, SegmentKey, SegmentPart, parse_key
+from hurray_store.ledger import Group
+from hurray_store.store import TieredStore
+from hurray_store.store.catalog import depth
+from hurray_store.tiers import Blob, Buffer, Range, Reservation, StoredObject
+
+
+@dataclass(frozen=True, slots=True)
+class ServedKey:
+    """A client's key as this store keeps it."""
+
+    stored: str  # the key the tiers hold
+    segment: SegmentPart | None  # set for one of this store's segment objects
+
+
+class ServedStore:
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        self.namespace = store.namespace
+        self.buffers = store.buffers
+        self.registry = store.metrics.registry
+        self._cascade = store.cascade
+        self._catalog = store.catalog
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self.store.tiers]
+
+    def key(self, client_key: str) -> ServedKey:
+        k = parse_key(client_key)
+        if isinstance(k, SegmentPart) and k.segment.namespace == self.namespace:
+            return ServedKey(client_key, k)
+        return ServedKey(ObjectKey(self.namespace, client_key).stored, None)
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Space in the tier a new object of ``nbytes`` lands in, to receive it in
+        place (None: that tier offers none). Unpublished space goes back with
+        ``reservation.tier.unreserve``."""
+        got = self._cascade.reserve([nbytes])
+        return got[0] if got else None
+
+    async def put_key(self, k: ServedKey, data: Sequence[Buffer], release: Callable[[], None] | None = None,
+                      reserved: Reservation | None = None) -> bool:
+        """Store one object-level object (a group of its own); ``release()`` runs once no
+        tier write needs ``data``. ``reserved``: ``data`` lies there, and the top tier
+        publishes it without a copy."""
+        if k.segment is not None:
+            if release is not None:
+                release()
+            raise FormatError(f"{k.stored} is a segment object: it is stored by commit_segment with its manifest")
+        name = k.stored[len(self.namespace) + 3 :]
+        return bool(await self._cascade.put_group(
+            ObjectKey(self.namespace, name), [StoredObject(k.stored, data, reserved)], release=release,
+        ))
+
+    async def get_key(self, k: ServedKey) -> Blob | None:
+        return await self._cascade.get(k.stored)
+
+    async def get_key_ranges(self, k: ServedKey, ranges: Sequence[Range]) -> list[Blob] | None:
+        """Views of the tier's bytes: valid while the key's group is pinned."""
+        return await self._cascade.get_ranges(k.stored, ranges)
+
+    async def key_size(self, k: ServedKey) -> int | None:
+        return await self._cascade.size(k.stored)
+
+    def pin_keys(self, keys: Sequence[ServedKey]) -> list[Group]:
+        """Pin the groups holding ``keys`` (a segment key pins its segment); returns
+        them, for ``unpin_groups``."""
+        led = self._cascade.ledger
+        groups: list[Group] = list(dict.fromkeys(
+            g for k in keys for i in led.holders(k.stored) if (g := led.group_of(i, k.stored)) is not None
+        ))
+        led.pin(groups)
+        return groups
+
+    def unpin_groups(self, groups: Sequence[Group]) -> None:
+        self._cascade.ledger.unpin(groups)
+
+    async def delete_key(self, k: ServedKey) -> None:
+        """Delete a stored key everywhere, with its whole group."""
+        await self._cascade.delete(k.stored)
+
+    async def commit_segment(
+        self, seg: SegmentKey, manifest: Buffer, objects: Mapping[str, Buffer], release: Callable[[], None] | None = None,
+        reserved: Mapping[str, Reservation] | None = None, *, parsed: Manifest | None = None,
+    ) -> bool:
+        """Store a segment a client built: its layer objects, then its manifest (the
+        commit). Everything is verified first: the manifest's checksum and key, each
+        object's size and every page's checksum.
+
+        Raises FormatError (nothing stored) when any of it is wrong. Returns False when
+        no tier took it, True when stored or already held. ``parsed``:
+        ``Manifest.from_bytes(manifest)``, when the caller has it already.
+        """
+        try:
+            if seg.namespace != self.namespace:
+                raise FormatError(f"namespace {seg.namespace!r} is not this store's ({self.namespace!r})")
+            m = parsed if parsed is not None else Manifest.from_bytes(manifest)
+            if m.segment_id != seg.segment_id:
+                raise FormatError(f"manifest names segment {m.segment_id.hex()}, committed as {seg.hex}")
+            want = {seg.layer(lay.layer_index): pos for pos, lay in enumerate(m.layers)}
+            if len(want) != len(m.layers) or set(want) != set(objects):
+                missing = sorted(set(want) - set(objects))
+                extra = sorted(set(objects) - set(want))
+                raise FormatError(f"segment {seg.hex}: layer objects missing {missing[:3]} or not in the manifest {extra[:3]}")
+            for k, pos in want.items():
+                why = m.verify_object(pos, objects[k])
+                if why:
+                    raise ChecksumError(f"segment {seg.hex}: {why}")
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if self._cascade.ledger.group_holders(seg):
+            if release is not None:
+                release()
+            return True
+        res = reserved or {}
+        group = [StoredObject(k, [objects[k]], res.get(k)) for k in want]
+        group.append(StoredObject(seg.manifest, [manifest]))
+        return bool(await self._cascade.put_group(seg, group, depth=depth(m), on_committed=lambda: self._catalog.add(m),
+                                                  release=release))
+
+    async def find_segments(self, seqs: Sequence[tuple[int, Sequence[bytes]]], max_bytes: int) -> tuple[list[int], list[bytes]]:
+        """Per sequence (pages the asker has, page hashes): the leading pages this store
+        holds, and the manifests of the segments holding them past what the asker has
+        (at most ``max_bytes`` of them; a sequence's match stops where they stop)."""
+        matched: list[int] = []
+        wanted: dict[bytes, None] = {}
+        runs: list[Sequence[bytes]] = []
+        for have, hashes in seqs:
+            mt = self._catalog.longest_prefix(hashes)
+            matched.append(mt.num_pages)
+            runs.append(mt.segment_ids)
+            for sid in mt.segment_ids[have:]:
+                wanted.setdefault(sid)
+        out: dict[bytes, bytes] = {}
+        total = 0
+        for sid in wanted:
+            blob = await self._catalog.manifest_bytes(sid)
+            if blob is None or total + len(blob) > max_bytes:
+                continue
+            out[sid] = blob
+            total += len(blob)
+        for s, (have, _) in enumerate(seqs):
+            ids = runs[s]
+            cut = next((j for j in range(have, len(ids)) if ids[j] not in out), len(ids))
+            matched[s] = min(matched[s], cut)
+        return matched, list(out.values())
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.stats()
+
+    async def close(self) -> None:
+        await self.store.close()

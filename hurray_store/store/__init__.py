@@ -1,0 +1,241 @@
+"""TieredStore: the tiers, the books and the index wired from one config.
+
+Two levels. The object level (``put_object``, ``get_object``, ...: ``objects.py``) moves
+keyed objects through the tiers; the LMCache adapters build on it. The prefix level
+stores batches of paged sequences as segments and hands them back re-paged::
+
+    put(pool, token_ids, block_tables)      full pages the store lacks -> segments
+      per segment: layer objects (all tiers), then the manifest: the commit point
+    lookup(spec, token_ids)                 index only: tokens retrieve can deliver
+    retrieve(pool, token_ids)               index -> manifests (verified) -> page byte
+                                            ranges (verified) -> pages of ``pool``
+
+The parts, each in its own module, imports pointing down::
+
+    TieredStore ─ SegmentWriter (writer) ─┐
+                ─ SegmentReader (reader) ─┼─ plan (pure), page_io
+                ─ ObjectStore (objects) ──┤
+                                          SegmentCatalog (catalog: index, manifests)
+                                          TierCascade (cascade: tiers, policy, ledger)
+
+Everything runs on one event loop; the index and the books are only touched between
+awaits, so concurrent puts and retrieves on one store are safe. Nothing a tier does
+(down, full, corrupt) raises into ``put``/``retrieve``: it is a miss or a skipped write,
+counted and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from hurray_store.buffers import BufferPool
+from hurray_store.config import StoreConfig, load_config
+from hurray_store.keys import GroupRecordKey, ObjectKey, SegmentKey, SegmentPart, parse_key
+from hurray_store.ledger import Ledger, TierInfo
+from hurray_store.metrics import StoreMetrics
+from hurray_store.paging import PagedKVPool
+from hurray_store.policy import Policy
+from hurray_store.spec import KVSpec
+from hurray_store.store.cascade import TierCascade
+from hurray_store.store.catalog import SegmentCatalog
+from hurray_store.store.objects import Data, ObjectStore
+from hurray_store.store.reader import SegmentReader
+from hurray_store.store.results import PutResult, RetrievedLayer, RetrieveResult
+from hurray_store.store.writer import SegmentWriter
+from hurray_store.tiers import Blob, Range, Tier, open_tier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PutResult", "RetrieveResult", "RetrievedLayer", "TieredStore", "open_store"]
+
+
+class TieredStore:
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.namespace = config.namespace
+        tiers: list[Tier] = [open_tier(t, config.namespace) for t in config.tiers]
+        self.ledger = Ledger([
+            TierInfo(t.name, getattr(c, "capacity_bytes", None), t.persistent, t.trusted, t.shared)
+            for t, c in zip(tiers, config.tiers, strict=True)
+        ])
+        self.policy = Policy(self.ledger, write_mode=config.policy.write_mode, promote_on_hit=config.policy.promote_on_hit)
+        self.metrics = StoreMetrics([t.name for t in tiers], self._gauges)
+        self.quantization = None if config.quantization == "none" else config.quantization
+        self.buffers = BufferPool()
+        self.cascade = TierCascade(tiers, self.policy, self.metrics, max_pending_bytes=config.policy.max_pending_bytes)
+        self.catalog = SegmentCatalog(config.namespace, self.cascade)
+        self.objects = ObjectStore(config.namespace, self.cascade)
+        self.writer = SegmentWriter(self.cascade, self.catalog, self.buffers, quantization=self.quantization,
+                                    max_segment_bytes=config.max_segment_bytes)
+        self.reader = SegmentReader(self.cascade, self.catalog, self.buffers)
+        self._opened = False
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return self.cascade.tiers
+
+    @property
+    def shared(self) -> bool:
+        """True when a tier is shared with other processes (a cache server): the books
+        then do not know everything the store can read."""
+        return self.cascade.shared
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self) -> TieredStore:
+        for t in self.tiers:
+            await t.open()
+        for i in range(len(self.tiers)):
+            if self.policy.scan_at_open(i):
+                await self._rebuild(i)
+        self._opened = True
+        return self
+
+    async def close(self) -> None:
+        try:
+            await self.flush()
+        finally:
+            for t in self.tiers:
+                await t.close()
+
+    async def __aenter__(self) -> TieredStore:
+        if not self._opened:
+            await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def flush(self) -> None:
+        """Wait for write-through and promotions in flight; in write-back mode, move
+        groups that only volatile tiers hold down to the first persistent tier."""
+        await self.cascade.flush()
+
+    async def _rebuild(self, tier: int) -> None:
+        """Books and index from what a persistent tier holds; what was never committed
+        (a writer killed mid-segment or mid-group) is deleted."""
+        segs: dict[SegmentKey, dict[str, int]] = {}
+        objs: dict[str, int] = {}
+        records: dict[ObjectKey, int] = {}
+        async for key, size in self.tiers[tier].scan():
+            k = parse_key(key)
+            if isinstance(k, SegmentPart) and k.segment.namespace == self.namespace:
+                segs.setdefault(k.segment, {})[key] = size
+            elif isinstance(k, ObjectKey) and k.namespace == self.namespace:
+                objs[key] = size
+            elif isinstance(k, GroupRecordKey) and k.group.namespace == self.namespace:
+                records[k.group] = size
+        orphans = await self.catalog.rebuild(tier, segs) + await self.objects.rebuild(tier, objs, records)
+        if orphans:
+            await self.tiers[tier].delete_many(orphans)
+        log.info("tier %s: removed %d uncommitted objects", self.tiers[tier].name, len(orphans))
+
+    # ------------------------------------------------------------------ prefix level
+
+    def _salt(self, salt: bytes | str | None) -> bytes:
+        s = self.config.salt if salt is None else salt
+        b = s.encode() if isinstance(s, str) else bytes(s)
+        # int8 pages are not the exact pages: keep them in a hash space of their own.
+        return b + b"\x00int8" if self.quantization else b
+
+    async def put(
+        self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int] | None = None, *, salt: bytes | str | None = None,
+    ) -> PutResult:
+        """Store the full pages of these sequences that the store does not hold yet.
+
+        ``token_ids[s]`` are the tokens whose KV sits in ``block_tables[s]``'s pages;
+        ``seq_lens[s]`` (default ``len(token_ids[s])``) of them are valid. Only full
+        pages are stored (only they can be matched). Raises PagingError for malformed
+        input; a tier failing is a skipped write, never an exception.
+        """
+        return await self.writer.put(pool, token_ids, block_tables, seq_lens, self._salt(salt))
+
+    async def lookup(self, spec: KVSpec, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> list[int]:
+        """Per sequence, the leading tokens (whole pages) ``retrieve`` can deliver now."""
+        return await self.reader.lookup(spec, token_ids, self._salt(salt))
+
+    async def retrieve(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> RetrieveResult:
+        """Re-page the longest stored prefix of each sequence into ``pool``."""
+        run = self.reader.start(pool, token_ids, self._salt(salt))
+        stream = run.layers()
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            await stream.aclose()  # its cleanup (unpin) now, not at GC
+        assert run.result is not None
+        return run.result
+
+    async def retrieve_layers(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> AsyncIterator[RetrievedLayer]:
+        """``retrieve``, one layer at a time: each item says that layer is in the pool.
+        Closing the iteration early gives every allocated page back to ``pool``."""
+        stream = self.reader.start(pool, token_ids, self._salt(salt)).layers()
+        try:
+            async for layer in stream:
+                yield layer
+        finally:
+            await stream.aclose()
+
+    # ------------------------------------------------------------------ object level
+
+    async def put_object(self, key: str, data: Data) -> bool:
+        """Store one object (the concatenation of ``data`` when it is a list); False:
+        stored nowhere."""
+        return await self.objects.put(key, data)
+
+    async def put_objects(self, items: Sequence[tuple[str, Data]]) -> bool:
+        """Store several objects as one group, the last written after the others."""
+        return await self.objects.put_many(items)
+
+    async def get_object(self, key: str) -> Blob | None:
+        return await self.objects.get(key)
+
+    async def get_object_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
+        return await self.objects.get_ranges(key, ranges)
+
+    async def read_object_into(self, key: str, ranges: Sequence[Range], buffers: Sequence[memoryview]) -> bool:
+        return await self.objects.read_into(key, ranges, buffers)
+
+    async def contains_object(self, key: str) -> bool:
+        return await self.objects.contains(key)
+
+    def has_object(self, key: str) -> bool:
+        """``contains_object`` from the books alone: true only once a get will succeed."""
+        return self.objects.has(key)
+
+    def pin_objects(self, keys: Sequence[str]) -> None:
+        self.objects.pin(keys)
+
+    def unpin_objects(self, keys: Sequence[str]) -> None:
+        self.objects.unpin(keys)
+
+    async def delete_object(self, key: str) -> None:
+        await self.objects.delete(key)
+
+    # ------------------------------------------------------------------ stats
+
+    def _gauges(self) -> dict[str, dict[str, float]]:
+        return self.cascade.gauges()
+
+    def stats(self) -> dict[str, Any]:
+        """Per tier: objects, bytes, capacity, hits, misses, bytes read and written,
+        evictions, verification failures, skipped writes, operation count and time;
+        and the index size."""
+        counters = self.metrics.snapshot()
+        gauges = self._gauges()
+        tiers = {t.name: {**gauges[t.name], **counters[t.name], "available": t.available} for t in self.tiers}
+        index = self.catalog.index
+        return {"tiers": tiers, "index_pages": len(index), "segments": len(index.segments()),
+                "pending_write_bytes": self.cascade.pending_bytes}
+
+
+async def open_store(config: str | os.PathLike[str] | Mapping[str, Any] | StoreConfig | None = None) -> TieredStore:
+    """Open a store from a YAML path, a dict, a StoreConfig, or None (the embedded
+    default: CPU memory and ./.hurray-cache on disk). Persistent tiers are scanned and
+    the index rebuilt; an unreachable Redis is a warning, not a failure."""
+    store = TieredStore(load_config(config))
+    return await store.open()

@@ -1,0 +1,371 @@
+"""TierCascade: where a group of bytes lives, and how it moves between tiers.
+
+It knows groups, keys and bytes; it knows no manifests, pools or index. Its primitives:
+
+- ``put_group``: the first tier that takes the group (``policy.place``), written whole;
+  then ``on_committed()``; then write-through to the lower tiers in the background, with
+  backpressure on the bytes queued. A tier never holds part of a group.
+- ``read`` / ``get`` / ``get_ranges`` / ``read_into`` / ``size``: from the fastest tier
+  whose books say READY, then from shared tiers the books do not name.
+- ``delete``: a key's whole group, everywhere, after the writes in flight for it land.
+- ``promote`` / ``flush``: copies up after a read, and down in write-back mode.
+- ``report_bad`` / ``missing``: a tier's bytes failed verification (quarantined) or
+  were not there (the books heal).
+
+Every group that leaves the last tier holding it is announced to the listeners
+(``subscribe``): the segment catalog drops what no tier holds any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from hurray_store.ledger import Group, Ledger
+from hurray_store.metrics import StoreMetrics
+from hurray_store.policy import Policy, Victim
+from hurray_store.tiers import Blob, Range, Reservation, Tier, blob_nbytes, host_view
+from hurray_store.tiers.base import GroupObject, ReadInto, StoredObject
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class TierCascade:
+    def __init__(self, tiers: Sequence[Tier], policy: Policy, metrics: StoreMetrics, *, max_pending_bytes: int) -> None:
+        self.tiers = list(tiers)
+        self.policy = policy
+        self.ledger: Ledger = policy.ledger
+        self.metrics = metrics
+        self.max_pending_bytes = max_pending_bytes
+        self._listeners: list[Callable[[Group], None]] = []
+        # Groups with write-throughs or promotions queued or running, and the event a
+        # delete waits on until they have landed.
+        self._flights: dict[Group, tuple[int, asyncio.Event]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.pending_bytes = 0
+        self._pending_cv = asyncio.Condition()
+
+    def subscribe(self, on_group_left: Callable[[Group], None]) -> None:
+        """``on_group_left(group)`` runs when no tier holds ``group`` any more."""
+        self._listeners.append(on_group_left)
+
+    @property
+    def shared(self) -> bool:
+        return any(t.shared for t in self.tiers)
+
+    def holds(self, group: Group) -> bool:
+        """Some tier holds the group READY, or a write of it is on its way."""
+        return bool(self.ledger.group_holders(group)) or group in self._flights
+
+    # ------------------------------------------------------------------ writes
+
+    async def put_group(
+        self, group: Group, objects: Sequence[GroupObject], *, depth: int = 0,
+        on_committed: Callable[[], None] | None = None, release: Callable[[], None] | None = None,
+    ) -> list[int]:
+        """Write ``objects`` as ``group`` to the first tier that takes them, run
+        ``on_committed()``, then write them through to the lower tiers in the
+        background.
+
+        Returns the tiers written or queued (empty: stored nowhere). ``release()`` runs
+        once no write needs the objects' bytes any more.
+        """
+        total = sum(o.nbytes for o in objects)
+        start = self.policy.place(total)
+        top = None
+        if start is not None:
+            for i in range(start, len(self.tiers)):
+                if await self._write(i, group, objects, depth):
+                    top = i
+                    break
+        if top is None:
+            log.warning("group %s (%d bytes) stored in no tier", group, total)
+            if release is not None:
+                release()
+            return []
+        if on_committed is not None:
+            on_committed()
+        targets = self.policy.write_through_targets(top)
+        if not targets:
+            if release is not None:
+                release()
+            return [top]
+        async with self._pending_cv:
+            await self._pending_cv.wait_for(
+                lambda: self.pending_bytes == 0 or self.pending_bytes + total <= self.max_pending_bytes
+            )
+            self.pending_bytes += total
+        self._take_off(group)
+        # The lower tiers read the top tier's copy when it was built in place: keep it
+        # from being evicted (and its space reused) until they have it.
+        self.ledger.pin([group])
+        self._spawn(self._write_through(group, objects, depth, targets, total, release))
+        return [top, *targets]
+
+    async def _write_through(
+        self, group: Group, objects: Sequence[GroupObject], depth: int, targets: list[int], total: int,
+        release: Callable[[], None] | None,
+    ) -> None:
+        try:
+            for i in targets:
+                await self._write(i, group, objects, depth)
+        finally:
+            self.ledger.unpin([group])
+            if release is not None:
+                release()
+            self._land(group)
+            async with self._pending_cv:
+                self.pending_bytes -= total
+                self._pending_cv.notify_all()
+
+    async def _write(self, tier: int, group: Group, objects: Sequence[GroupObject], depth: int) -> bool:
+        """Room by the policy (victims evicted or demoted), then the tier's group write.
+        The books show the group READY only once every byte is written."""
+        t = self.tiers[tier]
+        c = self.metrics.tiers[t.name]
+        if not t.ready:
+            c.skipped_writes += 1
+            return False
+        sizes = {o.key: o.nbytes for o in objects}
+        adm = self.policy.plan_write(tier, group, sizes, depth=depth)
+        if not adm.accepted:
+            c.skipped_writes += 1
+            log.info("tier %s: skipped %s: %s", t.name, group, adm.reason)
+            return False
+        ok = False
+        try:
+            await self._evict(tier, adm.victims)
+            with self.metrics.timed(t.name, "put"):
+                ok = await t.put_group(objects)
+            if ok:
+                c.bytes_written += sum(sizes.values())
+            else:
+                c.skipped_writes += 1
+            return ok
+        finally:
+            self.ledger.complete_write(tier, group, ok)
+
+    async def _evict(self, tier: int, victims: Iterable[Victim]) -> None:
+        t = self.tiers[tier]
+        for v in victims:
+            if v.demote_to is not None:
+                objs = await self._read_group(tier, v.sizes)
+                if objs is not None:
+                    await self._write(v.demote_to, v.group, objs, self.ledger.depth(v.group))
+            await t.delete_many(list(v.sizes))
+            self.metrics.tiers[t.name].evictions += len(v.sizes)
+            self._left(v.group)
+
+    async def _read_group(self, tier: int, sizes: dict[str, int] | Any) -> list[GroupObject] | None:
+        t = self.tiers[tier]
+        out: list[GroupObject] = []
+        for k, n in sizes.items():
+            got = await t.get(k)
+            if got is None or blob_nbytes(got) != n:
+                return None
+            out.append(StoredObject(k, [host_view(got)]))
+        return out
+
+    async def _copy_group(self, group: Group, src: int, targets: Sequence[int]) -> None:
+        try:
+            objs = await self._read_group(src, self.ledger.group_keys(src, group))
+            if objs is not None:
+                for i in targets:
+                    await self._write(i, group, objs, self.ledger.depth(group))
+        finally:
+            self._land(group)
+
+    def promote(self, group: Group, src: int) -> None:
+        """Copy a group read whole from ``src`` into the upper tiers the policy names,
+        in the background."""
+        targets = self.policy.promote_targets(src, group)
+        if targets:
+            self._take_off(group)
+            self._spawn(self._copy_group(group, src, targets))
+
+    async def flush(self) -> None:
+        """Wait for write-through and promotions in flight; in write-back mode, move
+        groups that only volatile tiers hold down to the first persistent tier."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        for group, src, dst in self.policy.flush_targets():
+            self._take_off(group)
+            await self._copy_group(group, src, [dst])
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _take_off(self, group: Group) -> None:
+        n, ev = self._flights.get(group, (0, asyncio.Event()))
+        self._flights[group] = (n + 1, ev)
+
+    def _land(self, group: Group) -> None:
+        n, ev = self._flights[group]
+        if n > 1:
+            self._flights[group] = (n - 1, ev)
+            return
+        del self._flights[group]
+        ev.set()
+        self._left(group)  # the put's top tier may have evicted it meanwhile
+
+    def _left(self, group: Group) -> None:
+        if not self.holds(group):
+            for fn in self._listeners:
+                fn(group)
+
+    # ------------------------------------------------------------------ reads
+
+    async def read(
+        self, key: str, op: str, read: Callable[[Tier, str], Awaitable[T | None]], nbytes: Callable[[Any], int],
+    ) -> T | None:
+        """``read`` a stored key from the fastest tier holding it READY (a tier that
+        lost it is a miss there: on to the next), then from shared tiers the books do
+        not name (other engines write to them)."""
+        holders = self.ledger.holders(key)
+        for i in holders:
+            with self.metrics.timed(self.tiers[i].name, op):
+                got = await read(self.tiers[i], key)
+            if got is None:
+                self.missing(i, key)
+                continue
+            self.hit(i, nbytes(got))
+            self.ledger.touch([self.ledger.group_of(i, key) or key])
+            return got
+        for i in self.shared_tiers(skip=holders):
+            with self.metrics.timed(self.tiers[i].name, op):
+                got = await read(self.tiers[i], key)
+            if got is not None:
+                self.hit(i, nbytes(got))
+                return got
+            self.metrics.tiers[self.tiers[i].name].misses += 1
+        return None
+
+    def shared_tiers(self, skip: Sequence[int] = ()) -> list[int]:
+        """Shared tiers a call would reach now."""
+        return [i for i, t in enumerate(self.tiers) if t.shared and t.ready and i not in skip]
+
+    async def get(self, key: str) -> Blob | None:
+        got: Blob | None = await self.read(key, "get", lambda t, k: t.get(k), blob_nbytes)
+        return got
+
+    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
+        """Views of the tier's bytes (valid while the key's group is pinned) or of
+        ``into``."""
+        return await self.read(
+            key, "get_ranges", lambda t, k: t.get_ranges(k, ranges, into), lambda parts: sum(blob_nbytes(b) for b in parts)
+        )
+
+    async def read_into(self, key: str, ranges: Sequence[Range], buffers: Sequence[memoryview]) -> bool:
+        """Fill ``buffers[i]`` with range ``i`` of ``key``; False: a miss."""
+        got = await self.get_ranges(key, ranges, list(buffers))
+        if got is None:
+            return False
+        for dst, src in zip(buffers, got, strict=True):
+            if src is not dst:  # a tier that did not read into the buffers
+                dst[:] = host_view(src)
+        return True
+
+    async def size(self, key: str) -> int | None:
+        """Size of a stored key from the books, else from a shared tier; None: absent."""
+        n = self.ledger.key_size(key)
+        if n is not None:
+            return n
+        for i in self.shared_tiers():
+            n = (await self.tiers[i].sizes([key]))[0]
+            if n is not None:
+                return n
+        return None
+
+    def hit(self, tier: int, nbytes: int) -> None:
+        c = self.metrics.tiers[self.tiers[tier].name]
+        c.hits += 1
+        c.bytes_read += nbytes
+
+    def missing(self, tier: int, key: str) -> None:
+        """A tier the books say holds ``key`` READY does not have it (expired, evicted
+        by Redis, deleted by hand): its group leaves the books there, unless the tier
+        is down (then nothing is known)."""
+        self.metrics.tiers[self.tiers[tier].name].misses += 1
+        group = self.ledger.group_of(tier, key)
+        if group is not None and not self.ledger.is_writing(tier, group) and self.tiers[tier].available:
+            self.ledger.forget(tier, group)
+            self._left(group)
+
+    def report_bad(self, tier: int, group: Group, key: str, why: str) -> None:
+        """``key`` in ``tier`` failed verification: quarantine it, delete the rest of
+        its group there, count it."""
+        t = self.tiers[tier]
+        self.metrics.tiers[t.name].verification_failures += 1
+        log.warning("tier %s: %s failed verification (%s); quarantined, treated as a miss", t.name, key, why)
+        sizes = self.ledger.forget(tier, group)
+        self._spawn(self._quarantine(tier, key, [k for k in sizes if k != key]))
+        self._left(group)
+
+    async def _quarantine(self, tier: int, key: str, others: list[str]) -> None:
+        t = self.tiers[tier]
+        await t.quarantine(key)
+        if others:
+            await t.delete_many(others)
+
+    # ------------------------------------------------------------------ the rest
+
+    async def delete(self, key: str) -> None:
+        """Delete ``key`` everywhere, with its whole group (a tier never keeps part of
+        one). Write-throughs of it still in flight land first: they would put it back."""
+        for g in {self.ledger.group_of(i, key) for i in range(len(self.tiers))} - {None}:
+            flight = self._flights.get(g)
+            if flight is not None:
+                await flight[1].wait()
+        holders = [i for i in range(len(self.tiers)) if self.ledger.group_of(i, key) is not None]
+        for i in holders:
+            group = self.ledger.group_of(i, key)
+            if group is None or self.ledger.is_writing(i, group):
+                continue
+            await self.tiers[i].delete_many(list(self.ledger.forget(i, group)) or [key])
+            self._left(group)
+        for i in self.shared_tiers(skip=holders):
+            await self.tiers[i].delete(key)
+
+    def reserve(self, sizes: Sequence[int], *, group_bytes: int | None = None) -> list[Reservation] | None:
+        """Space for new objects of ``sizes`` in the tier their group (of
+        ``group_bytes``, default their sum) would land in, to build or receive them in
+        place; None: that tier offers none. Space never published goes back with
+        ``reservation.tier.unreserve``."""
+        top = self.policy.place(sum(sizes) if group_bytes is None else group_bytes)
+        if top is None:
+            return None
+        t = self.tiers[top]
+        out: list[Reservation] = []
+        for size in sizes:
+            r = t.reserve(size)
+            if r is None:
+                for done in out:
+                    t.unreserve(done)
+                return None
+            out.append(r)
+        return out
+
+    @contextmanager
+    def pinned(self, groups: Sequence[Group]) -> Iterator[None]:
+        """Keep ``groups`` from eviction inside the block."""
+        self.ledger.pin(groups)
+        try:
+            yield
+        finally:
+            self.ledger.unpin(groups)
+
+    def gauges(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for i, t in enumerate(self.tiers):
+            cap = self.policy.tiers[i].capacity_bytes
+            out[t.name] = {
+                "objects": self.ledger.num_objects(i), "bytes": self.ledger.used_bytes(i),
+                "capacity_bytes": cap,  # type: ignore[dict-item]
+            }
+        return out

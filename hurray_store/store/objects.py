@@ -1,0 +1,131 @@
+"""ObjectStore: the object level (what the LMCache adapters build on).
+
+Keyed objects through the cascade: ``put`` (a group of one), ``put_many`` (one group:
+written together, the last after the others, evicted and deleted together), ``get``,
+``get_ranges``, ``read_into``, ``contains`` / ``has``, ``pin`` / ``unpin``, ``delete``.
+
+A group of several objects also stores its member list (``<ns>/g/<last name>``, written
+with the others, before the last), so a restart finds the group again; a group whose
+members are not all there (a writer killed mid-group) is deleted whole at restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from hurray_store.keys import ObjectKey, decode_group_record, encode_group_record
+from hurray_store.store.cascade import TierCascade
+from hurray_store.tiers import Blob, Buffer, Range
+from hurray_store.tiers.base import GroupObject, StoredObject
+
+log = logging.getLogger(__name__)
+
+Data = Buffer | Sequence[Buffer]
+
+
+def _bufs(data: Data) -> list[Buffer]:
+    return list(data) if isinstance(data, list | tuple) else [data]  # type: ignore[list-item]
+
+
+class ObjectStore:
+    def __init__(self, namespace: str, cascade: TierCascade) -> None:
+        self.namespace = namespace
+        self.cascade = cascade
+
+    def key(self, name: str) -> ObjectKey:
+        return ObjectKey(self.namespace, name)
+
+    async def put(self, name: str, data: Data) -> bool:
+        """Store one object (the concatenation of ``data`` when it is a list) in the top
+        tier that can hold it, and write-through below. False: stored nowhere."""
+        k = self.key(name)
+        return bool(await self.cascade.put_group(k, [StoredObject(k.stored, _bufs(data))]))
+
+    async def put_many(self, items: Sequence[tuple[str, Data]]) -> bool:
+        """Store several objects as one group: they enter and leave every tier together,
+        and the last one is written after all the others (make it the commit record).
+        On Redis the group is one pipeline. False: stored nowhere."""
+        if not items:
+            return True
+        if len(items) == 1:
+            return await self.put(*items[0])
+        group = self.key(items[-1][0])
+        members: list[GroupObject] = [StoredObject(self.key(n).stored, _bufs(d)) for n, d in items]
+        record = encode_group_record([(o.key, o.nbytes) for o in members])
+        return bool(await self.cascade.put_group(group, [StoredObject(group.group_record, [record]), *members]))
+
+    async def get(self, name: str) -> Blob | None:
+        return await self.cascade.get(self.key(name).stored)
+
+    async def get_ranges(self, name: str, ranges: Sequence[Range]) -> list[Blob] | None:
+        got = await self.cascade.get_ranges(self.key(name).stored, ranges)
+        # Copies: a memory tier's views are only valid until its object is evicted.
+        return None if got is None else [b.clone() if isinstance(b, torch.Tensor) else bytes(b) for b in got]
+
+    async def read_into(self, name: str, ranges: Sequence[Range], buffers: Sequence[memoryview]) -> bool:
+        """Fill ``buffers[i]`` with range ``i`` of the object, from the fastest tier
+        holding it (a disk tier reads straight into them). False: a miss."""
+        return await self.cascade.read_into(self.key(name).stored, ranges, buffers)
+
+    async def contains(self, name: str) -> bool:
+        return await self.cascade.size(self.key(name).stored) is not None
+
+    def has(self, name: str) -> bool:
+        """``contains`` from the books alone (no I/O): true only once a get of it will
+        find it, the whole group written. Safe from another thread (membership tests of
+        dicts are atomic in CPython)."""
+        return bool(self.cascade.ledger.holders(self.key(name).stored))
+
+    def pin(self, names: Sequence[str]) -> None:
+        """Keep the groups of these objects from eviction until ``unpin``."""
+        self.cascade.ledger.pin(self._groups(names))
+
+    def unpin(self, names: Sequence[str]) -> None:
+        self.cascade.ledger.unpin(self._groups(names))
+
+    def _groups(self, names: Sequence[str]) -> list[object]:
+        """The group of each named object (itself when no tier holds it)."""
+        led = self.cascade.ledger
+        out: list[object] = []
+        for n in names:
+            k = self.key(n)
+            out.append(next((g for i in range(len(self.cascade.tiers)) if (g := led.group_of(i, k.stored)) is not None), k))
+        return out
+
+    async def delete(self, name: str) -> None:
+        """Delete an object everywhere; an object stored with ``put_many`` takes its
+        whole group with it."""
+        await self.cascade.delete(self.key(name).stored)
+
+    async def rebuild(self, tier: int, objects: dict[str, int], records: dict[ObjectKey, int]) -> list[str]:
+        """Books from the object keys a restart scan found in ``tier``: each group of
+        several objects from its member list, every other object a group of one.
+        Returns the keys of incomplete groups (the caller deletes them)."""
+        t = self.cascade.tiers[tier]
+        groups = list(records)
+        blobs = await t.get_many([g.group_record for g in groups]) if groups else []
+        claimed: set[str] = set()
+        orphans: list[str] = []
+        for g, blob in zip(groups, blobs, strict=True):
+            members = None if blob is None else decode_group_record(bytes(blob) if isinstance(blob, torch.Tensor) else blob)
+            whole = members is not None and bool(members) and members[-1][0] == g.stored and all(
+                objects.get(k) == n for k, n in members
+            )
+            if not whole or members is None:
+                log.warning("tier %s: object group %s is incomplete; deleted", t.name, g.name)
+                orphans.append(g.group_record)
+                orphans += [k for k, _ in members or () if k in objects]
+                claimed.update(k for k, _ in members or ())
+                continue
+            sizes = dict(members)
+            sizes[g.group_record] = records[g]
+            self.cascade.ledger.record(tier, g, sizes)
+            claimed.update(sizes)
+        for k, n in objects.items():
+            if k not in claimed:
+                self.cascade.ledger.record(tier, ObjectKey(self.namespace, k[len(self.namespace) + 3 :]), {k: n})
+        log.info("tier %s: found %d objects", t.name, len(objects))
+        return orphans

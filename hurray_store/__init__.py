@@ -1,7 +1,9 @@
 """hurray_store: a KV-cache storage backend whose persisted unit is the Hurray
 block-paged descriptor."""
 
+from hurray_store.config import StoreConfig, load_config
 from hurray_store.errors import (
+    ConfigError,
     FormatError,
     HurrayStoreError,
     PagingError,
@@ -11,10 +13,12 @@ from hurray_store.errors import (
 from hurray_store.index import PageLocation, PrefixIndex, PrefixMatch
 from hurray_store.paging import PagedKVPool, Snapshot, restore, snapshot
 from hurray_store.spec import KVSpec
+from hurray_store.store import PutResult, RetrievedLayer, RetrieveResult, TieredStore, open_store
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConfigError",
     "FormatError",
     "HurrayStoreError",
     "KVSpec",
@@ -24,9 +28,16 @@ __all__ = [
     "PoolExhaustedError",
     "PrefixIndex",
     "PrefixMatch",
+    "PutResult",
+    "RetrieveResult",
+    "RetrievedLayer",
     "Snapshot",
     "SpecError",
+    "StoreConfig",
+    "TieredStore",
     "__version__",
+    "load_config",
+    "open_store",
     "restore",
     "snapshot",
 ]

@@ -12,8 +12,8 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from hurray_store.keys import ObjectKey
 from hurray_store import PagedKVPool, PoolExhaustedError
+from hurray_store.keys import ObjectKey
 from hurray_store.store import open_store
 from tests.conftest import RedisProc
 from tests.store_helpers import Batch, assert_pages_equal, random_pool, shared_batch, spec

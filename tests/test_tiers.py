@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from hurray_store.config import (
@@ -21,10 +22,11 @@ from hurray_store.config import (
     RedisTierConfig,
     RemoteTierConfig,
 )
-from hurray_store.tiers import Tier, blob_nbytes, host_view, open_tier
+from hurray_store.tiers import StoredObject, Tier, blob_nbytes, host_view, open_tier
 from hurray_store.tiers.redis import RedisTier
+from hurray_store.transport import Msg
 from tests.conftest import RedisProc
-from tests.server_helpers import ServerProc
+from tests.server_helpers import Raw, ServerProc
 
 _n = itertools.count()
 
@@ -92,6 +94,41 @@ class TierContract:
         assert got is not None and as_bytes(got) == b""
 
 
+class MediumContract(TierContract):
+    """Tiers with a medium outside the process (files, a Redis, a cache server): each
+    is checked against its medium, read and written around the tier."""
+
+    def raw_put(self, tier: Tier, key: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def raw_get(self, tier: Tier, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    async def test_a_put_lands_in_the_medium(self, tier: Tier) -> None:
+        parts = [b"head", os.urandom(3000), bytearray(b"tail")]
+        assert await tier.put("m/{seg}/0", parts)
+        assert self.raw_get(tier, "m/{seg}/0") == b"".join(bytes(p) for p in parts)
+
+    async def test_reads_what_the_medium_holds(self, tier: Tier) -> None:
+        data = os.urandom(4000)
+        self.raw_put(tier, "m/raw", data)
+        got = await tier.get("m/raw")
+        assert got is not None and as_bytes(got) == data
+        parts = await tier.get_ranges("m/raw", [(10, 20), (3990, 10)])
+        assert parts is not None and [as_bytes(p) for p in parts] == [data[10:30], data[3990:]]
+        assert await tier.contains("m/raw")
+
+    async def test_a_group_lands_whole_in_the_medium(self, tier: Tier) -> None:
+        objs = [StoredObject(f"grp/{{g}}/{i}", [os.urandom(500 + i)]) for i in range(3)]
+        assert await tier.put_group(objs)
+        assert [self.raw_get(tier, o.key) for o in objs] == [bytes(o.data[0]) for o in objs]
+
+    async def test_a_delete_leaves_the_medium(self, tier: Tier) -> None:
+        self.raw_put(tier, "m/gone", b"x" * 10)
+        await tier.delete("m/gone")
+        assert self.raw_get(tier, "m/gone") is None
+
+
 class TestGpuTier(TierContract):
     @pytest.fixture
     async def tier(self) -> Tier:
@@ -120,8 +157,17 @@ class TestCpuTier(TierContract):
         assert got is not None and as_bytes(got) == b"abc"
 
 
-class DiskBase(TierContract):
+class DiskBase(MediumContract):
     fsync = False
+
+    def raw_put(self, tier: Tier, key: str, data: bytes) -> None:
+        path = tier.path_of(key)  # type: ignore[attr-defined]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    def raw_get(self, tier: Tier, key: str) -> bytes | None:
+        path = tier.path_of(key)  # type: ignore[attr-defined]
+        return path.read_bytes() if path.exists() else None
 
     @pytest.fixture
     async def tier(self, tmp_path: Path) -> Tier:
@@ -168,7 +214,17 @@ class TestDiskTierFsync(DiskBase):
     fsync = True
 
 
-class RedisBase(TierContract):
+class RedisBase(MediumContract):
+    def raw_client(self, tier: Tier) -> redis.Redis | redis.RedisCluster:
+        raise NotImplementedError
+
+    def raw_put(self, tier: Tier, key: str, data: bytes) -> None:
+        self.raw_client(tier).set(tier.cfg.key_prefix + key, data)
+
+    def raw_get(self, tier: Tier, key: str) -> bytes | None:
+        got = self.raw_client(tier).get(tier.cfg.key_prefix + key)
+        return None if got is None else bytes(got)  # type: ignore[arg-type]
+
     @pytest.fixture
     async def tier(self, request: pytest.FixtureRequest) -> Tier:
         cfg = self.config(request)
@@ -189,6 +245,10 @@ class RedisBase(TierContract):
 
 
 class TestRedisTier(RedisBase):
+    def raw_client(self, tier: Tier) -> redis.Redis:
+        host, port = tier.cfg.url.split("//")[1].split("/")[0].split(":")
+        return redis.Redis(host=host, port=int(port))
+
     def config(self, request: pytest.FixtureRequest) -> RedisTierConfig:
         r: RedisProc = request.getfixturevalue("redis_server")
         return RedisTierConfig(url=r.url, name="redis", key_prefix=f"t{next(_n)}-{uuid.uuid4().hex[:6]}:")
@@ -248,6 +308,10 @@ class TestRedisTier(RedisBase):
 
 
 class TestRedisClusterTier(RedisBase):
+    def raw_client(self, tier: Tier) -> redis.RedisCluster:
+        host, port = tier.cfg.url.split("//")[1].split(",")[0].split(":")
+        return redis.RedisCluster(host=host, port=int(port))
+
     def config(self, request: pytest.FixtureRequest) -> RedisTierConfig:
         nodes: list[RedisProc] = request.getfixturevalue("redis_cluster")
         url = "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes)
@@ -307,8 +371,26 @@ def cache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     s.kill()
 
 
-class TestRemoteTier(TierContract):
-    """The remote tier against a real `hurray-store serve` process."""
+class TestRemoteTier(MediumContract):
+    """The remote tier against a real `hurray-store serve` process; its medium is the
+    server's store, reached by a plain Hurray client."""
+
+    def raw_put(self, tier: Tier, key: str, data: bytes) -> None:
+        r = self._raw(tier)
+        assert r.put(key, data)[0] == Msg.TENSOR_PUT_ACK
+        r.close()
+
+    def raw_get(self, tier: Tier, key: str) -> bytes | None:
+        r = self._raw(tier)
+        try:
+            return r.get(key)
+        finally:
+            r.close()
+
+    def _raw(self, tier: Tier) -> Raw:
+        r = Raw(int(tier.cfg.url.rsplit(":", 1)[1]))
+        r.hello("tiers")
+        return r
 
     @pytest.fixture
     async def tier(self, cache_server: ServerProc) -> Tier:
@@ -331,7 +413,9 @@ class TestRemoteTier(TierContract):
         key = "hurray/s/{00ff}/0"
         assert await tier.put(key, [b"layer bytes"])  # staged on the server
         assert not await tier.contains(key) and await tier.get(key) is None
-        assert not await tier.put("hurray/s/{00ff}/m", [b"not a manifest"]), "a bad commit is a skipped write"
+        assert not await tier.put("hurray/s/{00ff}/m", [b"a manifest"]), "a manifest is only sent by its commit"
+        group = [StoredObject(key, [b"layer bytes"]), StoredObject("hurray/s/{00ff}/m", [b"not a manifest"])]
+        assert not await tier.put_group(group), "a bad commit is a skipped write"
         assert await tier.get(key) is None
 
     async def test_wrong_token_is_an_outage_not_an_exception(self, cache_server: ServerProc, caplog: pytest.LogCaptureFixture) -> None:
@@ -351,8 +435,7 @@ class TestRemoteTier(TierContract):
         await t.close()
 
     async def test_a_namespace_other_than_the_servers_is_named(self, cache_server: ServerProc, caplog: pytest.LogCaptureFixture) -> None:
-        t = open_tier(RemoteTierConfig(url=cache_server.url, name="remote", token="tiers"))
-        t.namespace = "not-hurray"
+        t = open_tier(RemoteTierConfig(url=cache_server.url, name="remote", token="tiers"), "not-hurray")
         await t.open()
         assert "the server's namespace is 'hurray', this store's 'not-hurray'" in caplog.text
         await t.close()

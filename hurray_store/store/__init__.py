@@ -53,10 +53,15 @@ __all__ = ["PutResult", "RetrieveResult", "RetrievedLayer", "TieredStore", "open
 
 
 class TieredStore:
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None) -> None:
+        """``tiers``: tiers already built, one per ``config.tiers`` entry and in its
+        order (default: built from the config)."""
         self.config = config
         self.namespace = config.namespace
-        tiers: list[Tier] = [open_tier(t, config.namespace) for t in config.tiers]
+        if tiers is None:
+            tiers = [open_tier(t, config.namespace) for t in config.tiers]
+        elif len(tiers) != len(config.tiers):
+            raise ValueError(f"{len(tiers)} tiers for {len(config.tiers)} config entries")
         self.ledger = Ledger([
             TierInfo(t.name, getattr(c, "capacity_bytes", None), t.persistent, t.trusted, t.shared)
             for t, c in zip(tiers, config.tiers, strict=True)

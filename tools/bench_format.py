@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark of the layer codec (issue A).
+"""Benchmark of the layer codec.
 
 One layer of a realistic batch: 32 sequences x 2048 tokens, 8 kv heads x 128 dims,
 fp16, page_size 16, the first half of every sequence's pages shared by all sequences.

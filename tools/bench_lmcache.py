@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark of the LMCache integration (issue E).
+"""Benchmark of the LMCache integration.
 
 Part 1, the in-process engine's storage backends (LMCache 0.5.6, ``CreateStorageBackends``):
 the same KV chunks go through LMCache's LocalDiskBackend, its Redis RemoteBackend, and

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark of snapshot / restore and of the prefix index (issue B).
+"""Benchmark of snapshot / restore and of the prefix index.
 
 The batch of bench_format (32 sequences x 2048 tokens, 8 kv heads x 128, fp16, page 16,
 the first half of every sequence's pages shared) over 4 layers, scattered across a

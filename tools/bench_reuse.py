@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark of prefix reuse on the tiny model (issue D).
+"""Benchmark of prefix reuse on the tiny model.
 
 For the cpu, disk and redis configs: warm the cache from configs/sample_prompts.jsonl
 (warmup tokens/s), reopen the store (disk and Redis then serve from the tier, not from

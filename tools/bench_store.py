@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark of the tiered store (issue C).
+"""Benchmark of the tiered store.
 
 Put and retrieve GB/s per tier on the batch of bench_format/bench_paging (32 sequences
 x 2048 tokens, 8 kv heads x 128, fp16, page 16, half of every sequence shared; 4

@@ -20,7 +20,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -43,6 +43,8 @@ def _doc(text: str, default: Any = MISSING) -> Any:
 class GpuTierConfig:
     """Decoded layer objects as tensors on a torch device."""
 
+    kind: ClassVar[str] = "gpu"
+
     capacity_bytes: int = _doc("byte budget of the tier on the device; LRU eviction beyond it")
     name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
     device: str = _doc("torch device: cuda:0 on a GPU machine; cpu stands in for it without one", "cuda:0")
@@ -51,6 +53,8 @@ class GpuTierConfig:
 @dataclass(frozen=True, slots=True)
 class CpuTierConfig:
     """Encoded objects in host memory."""
+
+    kind: ClassVar[str] = "cpu"
 
     capacity_bytes: int = _doc("byte budget of the tier in host memory; LRU eviction beyond it")
     name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
@@ -66,6 +70,8 @@ class CpuTierConfig:
 class DiskTierConfig:
     """One file per object under ``path``, written atomically."""
 
+    kind: ClassVar[str] = "disk"
+
     path: str = _doc("root folder; relative paths resolve against the config file's folder")
     capacity_bytes: int = _doc("byte budget of the files; LRU eviction beyond it")
     name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
@@ -75,6 +81,8 @@ class DiskTierConfig:
 @dataclass(frozen=True, slots=True)
 class RedisTierConfig:
     """Redis or Redis Cluster through redis-py's asyncio clients."""
+
+    kind: ClassVar[str] = "redis"
 
     url: str = _doc(
         "redis://[:password@]host:port/db, rediss:// for TLS, or "
@@ -98,6 +106,8 @@ class RedisTierConfig:
 class RemoteTierConfig:
     """A hurray_store cache server (``hurray-store serve``), shared by many engines."""
 
+    kind: ClassVar[str] = "remote"
+
     url: str = _doc("hurray://host:port of the cache server")
     name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
     token: str = _doc("shared secret the server asks for (empty: none); HURRAY_STORE__TIERS__REMOTE__TOKEN sets it from the environment", "")
@@ -109,18 +119,24 @@ class RemoteTierConfig:
     backoff_max_s: float = _doc("longest wait between reconnect attempts", 10.0)
 
 
-TIER_CONFIGS: dict[str, type] = {
-    "gpu": GpuTierConfig,
-    "cpu": CpuTierConfig,
-    "disk": DiskTierConfig,
-    "redis": RedisTierConfig,
-    "remote": RemoteTierConfig,
-}
 TierConfig = GpuTierConfig | CpuTierConfig | DiskTierConfig | RedisTierConfig | RemoteTierConfig
+# The tier kinds, by the ``type:`` a config entry names; each tier class names its config
+# class (``tiers.register``).
+TIER_CONFIGS: dict[str, type[TierConfig]] = {
+    c.kind: c for c in (GpuTierConfig, CpuTierConfig, DiskTierConfig, RedisTierConfig, RemoteTierConfig)
+}
 
 
-def tier_type(cfg: TierConfig) -> str:
-    return next(k for k, v in TIER_CONFIGS.items() if isinstance(cfg, v))
+def parse_hurray_url(url: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``hurray://host:port`` URL; ConfigError otherwise."""
+    u = urlsplit(url)
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme != "hurray" or not u.hostname or port is None:
+        raise ConfigError(f"expected hurray://host:port, got {url!r}")
+    return u.hostname, port
 
 
 # --------------------------------------------------------------------------- store
@@ -337,17 +353,13 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
             raise ConfigError(f"{label}.name: two tiers are named {cfg.name!r}; give each a distinct name")
         names.add(cfg.name)
         if isinstance(cfg, RemoteTierConfig):
-            u = urlsplit(cfg.url)
             try:
-                port = u.port
-            except ValueError:
-                port = None
-            if u.scheme != "hurray" or not u.hostname or port is None:
-                raise ConfigError(f"{label}.url: expected hurray://host:port, got {cfg.url!r}")
-        for k in ("capacity_bytes",):
-            v = getattr(cfg, k, None)
-            if v is not None and v < 1:
-                raise ConfigError(f"{label}.{k}: expected a positive number of bytes, got {v}")
+                parse_hurray_url(cfg.url)
+            except ConfigError as e:
+                raise ConfigError(f"{label}.url: {e}") from None
+        cap = getattr(cfg, "capacity_bytes", None)
+        if cap is not None and cap < 1:
+            raise ConfigError(f"{label}.capacity_bytes: expected a positive number of bytes, got {cap}")
         out.append(cfg)
     return tuple(out)
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from hurray_store.errors import FormatError, ProtocolError, RemoteError
 from hurray_store.format import blob_descriptor, parse_blob_descriptor
+from hurray_store.format.cursor import Cursor
 
 PROTOCOL_VERSION = 1
 EXTENSION = "hurray_store/1"
@@ -106,56 +107,9 @@ def invalid(message: str, *, fatal: bool = True) -> ProtocolError:
 # --------------------------------------------------------------------------- payload codec
 
 
-class Reader:
-    """Reads fields off one payload; running short is a ProtocolError, never an
-    IndexError."""
-
-    __slots__ = ("mv", "pos")
-
-    def __init__(self, data: bytes | bytearray | memoryview) -> None:
-        self.mv = memoryview(data).cast("B")
-        self.pos = 0
-
-    def take(self, n: int) -> memoryview:
-        if n < 0 or self.pos + n > self.mv.nbytes:
-            raise invalid(f"payload ends early: {n} bytes wanted at {self.pos}, {self.mv.nbytes} present")
-        out = self.mv[self.pos : self.pos + n]
-        self.pos += n
-        return out
-
-    def u8(self) -> int:
-        return self.take(1)[0]
-
-    def u16(self) -> int:
-        return int.from_bytes(self.take(2), "little")
-
-    def u32(self) -> int:
-        return int.from_bytes(self.take(4), "little")
-
-    def u64(self) -> int:
-        return int.from_bytes(self.take(8), "little")
-
-    def string(self, limit: int = MAX_KEY_BYTES) -> str:
-        n = self.u32()
-        if n > limit:
-            raise invalid(f"string of {n} bytes; at most {limit}")
-        try:
-            return bytes(self.take(n)).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise invalid(f"string is not UTF-8: {e}") from None
-
-    def blob(self, limit: int) -> memoryview:
-        n = self.u32()
-        if n > limit:
-            raise invalid(f"field of {n} bytes; at most {limit}")
-        return self.take(n)
-
-    def rest(self) -> memoryview:
-        return self.take(self.mv.nbytes - self.pos)
-
-    def end(self) -> None:
-        if self.pos != self.mv.nbytes:
-            raise invalid(f"{self.mv.nbytes - self.pos} bytes after the last field")
+def _cursor(data: bytes | bytearray | memoryview) -> Cursor:
+    """A cursor over one payload: running short is a ProtocolError (INVALID_MESSAGE)."""
+    return Cursor(data, lambda m: invalid(f"payload: {m}"))
 
 
 def _string(s: str) -> bytes:
@@ -170,7 +124,7 @@ def key_field(key: str) -> bytes:
     return _U32.pack(len(b)) + b
 
 
-def read_key(r: Reader) -> str:
+def read_key(r: Cursor) -> str:
     key = r.string(MAX_KEY_BYTES)
     if not key or "\x00" in key:
         raise invalid("a key is a non-empty string without NUL")
@@ -202,7 +156,7 @@ class Hello:
 
     @classmethod
     def decode(cls, payload: bytes | bytearray | memoryview) -> Hello:
-        r = Reader(payload)
+        r = _cursor(payload)
         h = cls(r.u32(), r.u32(), r.u64(), [], [], [], None)
         h.layouts = _layout_list(r)
         h.devices = list(r.take(r.u16()))
@@ -213,11 +167,11 @@ class Hello:
             for _ in range(r.u16()):
                 k = r.string(256)
                 h.ext[k] = r.string(4096)
-        r.end()
+        r.done()
         return h
 
 
-def _layout_list(r: Reader) -> list[int]:
+def _layout_list(r: Cursor) -> list[int]:
     """A layout list; extension entries (0xF0-0xFE) are skipped by their length."""
     tags = []
     for _ in range(r.u16()):
@@ -244,11 +198,11 @@ class Request:
 
 
 def decode_request(payload: memoryview) -> Request:
-    r = Reader(payload)
+    r = _cursor(payload)
     key = read_key(r)
     layouts = _layout_list(r)
     device, align, flags = _REQ_TAIL.unpack(r.take(_REQ_TAIL.size))
-    r.end()
+    r.done()
     if align == 0 or align & (align - 1):
         raise invalid(f"min_alignment {align} is not a power of two", fatal=False)
     if flags & ~0x3:
@@ -269,10 +223,10 @@ def decode_descriptor(payload: memoryview, limit: int) -> int:
         n, used = parse_blob_descriptor(payload)
     except FormatError as e:
         raise invalid(f"TENSOR_DESCRIPTOR: {e}") from None
-    r = Reader(payload)
+    r = _cursor(payload)
     r.take(used)
     total, shard, shards = _DESC_TAIL.unpack(r.take(_DESC_TAIL.size))
-    r.end()
+    r.done()
     if total != n or shard != 0 or shards != 1:
         raise ProtocolError(Err.SHARD_MISMATCH, f"descriptor of {n} bytes announces {total} bytes in shard {shard}/{shards}")
     if n > limit:
@@ -286,11 +240,11 @@ def encode_put(key: str, nbytes: int) -> bytes:
 
 
 def decode_put(payload: memoryview) -> tuple[str, int]:
-    r = Reader(payload)
+    r = _cursor(payload)
     key = read_key(r)
     desc = r.blob(4096)
     total = r.u64()
-    r.end()
+    r.done()
     try:
         n, used = parse_blob_descriptor(desc)
     except FormatError as e:
@@ -305,7 +259,7 @@ def encode_error(code: int, message: str) -> bytes:
 
 
 def decode_error(payload: memoryview) -> RemoteError:
-    r = Reader(payload)
+    r = _cursor(payload)
     code = r.u32()
     msg = r.string(1 << 16)
     return RemoteError(code, msg)
@@ -316,12 +270,12 @@ def encode_keys(keys: Sequence[str]) -> bytes:
 
 
 def decode_keys(payload: memoryview, limit: int = 1 << 16) -> list[str]:
-    r = Reader(payload)
+    r = _cursor(payload)
     n = r.u32()
     if n > limit:
         raise invalid(f"{n} keys in one message; at most {limit}", fatal=False)
     keys = [read_key(r) for _ in range(n)]
-    r.end()
+    r.done()
     return keys
 
 
@@ -330,12 +284,12 @@ def encode_sizes(sizes: Sequence[int | None]) -> bytes:
 
 
 def decode_sizes(payload: memoryview) -> list[int | None]:
-    r = Reader(payload)
+    r = _cursor(payload)
     out: list[int | None] = []
     for _ in range(r.u32()):
         (v,) = struct.unpack("<q", r.take(8))
         out.append(None if v < 0 else v)
-    r.end()
+    r.done()
     return out
 
 
@@ -344,13 +298,13 @@ def encode_ranges(key: str, ranges: Sequence[tuple[int, int]]) -> bytes:
 
 
 def decode_ranges(payload: memoryview, limit: int = 1 << 20) -> tuple[str, list[tuple[int, int]]]:
-    r = Reader(payload)
+    r = _cursor(payload)
     key = read_key(r)
     n = r.u32()
     if n > limit:
         raise invalid(f"{n} ranges in one request; at most {limit}", fatal=False)
     ranges = [struct.unpack("<QQ", r.take(16)) for _ in range(n)]
-    r.end()
+    r.done()
     return key, ranges
 
 
@@ -366,7 +320,7 @@ def encode_lookup(seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool, w
 
 
 def decode_lookup(payload: memoryview, hash_len: int) -> tuple[bool, int, list[tuple[int, list[bytes]]]]:
-    r = Reader(payload)
+    r = _cursor(payload)
     flags = r.u32()
     wait_ms = r.u32()
     if flags & ~1:
@@ -376,7 +330,7 @@ def decode_lookup(payload: memoryview, hash_len: int) -> tuple[bool, int, list[t
         have, n = r.u32(), r.u32()
         raw = bytes(r.take(n * hash_len))
         seqs.append((have, [raw[i * hash_len : (i + 1) * hash_len] for i in range(n)]))
-    r.end()
+    r.done()
     return bool(flags & 1), wait_ms, seqs
 
 
@@ -388,10 +342,10 @@ def encode_lookup_reply(matched: Sequence[int], manifests: Sequence[bytes]) -> b
 
 
 def decode_lookup_reply(payload: memoryview) -> tuple[list[int], list[bytes]]:
-    r = Reader(payload)
+    r = _cursor(payload)
     matched = [r.u32() for _ in range(r.u32())]
     manifests = [bytes(r.blob(r.mv.nbytes)) for _ in range(r.u32())]
-    r.end()
+    r.done()
     return matched, manifests
 
 
@@ -400,10 +354,10 @@ def encode_commit(manifest_key: str, manifest: bytes | bytearray | memoryview) -
 
 
 def decode_commit(payload: memoryview, limit: int) -> tuple[str, memoryview]:
-    r = Reader(payload)
+    r = _cursor(payload)
     key = read_key(r)
     m = r.blob(limit)
-    r.end()
+    r.done()
     return key, m
 
 

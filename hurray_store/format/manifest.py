@@ -38,6 +38,7 @@ import numpy as np
 import xxhash
 
 from hurray_store import errors
+from hurray_store.format.cursor import Cursor
 
 MANIFEST_MAGIC = b"HSMF"
 MANIFEST_VERSION = 1
@@ -285,7 +286,7 @@ class Manifest:
         actual = checksum(mv[:end])
         if stored != actual:
             raise errors.ChecksumError(f"manifest: checksum {stored:#018x} recorded, {actual:#018x} computed")
-        r = _Reader(mv, _HEADER.size, end)
+        r = Cursor(mv, lambda m: errors.TruncatedError(f"manifest: {m}"), _HEADER.size, end)
         try:
             fingerprint = r.short_bytes()
             segment_id = r.short_bytes()
@@ -338,40 +339,5 @@ def _short_bytes(b: bytes) -> bytes:
     return struct.pack("<H", len(b)) + b
 
 
-_STRUCTS: dict[str, struct.Struct] = {}
 
 
-class _Reader:
-    """Bounds-checked cursor: every read checks the bytes remain before it allocates."""
-
-    def __init__(self, mv: memoryview, pos: int, end: int) -> None:
-        self.mv, self.pos, self.end = mv, pos, end
-
-    def take(self, n: int) -> memoryview:
-        if n < 0 or n > self.end - self.pos:
-            raise errors.TruncatedError(f"manifest: field of {n} bytes at offset {self.pos}, only {self.end - self.pos} remain")
-        out = self.mv[self.pos : self.pos + n]
-        self.pos += n
-        return out
-
-    def unpack(self, fmt: str) -> tuple:
-        s = _STRUCTS.get(fmt)
-        if s is None:
-            s = _STRUCTS[fmt] = struct.Struct(fmt)
-        return s.unpack(self.take(s.size))
-
-    def short_bytes(self) -> memoryview:
-        (n,) = self.unpack("<H")
-        return self.take(n)
-
-    def count(self, fmt: str, min_item_bytes: int) -> int:
-        """A repeat count, refused when even minimal items could not fit what remains."""
-        (n,) = self.unpack(fmt)
-        if n * min_item_bytes > self.end - self.pos:
-            raise errors.TruncatedError(f"manifest: {n} items need at least {n * min_item_bytes} bytes, {self.end - self.pos} remain")
-        return int(n)
-
-    def array(self, dtype: str, n: int) -> np.ndarray:
-        dt = np.dtype(dtype)
-        raw = self.take(n * dt.itemsize)
-        return np.frombuffer(raw, dtype=dt)

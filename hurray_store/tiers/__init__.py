@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hurray_store.config import TierConfig, tier_type
+from hurray_store.config import TierConfig
 from hurray_store.tiers.base import (
     Blob,
     Buffer,
@@ -24,7 +24,8 @@ TIER_TYPES: dict[str, type[Tier]] = {}
 
 
 def register(cls: type[Tier]) -> type[Tier]:
-    TIER_TYPES[cls.kind] = cls
+    """Make ``cls`` the tier for config entries of ``cls.config_cls``."""
+    TIER_TYPES[cls.config_cls.kind] = cls
     return cls
 
 
@@ -35,7 +36,7 @@ for _cls in (GpuTier, CpuTier, DiskTier, RemoteTier):
 def open_tier(cfg: TierConfig, namespace: str | None = None) -> Tier:
     """The tier for one config entry, for a store of ``namespace`` (not yet opened:
     ``await tier.open()``)."""
-    kind = tier_type(cfg)
+    kind = cfg.kind
     if kind == "redis" and kind not in TIER_TYPES:
         from hurray_store.tiers.redis import RedisTier  # redis-py loads only when used
 

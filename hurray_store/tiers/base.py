@@ -143,6 +143,7 @@ class Tier(ABC):
     """Base of every tier. Subclasses set ``kind`` and ``persistent`` and take their
     config dataclass and the store's namespace as constructor arguments."""
 
+    config_cls: ClassVar[Any]  # the config entry it opens from; its ``kind`` is the tier's
     kind: ClassVar[str]
     persistent: ClassVar[bool] = False
     on_device: ClassVar[bool] = False
@@ -152,6 +153,11 @@ class Tier(ABC):
     # Other processes write to it (a cache server): the store does not scan it at open
     # but asks it per request (``SharedTier.lookup_prefix``, ``sizes``) for what they added.
     shared: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if "config_cls" in cls.__dict__:
+            cls.kind = cls.config_cls.kind
 
     def __init__(self, cfg: Any, namespace: str | None = None) -> None:
         self.cfg = cfg

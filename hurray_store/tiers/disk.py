@@ -41,7 +41,7 @@ _counter = itertools.count()
 
 
 class DiskTier(Tier):
-    kind = "disk"
+    config_cls = DiskTierConfig
     persistent = True
 
     def __init__(self, cfg: DiskTierConfig, namespace: str | None = None) -> None:

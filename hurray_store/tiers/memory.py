@@ -29,7 +29,7 @@ class CpuTier(Tier):
     on first use, reused after eviction), or page-locked tensors when pinned. An object
     that does not fit the arena (fragmentation) lives in an ordinary bytes object."""
 
-    kind = "cpu"
+    config_cls = CpuTierConfig
     trusted = True
 
     def __init__(self, cfg: CpuTierConfig, namespace: str | None = None) -> None:
@@ -119,7 +119,7 @@ class CpuTier(Tier):
 
 
 class GpuTier(Tier):
-    kind = "gpu"
+    config_cls = GpuTierConfig
     on_device = True
     trusted = True
 

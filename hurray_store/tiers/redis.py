@@ -68,7 +68,7 @@ def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
 
 
 class RedisTier(ServiceTier):
-    kind = "redis"
+    config_cls = RedisTierConfig
     persistent = True
 
     def __init__(self, cfg: RedisTierConfig, namespace: str | None = None) -> None:

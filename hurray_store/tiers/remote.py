@@ -34,10 +34,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 from hurray_store import transport as tp
-from hurray_store.config import RemoteTierConfig
+from hurray_store.config import RemoteTierConfig, parse_hurray_url
 from hurray_store.errors import ConfigError, ProtocolError, RemoteError
 from hurray_store.keys import SegmentPart, parse_key
 from hurray_store.tiers.base import Blob, Buffer, GroupObject, Outage, Range, ReadInto, ServiceTier
@@ -47,13 +46,6 @@ T = TypeVar("T")
 _BYTES_PER_S = 50e6  # the slowest transfer rate a request's timeout allows for
 _MAX_FRAME = 16 << 20
 _NETWORK = (tp.ConnectionClosed, OSError, TimeoutError, ProtocolError)
-
-
-def parse_url(url: str) -> tuple[str, int]:
-    u = urlsplit(url)
-    if u.scheme != "hurray" or not u.hostname or u.port is None:
-        raise ConfigError(f"url: expected hurray://host:port, got {url!r}")
-    return u.hostname, u.port
 
 
 @dataclass(eq=False, slots=True)
@@ -167,13 +159,13 @@ class _Conn:
 
 
 class RemoteTier(ServiceTier):
-    kind = "remote"
+    config_cls = RemoteTierConfig
     persistent = True
     shared = True
 
     def __init__(self, cfg: RemoteTierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)
-        self.host, self.port = parse_url(cfg.url)
+        self.host, self.port = parse_hurray_url(cfg.url)
         if cfg.connections < 1:
             raise ConfigError("connections: expected at least 1")
         self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)

@@ -118,11 +118,6 @@ class ConfigError(HurrayStoreError, ValueError):
     dotted key (``tiers.disk.capacity_bytes``) and what was expected."""
 
 
-class TierUnavailableError(HurrayStoreError, ConnectionError):
-    """A tier's backing service cannot be reached. Tiers catch this themselves and turn
-    it into a miss or a skipped write; it never reaches the store's caller."""
-
-
 # --- network transport ------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""KVSpec: the shape of a model's KV cache, and its fingerprint (layer L0/L1)."""
+"""KVSpec: the shape of a model's KV cache, and its fingerprint."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from hurray_store.errors import SpecError
 
 SUPPORTED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+DTYPES_BY_NAME = {name: dtype for dtype, name in SUPPORTED_DTYPES.items()}
 _FINGERPRINT_TAG = b"hurray_store/kvspec/v1"
 
 

@@ -12,8 +12,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hurray_store import tokenizer
+from hurray_store.spec import DTYPES_BY_NAME
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = DTYPES_BY_NAME
 
 
 def build_tiny_model(out_dir: str, *, dtype: str = "float32", seed: int = 0, layers: int = 4) -> None:

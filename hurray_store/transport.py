@@ -17,6 +17,7 @@ call, no joining). One channel is one connection; its owner serialises writes.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import select
@@ -41,6 +42,7 @@ DATA_OFFSET = struct.Struct("<Q")
 MAX_KEY_BYTES = 1024
 LAYOUT_ROW_MAJOR = 0x01
 DEVICE_CPU = 0x00
+MAX_FRAME = 16 << 20  # largest TENSOR_DATA frame either side sends
 MEMORY_STANDARD = 0x00
 _EXT_MARK = b"HSX1"  # opens the extension data after a HELLO's spec fields
 _U32 = struct.Struct("<I")
@@ -369,17 +371,32 @@ def encode_json(obj: Any) -> bytes:
 
 
 _THREAD_BYTES = 1 << 20  # reads and writes this large run in a worker thread
-_io_pool: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
+class IOThreads:
     """Threads for large socket reads and writes: the kernel copies of several
     connections then run on several cores (``recv_into``/``sendmsg`` release the GIL),
-    where the event loop's thread would do them one at a time."""
-    global _io_pool
-    if _io_pool is None:
-        _io_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hurray-io")
-    return _io_pool
+    where the event loop's thread would do them one at a time. Started on first use;
+    ``shutdown`` (also at interpreter exit) stops them."""
+
+    def __init__(self, workers: int = 8) -> None:
+        self.workers = workers
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="hurray-io")
+            return self._executor
+
+    def shutdown(self) -> None:
+        with self._lock:
+            ex, self._executor = self._executor, None
+        if ex is not None:
+            ex.shutdown(wait=False, cancel_futures=True)
+
+
+IO_THREADS = IOThreads()
+atexit.register(IO_THREADS.shutdown)
 
 
 class ConnectionClosed(ConnectionError):
@@ -400,8 +417,6 @@ class Channel:
         self._hi = 0
         self.send_lock = asyncio.Lock()
         self.closed = False
-        self.bytes_in = 0
-        self.bytes_out = 0
 
     @classmethod
     async def connect(cls, host: str, port: int, timeout: float) -> Channel:
@@ -456,7 +471,6 @@ class Channel:
                 raise ConnectionClosed(f"connection broke: {e}") from e
             if n == 0:
                 raise ConnectionClosed("peer closed the connection")
-            self.bytes_in += n
             return n
 
     async def read_into(self, view: memoryview) -> None:
@@ -489,7 +503,7 @@ class Channel:
         thread is told to stop and awaited, so no thread touches the caller's buffer
         after this returns."""
         stop = threading.Event()
-        fut = self.loop.run_in_executor(_pool(), fn, *args, stop)
+        fut = self.loop.run_in_executor(IO_THREADS.executor(), fn, *args, stop)
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -512,7 +526,6 @@ class Channel:
             if n == 0:
                 raise ConnectionClosed("peer closed the connection")
             pos += n
-            self.bytes_in += n
 
     def _send_all(self, views: list[memoryview], stop: threading.Event) -> None:
         i = 0
@@ -526,7 +539,6 @@ class Channel:
                 continue
             except OSError as e:
                 raise ConnectionClosed(f"connection broke: {e}") from e
-            self.bytes_out += n
             i = _advance(views, i, n)
 
     async def read(self, n: int) -> bytearray:
@@ -566,7 +578,6 @@ class Channel:
                 continue
             except OSError as e:
                 raise ConnectionClosed(f"connection broke: {e}") from e
-            self.bytes_out += n
             i = _advance(views, i, n)
 
     async def send(self, kind: int, stream: int, *payload: bytes | bytearray | memoryview) -> None:

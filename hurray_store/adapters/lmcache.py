@@ -59,6 +59,36 @@ _LAYER = struct.Struct("<QQQQQQ")
 _RECORD_VERSION = 2
 
 
+class StoreThread:
+    """A store on an event loop of its own thread: LMCache calls from its threads;
+    every store call (pins included) runs on this loop."""
+
+    def __init__(self, config: Any, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self.store: TieredStore = self.call(open_store(config))
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the store's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        """Flush and close the store, then stop the loop."""
+        try:
+            self.call(self.store.close(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+
+async def _pin(store: TieredStore, keys: list[str], pin: bool) -> None:
+    (store.pin_objects if pin else store.unpin_objects)(keys)
+
+
 def layout_fingerprint(num_layers: int, num_kv_heads: int, head_size: int, chunk_size: int, dtype: torch.dtype, use_mla: bool, page_size: int) -> bytes:
     """32 bytes that change with anything that changes what a chunk's bytes mean."""
     text = f"hurray_store/lmcache-layout/v1|{num_layers}|{num_kv_heads}|{head_size}|{chunk_size}|{dtype}|{int(use_mla)}|{page_size}"
@@ -81,10 +111,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self.dtype = metadata.kv_dtype
         self.fingerprint = layout_fingerprint(num_layers, self.num_kv_heads, self.head_size, self.chunk_size, self.dtype,
                                               bool(getattr(metadata, "use_mla", False)), self.page_size)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="hurray-store-plugin", daemon=True)
-        self._thread.start()
-        self.store: TieredStore = self._call(open_store(path))
+        self._runner = StoreThread(path, "hurray-store-plugin")
+        self.store: TieredStore = self._runner.store
         self._pending: dict[CacheEngineKey, Future[None]] = {}
         self._lock = threading.Lock()
         self._pinned: set[CacheEngineKey] = set()
@@ -103,7 +131,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
     # ------------------------------------------------------------------ plumbing
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._runner.call(coro)
 
     def _base(self, key: CacheEngineKey) -> str:
         dtype = str(key.dtype).removeprefix("torch.")
@@ -168,7 +196,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
             except Exception:
                 obj.ref_count_down()
                 raise
-            fut = asyncio.run_coroutine_threadsafe(self._put(key, n, layers), self._loop)
+            fut = self._runner.submit(self._put(key, n, layers))
             with self._lock:
                 self._pending[key] = fut
 
@@ -265,7 +293,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
         n = 0
         for key in keys:
-            if not await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.store.contains_object(self._record_key(key)), self._loop)):
+            if not await asyncio.wrap_future(self._runner.submit(self.store.contains_object(self._record_key(key)))):
                 break
             if pin:
                 self.pin(key)
@@ -275,7 +303,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None) -> list[MemoryObj]:
         out = []
         for key in keys:
-            obj = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._get(key), self._loop))
+            obj = await asyncio.wrap_future(self._runner.submit(self._get(key)))
             if obj is None:
                 break
             out.append(obj)
@@ -287,14 +315,14 @@ class HurrayStoragePlugin(StoragePluginInterface):
         if not self._call(self.store.contains_object(self._record_key(key))):
             return False
         self._pinned.add(key)
-        self.store.pin_objects([self._record_key(key), *(self._layer_key(key, li) for li in range(self.num_layers))])
+        self._call(_pin(self.store, [self._record_key(key), *(self._layer_key(key, li) for li in range(self.num_layers))], True))
         return True
 
     def unpin(self, key: CacheEngineKey) -> bool:
         if key not in self._pinned:
             return False
         self._pinned.discard(key)
-        self.store.unpin_objects([self._record_key(key), *(self._layer_key(key, li) for li in range(self.num_layers))])
+        self._call(_pin(self.store, [self._record_key(key), *(self._layer_key(key, li) for li in range(self.num_layers))], False))
         return True
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
@@ -303,8 +331,10 @@ class HurrayStoragePlugin(StoragePluginInterface):
         had = self._call(self.store.contains_object(self._record_key(key)))
 
         async def drop() -> None:
-            await self.store.delete_object(self._record_key(key))  # the record first: no half chunk
-            for li in range(self.num_layers):  # (after a restart each object is its own group)
+            # The record's group is the whole chunk. A chunk stored before groups kept
+            # their member list is a group per object after a restart: its layers too.
+            await self.store.delete_object(self._record_key(key))
+            for li in range(self.num_layers):
                 await self.store.delete_object(self._layer_key(key, li))
 
         self._call(drop())
@@ -320,10 +350,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._closed = True
         try:
             self.flush()
-            self._call(self.store.close())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+            self._runner.close()
 
 
 # ---------------------------------------------------------------------- L2 adapter
@@ -384,10 +412,8 @@ class HurrayL2Adapter(L2AdapterInterface):
         self._looked: dict[L2TaskId, Bitmap] = {}
         self._loaded: dict[L2TaskId, Bitmap] = {}
         self._locks: dict[str, int] = {}
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="hurray-store-l2", daemon=True)
-        self._thread.start()
-        self.store: TieredStore = asyncio.run_coroutine_threadsafe(open_store(cfg.config), self._loop).result()
+        self._runner = StoreThread(cfg.config, "hurray-store-l2")
+        self.store: TieredStore = self._runner.store
 
     # ------------------------------------------------------------------ plumbing
 
@@ -402,7 +428,7 @@ class HurrayL2Adapter(L2AdapterInterface):
             return self._next
 
     def _submit(self, coro: Coroutine[Any, Any, None]) -> None:
-        asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._runner.submit(coro)
 
     def get_store_event_fd(self) -> int:
         return int(self._store_efd.fileno())
@@ -430,11 +456,9 @@ class HurrayL2Adapter(L2AdapterInterface):
                 k = self._key(key)
                 if await self.store.contains_object(k + "/r"):
                     continue
-                if not await self.store.put_object(k, [data]):
-                    ok = False
-                    continue
                 rec = _L2_RECORD.pack(b"HSL2", 1, len(data), checksum(data))
-                if not await self.store.put_object(k + "/r", [rec]):
+                # One group, the record last: never a record without its object.
+                if not await self.store.put_objects([(k, [data]), (k + "/r", [rec])]):
                     ok = False
                     continue
                 total += len(data)
@@ -490,7 +514,7 @@ class HurrayL2Adapter(L2AdapterInterface):
                 else:
                     self._locks[k] = n - 1
 
-        self._loop.call_soon_threadsafe(unlock)
+        self._runner.loop.call_soon_threadsafe(unlock)
 
     # ------------------------------------------------------------------ load
 
@@ -545,13 +569,13 @@ class HurrayL2Adapter(L2AdapterInterface):
                 raw = await self.store.get_object(k + "/r")
                 if raw is None:
                     continue
-                await self.store.delete_object(k + "/r")
-                await self.store.delete_object(k)
+                await self.store.delete_object(k + "/r")  # its group: the object too
+                await self.store.delete_object(k)  # stored before groups kept their members
                 gone.append(key)
                 sizes.append(_L2_RECORD.unpack(host_view(raw))[2] if len(raw) == _L2_RECORD.size else 0)
             return gone, sizes
 
-        gone, sizes = asyncio.run_coroutine_threadsafe(drop(), self._loop).result()
+        gone, sizes = self._runner.call(drop())
         if gone:
             self._notify_keys_deleted(gone, sizes)
 
@@ -561,9 +585,7 @@ class HurrayL2Adapter(L2AdapterInterface):
 
     def close(self) -> None:
         try:
-            asyncio.run_coroutine_threadsafe(self.store.close(), self._loop).result(timeout=30)
+            self._runner.close()
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
             for efd in (self._store_efd, self._lookup_efd, self._load_efd):
                 efd.close()

@@ -47,12 +47,9 @@ import numpy as np
 import torch
 
 from hurray_store import errors
+from hurray_store.spec import SUPPORTED_DTYPES
 
 log = logging.getLogger(__name__)
-
-# torch warns when it wraps an immutable buffer (bytes). Decoded layers over immutable
-# input are read-only by contract (documented on decode_layer), so the warning is noise.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 MAGIC = b"HRRY"
 READER_VERSION_MAJOR = 1
@@ -61,11 +58,7 @@ FIXED_HEADER_LEN = 20
 UINT32_MAX = 0xFFFFFFFF
 QUANTIZATIONS = (None, "int8")
 
-_TORCH_TO_HURRAY = {
-    torch.float16: hurray.float16,
-    torch.bfloat16: hurray.bfloat16,
-    torch.float32: hurray.float32,
-}
+_TORCH_TO_HURRAY = {dtype: getattr(hurray, name) for dtype, name in SUPPORTED_DTYPES.items()}
 _HURRAY_TO_TORCH = {h.name: t for t, h in _TORCH_TO_HURRAY.items()}
 _INDEX_NP: dict[str, np.dtype] = {"uint32": np.dtype("<u4"), "uint64": np.dtype("<u8")}
 
@@ -269,7 +262,9 @@ def _elem_size(hdtype_name: str) -> int:
     return {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}[hdtype_name]
 
 
-_warned_slow = False
+@functools.cache
+def _warn_slow_path() -> None:
+    log.warning("descriptor template did not round-trip through pyhurray; using the slow path")
 
 
 def _descriptor(
@@ -288,7 +283,6 @@ def _descriptor(
     sizes: Sequence[int],
 ) -> bytes:
     """Descriptor bytes for one role, exactly as pyhurray writes them."""
-    global _warned_slow
     if all(sizes):
         tmpl, nbuf = _template(hdtype_name, heads, dim, page_size, role, layer, index_type, scale_dtype_name)
         out = bytearray(tmpl)
@@ -314,9 +308,7 @@ def _descriptor(
             and nbuf == len(sizes)
         ):
             return desc
-        if not _warned_slow:
-            _warned_slow = True
-            log.warning("descriptor template did not round-trip through pyhurray; using the slow path")
+        _warn_slow_path()
     # Slow path (empty buffers, or a pyhurray whose encoding moved): let pyhurray build
     # the descriptor from placeholder buffers of the right sizes.
     idx = _INDEX_NP[index_type]
@@ -785,7 +777,11 @@ def _view(mv: memoryview, off: int, nbytes: int, dtype: torch.dtype) -> torch.Te
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
     esz = dtype.itemsize
-    return torch.frombuffer(mv, dtype=dtype, count=nbytes // esz, offset=off)
+    with warnings.catch_warnings():
+        # torch warns when it wraps an immutable buffer (bytes). Decoded layers over
+        # immutable input are read-only by contract (decode_layer says so): noise here.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return torch.frombuffer(mv, dtype=dtype, count=nbytes // esz, offset=off)
 
 
 def _pool(mv: memoryview, p: ParsedTensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -20,8 +20,6 @@ import hurray
 
 from hurray_store.errors import DescriptorError, FormatError
 
-ROW_MAJOR_TAG = 0x01
-DEVICE_CPU = 0x00
 # Offsets in a rank-1 row-major descriptor (metadata.md): 20 shape[0] u64 | 28
 # byte_offset u64 | 36 buffer_count u8 | 37 handle 0 (byte_size u64 first).
 _OFF_SHAPE0 = 20

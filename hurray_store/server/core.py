@@ -51,13 +51,11 @@ from hurray_store.keys import HASH_LEN, SegmentKey
 from hurray_store.server.backing import ServedKey, ServedStore
 from hurray_store.server.http import HealthEndpoint
 from hurray_store.store import TieredStore
-from hurray_store.tiers import host_view
+from hurray_store.tiers import host_view, transfer_timeout_s
 from hurray_store.transport import Err, Msg
 
 log = logging.getLogger(__name__)
-_MAX_FRAME = 16 << 20
 _HELLO_LIMIT = 64 << 10
-_BYTES_PER_S = 50e6  # the slowest client a send's timeout allows for
 # Messages a client may send; the rest flow server -> client only.
 _CLIENT_SENDS = {
     Msg.TENSOR_REQUEST, Msg.TENSOR_DATA, Msg.TENSOR_DATA_END, Msg.TENSOR_PUT, Msg.ERROR, Msg.PING, Msg.PONG,
@@ -449,7 +447,7 @@ class Session:
             return False
         self.ext = hello.ext is not None and tp.EXTENSION in hello.ext.get("extensions", "").split(",")
         self.client_max = max(4096, hello.max_message_size)
-        self.frame = min(self.client_max, _MAX_FRAME)
+        self.frame = min(self.client_max, tp.MAX_FRAME)
         ext = None
         if hello.ext is not None:
             ext = {"extensions": tp.EXTENSION, "server": "hurray_store", "namespace": self.server.store.namespace,
@@ -503,7 +501,7 @@ class Session:
             raise ProtocolError(Err.INVALID_MESSAGE, f"a second TENSOR_PUT on stream {sid}")
         key, n = tp.decode_put(payload)  # a bad descriptor is fatal: its frames cannot be told from what follows
         self.server.metrics.requests.labels("TENSOR_PUT").inc()
-        put = _Put(key, None, n, deadline=time.monotonic() + self.cfg.request_timeout_s + n / _BYTES_PER_S)
+        put = _Put(key, None, n, deadline=time.monotonic() + transfer_timeout_s(self.cfg.request_timeout_s, n))
         self.puts[sid] = put
         if n > self.cfg.max_object_bytes:
             await self._error(sid, Err.MESSAGE_TOO_LARGE, f"an object of {n} bytes; this server takes at most {self.cfg.max_object_bytes}")
@@ -617,7 +615,7 @@ class Session:
             nbytes = sum(v.nbytes for v in views)
             # A client that stops reading cannot hold the object pinned (and the
             # connection) forever: past the timeout its connection is cut.
-            async with self.ch.send_lock, asyncio.timeout(self.cfg.request_timeout_s + nbytes / _BYTES_PER_S):
+            async with self.ch.send_lock, asyncio.timeout(transfer_timeout_s(self.cfg.request_timeout_s, nbytes)):
                 await self.ch.send_object(sid, views, self.frame)
             self.server.metrics.bytes_out.inc(sum(v.nbytes for v in views))
         finally:
@@ -690,7 +688,7 @@ class Session:
 
     async def _reply(self, sid: int, kind: Msg, payload: bytes) -> None:
         assert self.ch is not None
-        async with self.ch.send_lock, asyncio.timeout(self.cfg.request_timeout_s + len(payload) / _BYTES_PER_S):
+        async with self.ch.send_lock, asyncio.timeout(transfer_timeout_s(self.cfg.request_timeout_s, len(payload))):
             await self.ch.send(kind, sid, payload)
 
 

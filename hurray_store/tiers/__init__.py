@@ -15,6 +15,7 @@ from hurray_store.tiers.base import (
     Tier,
     blob_nbytes,
     host_view,
+    transfer_timeout_s,
 )
 from hurray_store.tiers.disk import DiskTier
 from hurray_store.tiers.memory import CpuTier, GpuTier
@@ -46,5 +47,5 @@ def open_tier(cfg: TierConfig, namespace: str | None = None) -> Tier:
 
 __all__ = [
     "TIER_TYPES", "Blob", "Buffer", "GroupObject", "Range", "ReadInto", "Reservation", "SharedTier", "StoredObject",
-    "Tier", "blob_nbytes", "host_view", "open_tier", "register",
+    "Tier", "blob_nbytes", "host_view", "open_tier", "register", "transfer_timeout_s",
 ]

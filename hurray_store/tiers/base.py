@@ -39,6 +39,15 @@ Range = tuple[int, int]  # (offset, length)
 ReadInto = bytearray | memoryview | list[memoryview] | None
 
 
+# The slowest transfer rate an operation's timeout allows for: a timeout grows by one
+# second per 50 MB moved.
+TRANSFER_BYTES_PER_S = 50e6
+
+
+def transfer_timeout_s(base_s: float, nbytes: int) -> float:
+    return base_s + nbytes / TRANSFER_BYTES_PER_S
+
+
 def blob_nbytes(b: Blob) -> int:
     if isinstance(b, torch.Tensor):
         return b.numel() * b.element_size()

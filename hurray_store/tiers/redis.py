@@ -35,11 +35,19 @@ from redis.retry import Retry
 
 from hurray_store.config import RedisTierConfig
 from hurray_store.errors import ConfigError
-from hurray_store.tiers.base import Blob, Buffer, GroupObject, Outage, Range, ReadInto, ServiceTier
+from hurray_store.tiers.base import (
+    Blob,
+    Buffer,
+    GroupObject,
+    Outage,
+    Range,
+    ReadInto,
+    ServiceTier,
+    transfer_timeout_s,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_BYTES_PER_S = 50e6  # the slowest transfer rate an operation's timeout allows for
 _PIPE_BYTES = 64 << 20  # values per pipeline round trip, at most (bounds client memory)
 _OUTAGE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ClusterDownError, RedisClusterException, OSError, TimeoutError)
 
@@ -101,10 +109,6 @@ class RedisTier(ServiceTier):
         self._slots = asyncio.Semaphore(cfg.max_connections)
         self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)
 
-    @property
-    def outages(self) -> int:
-        return self.outage.count
-
     def k(self, key: str) -> str:
         return self.prefix + key
 
@@ -116,7 +120,7 @@ class RedisTier(ServiceTier):
         if not self.outage.ready:
             return default
         try:
-            async with self._slots, asyncio.timeout(self.cfg.timeout_s + nbytes / _BYTES_PER_S):
+            async with self._slots, asyncio.timeout(transfer_timeout_s(self.cfg.timeout_s, nbytes)):
                 result = await call()
         except _OUTAGE as e:
             self.outage.down(what, e)

@@ -39,12 +39,19 @@ from hurray_store import transport as tp
 from hurray_store.config import RemoteTierConfig, parse_hurray_url
 from hurray_store.errors import ConfigError, ProtocolError, RemoteError
 from hurray_store.keys import SegmentPart, parse_key
-from hurray_store.tiers.base import Blob, Buffer, GroupObject, Outage, Range, ReadInto, ServiceTier
+from hurray_store.tiers.base import (
+    Blob,
+    Buffer,
+    GroupObject,
+    Outage,
+    Range,
+    ReadInto,
+    ServiceTier,
+    transfer_timeout_s,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_BYTES_PER_S = 50e6  # the slowest transfer rate a request's timeout allows for
-_MAX_FRAME = 16 << 20
 _NETWORK = (tp.ConnectionClosed, OSError, TimeoutError, ProtocolError)
 
 
@@ -99,7 +106,7 @@ class _Conn:
         self.pending: dict[int, _Call] = {}
         self.next_sid = 1
         self.dead = False
-        self.frame = max(4096, min(hello.max_message_size, _MAX_FRAME))
+        self.frame = max(4096, min(hello.max_message_size, tp.MAX_FRAME))
         self.reader = asyncio.ensure_future(self._read_loop())
 
     def start(self, sink: list[memoryview] | None = None) -> tuple[int, _Call]:
@@ -236,7 +243,7 @@ class RemoteTier(ServiceTier):
         conn: _Conn | None = None
         sid = 0
         try:
-            async with asyncio.timeout(self.cfg.timeout_s + nbytes / _BYTES_PER_S):
+            async with asyncio.timeout(transfer_timeout_s(self.cfg.timeout_s, nbytes)):
                 conn = await self._conn()
                 sid, call = conn.start(sink)
                 async with conn.ch.send_lock:

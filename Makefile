@@ -37,6 +37,7 @@ test: setup redis
 
 lint: setup
 	$(VENV)/bin/ruff check hurray_store tests tools
+	$(VENV)/bin/ruff format --check hurray_store tests tools
 	$(VENV)/bin/mypy
 
 bench: setup redis

@@ -19,7 +19,12 @@ from hurray_store.format.manifest import MANIFEST_MAGIC
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(c) for c in r] for r in [headers, *rows]]
     w = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    fmt = lambda r: "  ".join(c.rjust(wi) if i else c.ljust(wi) for i, (c, wi) in enumerate(zip(r, w, strict=True)))  # noqa: E731
+
+    def fmt(r: Sequence[str]) -> str:
+        return "  ".join(
+            c.rjust(wi) if i else c.ljust(wi) for i, (c, wi) in enumerate(zip(r, w, strict=True))
+        )
+
     return "\n".join([fmt(cells[0]), fmt(["-" * x for x in w]), *(fmt(r) for r in cells[1:])])
 
 
@@ -75,12 +80,16 @@ def _inspect_manifest(m: Manifest) -> str:
     ]
     for i, s in enumerate(m.sequences):
         out.append(
-            f"    seq {i}: {s.seq_len} tokens, stores pages {s.first_page}..{s.first_page + len(s.block_table) - 1}"
+            f"    seq {i}: {s.seq_len} tokens, stores pages "
+            f"{s.first_page}..{s.first_page + len(s.block_table) - 1}"
             f" as segment pages {list(s.block_table)[:8]}{'...' if len(s.block_table) > 8 else ''}"
         )
     out.append(f"  layers         {len(m.layers)}")
     for lay in m.layers:
-        out.append(f"    layer {lay.layer_index}: key {lay.key!r}, {lay.object_size} bytes, checksum {lay.object_checksum:016x}")
+        out.append(
+            f"    layer {lay.layer_index}: key {lay.key!r}, {lay.object_size} bytes, "
+            f"checksum {lay.object_checksum:016x}"
+        )
     return "\n".join(out)
 
 
@@ -109,7 +118,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     total_bytes = 0
     t_enc = t_dec = 0.0
     for li in range(args.layers):
-        layer = shared_prefix_layer(seqs=args.seqs, tokens=args.tokens, heads=args.heads, dim=args.dim, page_size=args.page_size, layer_index=li)
+        layer = shared_prefix_layer(
+            seqs=args.seqs,
+            tokens=args.tokens,
+            heads=args.heads,
+            dim=args.dim,
+            page_size=args.page_size,
+            layer_index=li,
+        )
         t0 = time.perf_counter()
         obj = encode_layer(layer)
         t1 = time.perf_counter()
@@ -127,14 +143,53 @@ def cmd_demo(args: argparse.Namespace) -> int:
         t_enc += t1 - t0
         t_dec += t2 - t1
         total_bytes += len(obj)
-        rows.append([li, layer.num_seqs, int(layer.block_table.numel()), layer.num_pages, f"{len(obj) / 2**20:.1f}",
-                     f"{len(obj) / (t1 - t0) / 1e9:.2f}", f"{len(obj) / (t2 - t1) / 1e9:.1f}", "ok"])
-    print(f"hurray_store demo: {args.layers} layers, {args.seqs} sequences x {args.tokens} tokens, "
-          f"half of every sequence's pages shared\n")
-    print(_table(["layer", "sequences", "pages referenced", "distinct pages stored", "MiB", "encode GB/s", "decode GB/s", "check"], rows))
-    per_seq = args.seqs * (-(-args.tokens // args.page_size)) * args.page_size * args.heads * args.dim * 2 * 2 * args.layers
-    print(f"\nstored {total_bytes / 2**20:.1f} MiB; a per-sequence copy would take {per_seq / 2**20:.1f} MiB "
-          f"({per_seq / total_bytes:.2f}x); encode {total_bytes / t_enc / 1e9:.2f} GB/s, decode {total_bytes / t_dec / 1e9:.1f} GB/s")
+        rows.append(
+            [
+                li,
+                layer.num_seqs,
+                int(layer.block_table.numel()),
+                layer.num_pages,
+                f"{len(obj) / 2**20:.1f}",
+                f"{len(obj) / (t1 - t0) / 1e9:.2f}",
+                f"{len(obj) / (t2 - t1) / 1e9:.1f}",
+                "ok",
+            ]
+        )
+    print(
+        f"hurray_store demo: {args.layers} layers, {args.seqs} sequences x {args.tokens} tokens, "
+        f"half of every sequence's pages shared\n"
+    )
+    print(
+        _table(
+            [
+                "layer",
+                "sequences",
+                "pages referenced",
+                "distinct pages stored",
+                "MiB",
+                "encode GB/s",
+                "decode GB/s",
+                "check",
+            ],
+            rows,
+        )
+    )
+    per_seq = (
+        args.seqs
+        * (-(-args.tokens // args.page_size))
+        * args.page_size
+        * args.heads
+        * args.dim
+        * 2
+        * 2
+        * args.layers
+    )
+    print(
+        f"\nstored {total_bytes / 2**20:.1f} MiB; a per-sequence copy would take "
+        f"{per_seq / 2**20:.1f} MiB "
+        f"({per_seq / total_bytes:.2f}x); encode {total_bytes / t_enc / 1e9:.2f} GB/s, "
+        f"decode {total_bytes / t_dec / 1e9:.1f} GB/s"
+    )
     return 0
 
 
@@ -157,7 +212,10 @@ def _read_corpus(path: str, model: Any, strict: bool) -> list[list[int]] | None:
 
     prompts, bad = read_prompts(path, vocab_size=int(model.config.vocab_size))
     for e in bad:
-        print(f"{path}:{e.line}: {e.reason}; {'aborting (--strict)' if strict else 'skipped'}", file=sys.stderr)
+        print(
+            f"{path}:{e.line}: {e.reason}; {'aborting (--strict)' if strict else 'skipped'}",
+            file=sys.stderr,
+        )
     if bad and strict:
         return None
     return prompts
@@ -171,7 +229,9 @@ def _pool_for(spec: Any, prompts: Sequence[Sequence[int]], batch_size: int) -> A
     return PagedKVPool(spec, pages * (2 * batch_size + 4))
 
 
-async def _warmup(args: argparse.Namespace, model: Any, prompts: list[list[int]], store: Any) -> Any:
+async def _warmup(
+    args: argparse.Namespace, model: Any, prompts: list[list[int]], store: Any
+) -> Any:
     from tqdm import tqdm
 
     from hurray_store.adapters.transformers import spec_for_model
@@ -185,20 +245,28 @@ async def _warmup(args: argparse.Namespace, model: Any, prompts: list[list[int]]
     def progress(done: int, tokens: int, r: Any) -> None:
         bar.n = done
         dt = max(time.perf_counter() - t0, 1e-9)
-        bar.set_postfix_str(f"{tokens / dt:,.0f} tok/s, {sum(r.bytes_per_tier.values()) / 2**20:,.1f} MiB written")
+        bar.set_postfix_str(
+            f"{tokens / dt:,.0f} tok/s, {sum(r.bytes_per_tier.values()) / 2**20:,.1f} MiB written"
+        )
         bar.refresh()
 
     try:
-        return await warmup(model, store, pool, prompts, batch_size=args.batch_size, progress=progress)
+        return await warmup(
+            model, store, pool, prompts, batch_size=args.batch_size, progress=progress
+        )
     finally:
         bar.close()
 
 
 def _print_warmup(res: Any) -> None:
     rows = [
-        ["prompts", res.prompts], ["tokens", res.tokens], ["tokens computed", res.tokens_computed],
-        ["prompts skipped (all pages stored)", res.prompts_skipped], ["pages referenced", res.pages_referenced],
-        ["pages written", res.pages_written], ["pages already stored", res.pages_already_stored],
+        ["prompts", res.prompts],
+        ["tokens", res.tokens],
+        ["tokens computed", res.tokens_computed],
+        ["prompts skipped (all pages stored)", res.prompts_skipped],
+        ["pages referenced", res.pages_referenced],
+        ["pages written", res.pages_written],
+        ["pages already stored", res.pages_already_stored],
         *([[f"bytes to tier {k}", f"{v / 2**20:.1f} MiB"] for k, v in res.bytes_per_tier.items()]),
         ["time", f"{res.seconds:.1f} s"],
     ]
@@ -224,7 +292,10 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     try:
         res = asyncio.run(run())
     except KeyboardInterrupt:
-        print("interrupted: the cache holds the segments committed so far; run warmup again to go on", file=sys.stderr)
+        print(
+            "interrupted: the cache holds the segments committed so far; run warmup again to go on",
+            file=sys.stderr,
+        )
         return 130
     _print_warmup(res)
     return 0
@@ -268,12 +339,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
         ["prefix hit rate (tokens reused / prompt tokens)", f"{reused / max(tokens, 1):.1%}"],
         ["prefill tokens skipped", f"{reused} of {tokens}"],
         ["time to first token, median, without the cache", f"{cold * 1e3:.1f} ms"],
-        ["time to first token, median, with the cache", f"{hot * 1e3:.1f} ms ({cold / hot:.1f}x faster)"],
+        [
+            "time to first token, median, with the cache",
+            f"{hot * 1e3:.1f} ms ({cold / hot:.1f}x faster)",
+        ],
         ["largest next-token logit difference", f"{max(r.max_abs_diff for r in rows):.2e}"],
         ["bytes stored (largest tier)", f"{stored / 2**20:.1f} MiB"],
     ]
     if per_seq:
-        out.append(["bytes a per-sequence store would need", f"{per_seq / 2**20:.1f} MiB ({per_seq / max(stored, 1):.1f}x)"])
+        out.append(
+            [
+                "bytes a per-sequence store would need",
+                f"{per_seq / 2**20:.1f} MiB ({per_seq / max(stored, 1):.1f}x)",
+            ]
+        )
     print(_table(["replay", "value"], out))
     return 0
 
@@ -291,16 +370,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hurray_store.server import serve
     from hurray_store.store import TieredStore
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         cfg = load_config(args.config)
         store = TieredStore(cfg)
     except ConfigError as e:
         print(f"hurray-store serve: {e}", file=sys.stderr)
         return 2
-    metrics_port = -1 if args.metrics_port is None else (None if args.metrics_port < 0 else args.metrics_port)
+    metrics_port = (
+        -1 if args.metrics_port is None else (None if args.metrics_port < 0 else args.metrics_port)
+    )
     try:
-        asyncio.run(serve(store, cfg.server, host=args.host, port=args.port, metrics_port=metrics_port))
+        asyncio.run(
+            serve(store, cfg.server, host=args.host, port=args.port, metrics_port=metrics_port)
+        )
     except OSError as e:  # the port is taken, the address is not ours
         print(f"hurray-store serve: cannot listen: {e}", file=sys.stderr)
         return 1
@@ -316,7 +402,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from hurray_store.tiers.remote import RemoteTier
 
     async def get() -> dict[str, Any] | None:
-        t = RemoteTier(RemoteTierConfig(url=args.url, name="remote", token=args.token or "", backoff_initial_s=0.0))
+        t = RemoteTier(
+            RemoteTierConfig(
+                url=args.url, name="remote", token=args.token or "", backoff_initial_s=0.0
+            )
+        )
         try:
             return await t.server_stats()
         finally:
@@ -331,28 +421,47 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="store config (YAML); default: the embedded default")
+    p.add_argument(
+        "--config", default=None, help="store config (YAML); default: the embedded default"
+    )
     p.add_argument("--model", required=True, help="a model directory (save_pretrained)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None, help="default: the model's own")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="default: the model's own",
+    )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--strict", action="store_true", help="abort on a bad corpus line instead of skipping it")
+    p.add_argument(
+        "--strict", action="store_true", help="abort on a bad corpus line instead of skipping it"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hurray-store", description="KV-cache storage on Hurray block-paged descriptors")
+    p = argparse.ArgumentParser(
+        prog="hurray-store", description="KV-cache storage on Hurray block-paged descriptors"
+    )
     sub = p.add_subparsers(dest="command", required=True)
     w = sub.add_parser("warmup", help="prefill a prompt corpus with a model and fill the cache")
     _model_args(w)
-    w.add_argument("--prompts", required=True, help='JSONL: {"text": ...} or {"token_ids": [...]} per line')
+    w.add_argument(
+        "--prompts", required=True, help='JSONL: {"text": ...} or {"token_ids": [...]} per line'
+    )
     w.set_defaults(func=cmd_warmup)
-    r = sub.add_parser("replay", help="replay requests against the cache: hit rate and time to first token")
+    r = sub.add_parser(
+        "replay", help="replay requests against the cache: hit rate and time to first token"
+    )
     _model_args(r)
     r.add_argument("--prompts", required=True, help="JSONL requests to replay")
-    r.add_argument("--warmup-prompts", default=None, help="JSONL corpus to warm the cache with first")
+    r.add_argument(
+        "--warmup-prompts", default=None, help="JSONL corpus to warm the cache with first"
+    )
     r.set_defaults(func=cmd_replay)
-    d = sub.add_parser("codec-demo", help="encode, decode and check a synthetic batch with shared prefixes")
+    d = sub.add_parser(
+        "codec-demo", help="encode, decode and check a synthetic batch with shared prefixes"
+    )
     d.add_argument("--layers", type=int, default=4)
     d.add_argument("--seqs", type=int, default=16)
     d.add_argument("--tokens", type=int, default=2048)
@@ -360,18 +469,33 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dim", type=int, default=128)
     d.add_argument("--page-size", type=int, default=16)
     d.set_defaults(func=cmd_demo)
-    sv = sub.add_parser("serve", help="run the cache server (Hurray network transport) on a config's tiers")
-    sv.add_argument("--config", default=None, help="store config with a server: section (default: the embedded default)")
+    sv = sub.add_parser(
+        "serve", help="run the cache server (Hurray network transport) on a config's tiers"
+    )
+    sv.add_argument(
+        "--config",
+        default=None,
+        help="store config with a server: section (default: the embedded default)",
+    )
     sv.add_argument("--host", default=None, help="address to listen on (default: server.host)")
-    sv.add_argument("--port", type=int, default=None, help="port (default: server.port; 0 picks a free one)")
-    sv.add_argument("--metrics-port", type=int, default=None, help="HTTP port for /metrics and health (default: server.metrics_port; -1: none)")
+    sv.add_argument(
+        "--port", type=int, default=None, help="port (default: server.port; 0 picks a free one)"
+    )
+    sv.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="HTTP port for /metrics and health (default: server.metrics_port; -1: none)",
+    )
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=cmd_serve)
     st = sub.add_parser("stats", help="print a running cache server's stats as JSON")
     st.add_argument("--url", default="hurray://127.0.0.1:9470")
     st.add_argument("--token", default=None, help="the server's token, if it asks for one")
     st.set_defaults(func=cmd_stats)
-    i = sub.add_parser("inspect", help="print every descriptor field of a layer object or a manifest")
+    i = sub.add_parser(
+        "inspect", help="print every descriptor field of a layer object or a manifest"
+    )
     i.add_argument("path")
     i.set_defaults(func=cmd_inspect)
     return p

@@ -47,7 +47,9 @@ class GpuTierConfig:
 
     capacity_bytes: int = _doc("byte budget of the tier on the device; LRU eviction beyond it")
     name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
-    device: str = _doc("torch device: cuda:0 on a GPU machine; cpu stands in for it without one", "cuda:0")
+    device: str = _doc(
+        "torch device: cuda:0 on a GPU machine; cpu stands in for it without one", "cuda:0"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +77,9 @@ class DiskTierConfig:
     path: str = _doc("root folder; relative paths resolve against the config file's folder")
     capacity_bytes: int = _doc("byte budget of the files; LRU eviction beyond it")
     name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
-    fsync: bool = _doc("fsync each file (and its folder) before the rename that publishes it", False)
+    fsync: bool = _doc(
+        "fsync each file (and its folder) before the rename that publishes it", False
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +114,22 @@ class RemoteTierConfig:
 
     url: str = _doc("hurray://host:port of the cache server")
     name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
-    token: str = _doc("shared secret the server asks for (empty: none); HURRAY_STORE__TIERS__REMOTE__TOKEN sets it from the environment", "")
+    token: str = _doc(
+        "shared secret the server asks for (empty: none); "
+        "HURRAY_STORE__TIERS__REMOTE__TOKEN sets it from the environment",
+        "",
+    )
     connections: int = _doc("connection pool size; requests are pipelined on each connection", 4)
-    timeout_s: float = _doc("per request, plus one second per 50 MB it moves; a request past it is a miss", 5.0)
+    timeout_s: float = _doc(
+        "per request, plus one second per 50 MB it moves; a request past it is a miss", 5.0
+    )
     connect_timeout_s: float = _doc("to open one connection and finish its HELLO", 2.0)
-    max_message_bytes: int = _doc("largest message payload this client accepts (announced in its HELLO)", 64 << 20)
-    backoff_initial_s: float = _doc("first wait before reconnecting after the server went away", 0.2)
+    max_message_bytes: int = _doc(
+        "largest message payload this client accepts (announced in its HELLO)", 64 << 20
+    )
+    backoff_initial_s: float = _doc(
+        "first wait before reconnecting after the server went away", 0.2
+    )
     backoff_max_s: float = _doc("longest wait between reconnect attempts", 10.0)
 
 
@@ -123,7 +137,8 @@ TierConfig = GpuTierConfig | CpuTierConfig | DiskTierConfig | RedisTierConfig | 
 # The tier kinds, by the ``type:`` a config entry names; each tier class names its config
 # class (``tiers.register``).
 TIER_CONFIGS: dict[str, type[TierConfig]] = {
-    c.kind: c for c in (GpuTierConfig, CpuTierConfig, DiskTierConfig, RedisTierConfig, RemoteTierConfig)
+    c.kind: c
+    for c in (GpuTierConfig, CpuTierConfig, DiskTierConfig, RedisTierConfig, RemoteTierConfig)
 }
 
 
@@ -149,8 +164,12 @@ class PolicyConfig:
         "moves down only when it is evicted (and on flush)",
         "through",
     )
-    promote_on_hit: bool = _doc("copy an object read whole from a lower tier into the tiers above it", True)
-    max_pending_bytes: int = _doc("write-through bytes in flight before put waits for them", 1 << 30)
+    promote_on_hit: bool = _doc(
+        "copy an object read whole from a lower tier into the tiers above it", True
+    )
+    max_pending_bytes: int = _doc(
+        "write-through bytes in flight before put waits for them", 1 << 30
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,36 +177,68 @@ class ServerConfig:
     """``hurray-store serve``: the cache server over this config's tiers (ignored by a
     store opened in-process). Command-line flags override host and ports."""
 
-    host: str = _doc("address to listen on; 127.0.0.1 keeps the server on this machine", "127.0.0.1")
+    host: str = _doc(
+        "address to listen on; 127.0.0.1 keeps the server on this machine", "127.0.0.1"
+    )
     port: int = _doc("TCP port of the Hurray transport", 9470)
-    metrics_host: str = _doc("address of the HTTP endpoint (/metrics, /healthz, /readyz)", "127.0.0.1")
-    metrics_port: int | None = _doc("HTTP port for /metrics and the health checks; null: none", 9471)
+    metrics_host: str = _doc(
+        "address of the HTTP endpoint (/metrics, /healthz, /readyz)", "127.0.0.1"
+    )
+    metrics_port: int | None = _doc(
+        "HTTP port for /metrics and the health checks; null: none", 9471
+    )
     token: str = _doc(
         "shared secret every client must send in its HELLO (empty: no auth); "
-        "HURRAY_STORE__SERVER__TOKEN sets it from the environment", ""
+        "HURRAY_STORE__SERVER__TOKEN sets it from the environment",
+        "",
     )
-    max_message_bytes: int = _doc("largest message payload accepted; a larger header gets ERROR and the connection closes", 64 << 20)
+    max_message_bytes: int = _doc(
+        "largest message payload accepted; a larger header gets ERROR and the connection closes",
+        64 << 20,
+    )
     max_object_bytes: int = _doc("largest object one TENSOR_PUT may announce", 1 << 30)
-    max_connections: int = _doc("connections served at once; one more gets ERROR (busy) and is closed", 256)
-    request_timeout_s: float = _doc("to read one message, or one put's data frames, once its header arrived", 30.0)
+    max_connections: int = _doc(
+        "connections served at once; one more gets ERROR (busy) and is closed", 256
+    )
+    request_timeout_s: float = _doc(
+        "to read one message, or one put's data frames, once its header arrived", 30.0
+    )
     hello_timeout_s: float = _doc("for a new connection to send its CLIENT_HELLO", 5.0)
     max_inflight_put_bytes: int = _doc(
-        "bytes of puts being received or staged; a put waits for room (up to request_timeout_s), then gets ERROR (busy)", 1 << 30
+        "bytes of puts being received or staged; a put waits for room (up to "
+        "request_timeout_s), then gets ERROR (busy)",
+        1 << 30,
     )
-    staging_timeout_s: float = _doc("how long a segment's layer objects wait for their commit before they are dropped", 120.0)
-    claim_timeout_s: float = _doc("how long pages claimed by one client's put make another client's put wait for them", 30.0)
-    shutdown_timeout_s: float = _doc("on SIGTERM/SIGINT, how long in-flight requests may take before connections are cut", 30.0)
+    staging_timeout_s: float = _doc(
+        "how long a segment's layer objects wait for their commit before they are dropped", 120.0
+    )
+    claim_timeout_s: float = _doc(
+        "how long pages claimed by one client's put make another client's put wait for them", 30.0
+    )
+    shutdown_timeout_s: float = _doc(
+        "on SIGTERM/SIGINT, how long in-flight requests may take before connections are cut", 30.0
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     tiers: tuple[TierConfig, ...] = _doc("tiers, fastest first; a put lands in the first")
-    namespace: str = _doc("first component of every object key; stores sharing tiers share a namespace", "hurray")
-    salt: str = _doc("tenant salt mixed into every page hash: another salt never sees these pages", "")
-    quantization: Literal["none", "int8"] = _doc("store pages as int8 with per-slot scales, or as they are", "none")
-    max_segment_bytes: int = _doc("largest segment one put writes; bigger batches are split", 256 << 20)
+    namespace: str = _doc(
+        "first component of every object key; stores sharing tiers share a namespace", "hurray"
+    )
+    salt: str = _doc(
+        "tenant salt mixed into every page hash: another salt never sees these pages", ""
+    )
+    quantization: Literal["none", "int8"] = _doc(
+        "store pages as int8 with per-slot scales, or as they are", "none"
+    )
+    max_segment_bytes: int = _doc(
+        "largest segment one put writes; bigger batches are split", 256 << 20
+    )
     policy: PolicyConfig = _doc("placement, write-through, promotion", PolicyConfig())
-    server: ServerConfig = _doc("the cache server (hurray-store serve); unused in-process", ServerConfig())
+    server: ServerConfig = _doc(
+        "the cache server (hurray-store serve); unused in-process", ServerConfig()
+    )
 
 
 # --------------------------------------------------------------------------- loading
@@ -247,7 +298,10 @@ def _check_server(s: ServerConfig) -> None:
         if v is not None and v > 65535:
             raise ConfigError(f"server.{key}: expected a TCP port (0-65535), got {v}")
     if not (64 << 10) <= s.max_message_bytes <= 0xFFFFFFFF:
-        raise ConfigError(f"server.max_message_bytes: expected 65536 to 4294967295 (a u32 payload length), got {s.max_message_bytes}")
+        raise ConfigError(
+            "server.max_message_bytes: expected 65536 to 4294967295 (a u32 payload "
+            f"length), got {s.max_message_bytes}"
+        )
     for key in ("max_object_bytes", "max_connections", "max_inflight_put_bytes"):
         if getattr(s, key) < 1:
             raise ConfigError(f"server.{key}: expected a positive number, got {getattr(s, key)}")
@@ -284,7 +338,9 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
             if isinstance(node, list):
                 idx = _list_index(node, part)
                 if idx is None:
-                    raise ConfigError(f"{where}: no entry {part!r} in {'.'.join(parts[:i]) or 'the config'}")
+                    raise ConfigError(
+                        f"{where}: no entry {part!r} in {'.'.join(parts[:i]) or 'the config'}"
+                    )
                 if last:
                     node[idx] = value
                 else:
@@ -314,7 +370,9 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     known = {f.name: f for f in fields(cls)}
     for k in raw:
         if k not in known:
-            raise ConfigError(f"{_join(where, str(k))}: unknown key (expected one of {sorted(known)})")
+            raise ConfigError(
+                f"{_join(where, str(k))}: unknown key (expected one of {sorted(known)})"
+            )
     kwargs: dict[str, Any] = {}
     for name, f in known.items():
         key = _join(where, name)
@@ -350,7 +408,9 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
         if not cfg.name:
             cfg = _replace(cfg, name=kind)
         if cfg.name in names:
-            raise ConfigError(f"{label}.name: two tiers are named {cfg.name!r}; give each a distinct name")
+            raise ConfigError(
+                f"{label}.name: two tiers are named {cfg.name!r}; give each a distinct name"
+            )
         names.add(cfg.name)
         if isinstance(cfg, RemoteTierConfig):
             try:
@@ -359,7 +419,9 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
                 raise ConfigError(f"{label}.url: {e}") from None
         cap = getattr(cfg, "capacity_bytes", None)
         if cap is not None and cap < 1:
-            raise ConfigError(f"{label}.capacity_bytes: expected a positive number of bytes, got {cap}")
+            raise ConfigError(
+                f"{label}.capacity_bytes: expected a positive number of bytes, got {cap}"
+            )
         out.append(cfg)
     return tuple(out)
 

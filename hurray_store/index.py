@@ -45,7 +45,9 @@ class PrefixMatch:
     def locations(self) -> list[PageLocation]:
         return [
             PageLocation(a, b, c)
-            for a, b, c in zip(self.segment_ids, self.seqs.tolist(), self.pages.tolist(), strict=True)
+            for a, b, c in zip(
+                self.segment_ids, self.seqs.tolist(), self.pages.tolist(), strict=True
+            )
         ]
 
 
@@ -131,10 +133,16 @@ class PrefixIndex:
         lens = np.array([len(e[3]) for e in entries], dtype=np.int64)
         if (self._count + self._tombs + q.shape[0]) > self._cap * _MAX_LOAD:
             self._rehash(max(self._cap, int((self._count + q.shape[0]) / _MAX_LOAD) + 1))
-        nums = np.repeat(np.array([self._segment_number(e[0]) for e in entries], dtype=np.int64), lens)
+        nums = np.repeat(
+            np.array([self._segment_number(e[0]) for e in entries], dtype=np.int64), lens
+        )
         seqs = np.repeat(np.array([e[1] for e in entries], dtype=np.int64), lens)
         starts = np.repeat(np.cumsum(lens) - lens, lens)
-        pages = np.repeat(np.array([e[2] for e in entries], dtype=np.int64), lens) + np.arange(q.shape[0]) - starts
+        pages = (
+            np.repeat(np.array([e[2] for e in entries], dtype=np.int64), lens)
+            + np.arange(q.shape[0])
+            - starts
+        )
         present = self._find(q) >= 0
         # Duplicates inside the batch: keep the first.
         _, first_idx = np.unique(q, axis=0, return_index=True)
@@ -152,7 +160,9 @@ class PrefixIndex:
             order = np.argsort(sn, kind="stable")
             sn, sl = sn[order], slots[order]
             bounds = np.flatnonzero(np.diff(sn)) + 1
-            for part_slots, part_seg in zip(np.split(sl, bounds), np.split(sn, bounds), strict=True):
+            for part_slots, part_seg in zip(
+                np.split(sl, bounds), np.split(sn, bounds), strict=True
+            ):
                 self._seg_slots.setdefault(int(part_seg[0]), []).append(part_slots)
         self._count += int(idx.size)
         return int(idx.size)
@@ -219,7 +229,9 @@ class PrefixIndex:
         self._count = int(final.size)
         if final.size:
             bounds = np.flatnonzero(np.diff(seg)) + 1
-            for part_slots, part_seg in zip(np.split(final, bounds), np.split(seg, bounds), strict=True):
+            for part_slots, part_seg in zip(
+                np.split(final, bounds), np.split(seg, bounds), strict=True
+            ):
                 self._seg_slots[int(part_seg[0])] = [part_slots]
 
     # ------------------------------------------------------------------ lookup

@@ -25,7 +25,9 @@ _ROOT_TAG = b"hurray_store/page-hash/v1"
 def root_hash(spec: KVSpec, salt: bytes = b"") -> bytes:
     if not isinstance(salt, bytes | bytearray):
         raise TypeError(f"salt must be bytes, got {type(salt).__name__}")
-    return hashlib.sha256(_ROOT_TAG + spec.fingerprint() + struct.pack("<I", len(salt)) + bytes(salt)).digest()
+    return hashlib.sha256(
+        _ROOT_TAG + spec.fingerprint() + struct.pack("<I", len(salt)) + bytes(salt)
+    ).digest()
 
 
 def token_array(token_ids: Sequence[int]) -> np.ndarray:

@@ -71,7 +71,11 @@ class Ledger:
 
     def group_holders(self, group: Group) -> list[int]:
         """Tiers holding ``group`` READY, fastest first."""
-        return [i for i, b in enumerate(self._books) if (e := b.groups.get(group)) is not None and e.ready]
+        return [
+            i
+            for i, b in enumerate(self._books)
+            if (e := b.groups.get(group)) is not None and e.ready
+        ]
 
     def group_of(self, tier: int, key: str) -> Group | None:
         return self._books[tier].key_group.get(key)
@@ -170,7 +174,9 @@ class Ledger:
             else:
                 self._pins[g] = n
 
-    def _add(self, tier: int, group: Group, sizes: dict[str, int], depth: int, *, ready: bool) -> None:
+    def _add(
+        self, tier: int, group: Group, sizes: dict[str, int], depth: int, *, ready: bool
+    ) -> None:
         b = self._books[tier]
         e = Entry(sizes, depth, sum(sizes.values()), ready)
         b.groups[group] = e

@@ -42,7 +42,9 @@ class TierCounters:
 
 
 class StoreMetrics:
-    def __init__(self, tier_names: list[str], gauges: Callable[[], dict[str, dict[str, float]]]) -> None:
+    def __init__(
+        self, tier_names: list[str], gauges: Callable[[], dict[str, dict[str, float]]]
+    ) -> None:
         self.registry = CollectorRegistry()
         self.tiers = {n: TierCounters() for n in tier_names}
         self._gauges = gauges
@@ -83,7 +85,9 @@ class _Collector(Collector):
             yield fam
         gauges = self.m._gauges()
         for gname in ("objects", "bytes", "capacity_bytes"):
-            g = GaugeMetricFamily(f"hurray_store_tier_{gname}", f"tier {gname} now", labels=["tier"])
+            g = GaugeMetricFamily(
+                f"hurray_store_tier_{gname}", f"tier {gname} now", labels=["tier"]
+            )
             for tier, vals in gauges.items():
                 v = vals.get(gname)
                 if v is not None:

@@ -28,13 +28,19 @@ from hurray_store.format import (
 from hurray_store.spec import KVSpec
 from hurray_store.tiers.base import Blob, blob_nbytes, host_view
 
-CHUNK_BYTES = 1 << 22  # gather (or verify) this much, then hash (or copy) it while it is warm in cache
+CHUNK_BYTES = (
+    1 << 22
+)  # gather (or verify) this much, then hash (or copy) it while it is warm in cache
 
 
 def _word(page_bytes: int) -> torch.dtype:
     # Pages move as the widest integer that divides a page: torch's uint8 gather runs at
     # half the speed of int64, and unaligned int64 stores are fine on CPUs.
-    return next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if page_bytes % w.itemsize == 0)
+    return next(
+        w
+        for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
+        if page_bytes % w.itemsize == 0
+    )
 
 
 def gather_pages(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
@@ -59,7 +65,9 @@ def scatter_pages(dst: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor) ->
         dst.index_copy_(0, rows, pages.to(dst.device, non_blocking=True))
 
 
-def gather_layer(kv: torch.Tensor, idx: torch.Tensor, plan: LayerPlan, out: memoryview) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+def gather_layer(
+    kv: torch.Tensor, idx: torch.Tensor, plan: LayerPlan, out: memoryview
+) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """Gather pages ``idx`` of one layer (``kv``: ``[2, num_blocks, P, H, D]``) into the
     slots of ``out``, an object planned by ``plan`` whose fixed parts are written.
     Returns the object checksum and the page checksums per role."""
@@ -83,25 +91,46 @@ def gather_layer(kv: torch.Tensor, idx: torch.Tensor, plan: LayerPlan, out: memo
             out[pos : pos + part.nbytes] = qb
             soff = plan.key_scales_offset if part.role == "key" else plan.value_scales_offset
             out[soff : soff + n * sb] = scb
-            sums[part.role] += [page_checksum(qb[j * pb : (j + 1) * pb], scb[j * sb : (j + 1) * sb]) for j in range(n)]
+            sums[part.role] += [
+                page_checksum(qb[j * pb : (j + 1) * pb], scb[j * sb : (j + 1) * sb])
+                for j in range(n)
+            ]
             pos += part.nbytes
             continue
         word = _word(pb)
-        dst = torch.frombuffer(out, dtype=word, count=n * pb // word.itemsize, offset=pos).view(n, -1) if n else None
+        dst = (
+            torch.frombuffer(out, dtype=word, count=n * pb // word.itemsize, offset=pos).view(n, -1)
+            if n
+            else None
+        )
         step = max(1, CHUNK_BYTES // pb)
         for a in range(0, n, step):
             b = min(n, a + step)
             assert dst is not None
             gather_pages(kv[role_i], idx[a:b], dst[a:b])
             base = pos + a * pb
-            sums[part.role] += [page_checksum(out[base + j * pb : base + (j + 1) * pb]) for j in range(b - a)]
+            sums[part.role] += [
+                page_checksum(out[base + j * pb : base + (j + 1) * pb]) for j in range(b - a)
+            ]
         pos += part.nbytes
-    return object_checksum(fixed, sums["key"], sums["value"]), tuple(sums["key"]), tuple(sums["value"])
+    return (
+        object_checksum(fixed, sums["key"], sums["value"]),
+        tuple(sums["key"]),
+        tuple(sums["value"]),
+    )
 
 
 def verify_and_scatter(
-    kv: torch.Tensor, spec: KVSpec, m: Manifest, lay_pos: int, runs: Sequence[tuple[int, int]], parts: Sequence[Blob],
-    rows: torch.Tensor, *, whole: bool, check: bool,
+    kv: torch.Tensor,
+    spec: KVSpec,
+    m: Manifest,
+    lay_pos: int,
+    runs: Sequence[tuple[int, int]],
+    parts: Sequence[Blob],
+    rows: torch.Tensor,
+    *,
+    whole: bool,
+    check: bool,
 ) -> list[int] | None:
     """Copy the pages ``runs`` of layer object ``m.layers[lay_pos]`` into pool rows
     ``rows`` (``kv``: ``[2, num_blocks, P, H, D]``; rows in page order, keys and values
@@ -124,7 +153,10 @@ def verify_and_scatter(
             # promotion copies besides pages) must match the object checksum.
             bv = host_view(blob)
             fixed = [bv[o : o + n] for o, n in m.fixed_ranges(lay_pos)]
-            if object_checksum(fixed, lay.key_page_checksums, lay.value_page_checksums) != lay.object_checksum:
+            if (
+                object_checksum(fixed, lay.key_page_checksums, lay.value_page_checksums)
+                != lay.object_checksum
+            ):
                 return None
         parts = [blob[off : off + ln] for off, ln in run_ranges(m, lay_pos, runs)]
     step = max(1, CHUNK_BYTES // pb)
@@ -147,7 +179,13 @@ def verify_and_scatter(
                         page_scales = None if sv is None else sv[j * sb : (j + 1) * sb]
                         if page_checksum(pv[j * pb : (j + 1) * pb], page_scales) != sums[a + j]:
                             failed.append(pos + j)
-                pages = pages_of(data[c0 * pb : c1 * pb], None if scales is None else scales[c0 * sb : c1 * sb], spec, c1 - c0, kv.device)
+                pages = pages_of(
+                    data[c0 * pb : c1 * pb],
+                    None if scales is None else scales[c0 * sb : c1 * sb],
+                    spec,
+                    c1 - c0,
+                    kv.device,
+                )
                 scatter_pages(kv[role_i], rows[pos + c0 : pos + c1], pages)
         pos += n
     return sorted(set(failed))
@@ -170,7 +208,9 @@ def _u8(b: Blob) -> torch.Tensor:
     return torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
 
 
-def pages_of(data: torch.Tensor, scales: torch.Tensor | None, spec: KVSpec, n: int, device: torch.device) -> torch.Tensor:
+def pages_of(
+    data: torch.Tensor, scales: torch.Tensor | None, spec: KVSpec, n: int, device: torch.device
+) -> torch.Tensor:
     """``n`` stored pages (uint8 bytes, plus int8 scales) as ``[n, P, H, D]`` of the
     spec's dtype on ``device``."""
     shape = (n, spec.page_size, spec.num_kv_heads, spec.head_dim)
@@ -184,4 +224,3 @@ def pages_of(data: torch.Tensor, scales: torch.Tensor | None, spec: KVSpec, n: i
     sc = scales.to(device).clone().view(spec.dtype).view(n, spec.page_size, 1)
     q = data.view(torch.int8).view(n, spec.page_size, -1)
     return (q.float() * sc.float()).to(spec.dtype).view(shape)
-

@@ -34,7 +34,9 @@ class PagedKVPool:
         if num_blocks < 1:
             raise PagingError(f"num_blocks must be >= 1, got {num_blocks}")
         shape = (2, num_blocks, spec.page_size, spec.num_kv_heads, spec.head_dim)
-        layers = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        layers = [
+            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+        ]
         self._init(spec, layers)
 
     @classmethod
@@ -47,7 +49,8 @@ class PagedKVPool:
         for i, t in enumerate(layers):
             if tuple(t.shape) != want:
                 raise PagingError(
-                    f"layer {i}: expected [2, num_blocks, {spec.page_size}, {spec.num_kv_heads}, {spec.head_dim}], "
+                    f"layer {i}: expected [2, num_blocks, {spec.page_size}, "
+                    f"{spec.num_kv_heads}, {spec.head_dim}], "
                     f"got {tuple(t.shape)}"
                 )
             if t.dtype != spec.dtype:
@@ -76,7 +79,9 @@ class PagedKVPool:
         if n < 0:
             raise PagingError(f"cannot allocate {n} pages")
         if n > len(self._free):
-            raise PoolExhaustedError(f"asked for {n} pages, {len(self._free)} of {self.num_blocks} are free")
+            raise PoolExhaustedError(
+                f"asked for {n} pages, {len(self._free)} of {self.num_blocks} are free"
+            )
         ids = [self._free.popleft() for _ in range(n)]
         self._ref[ids] = 1
         return ids
@@ -141,7 +146,9 @@ def compact(tables: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[list[in
         return flat, [[] for _ in tables], flat
     uniq, inv = torch.unique(flat, return_inverse=True)
     pos = torch.arange(flat.numel())
-    first = torch.full((uniq.numel(),), flat.numel(), dtype=torch.long).scatter_reduce_(0, inv, pos, "amin")
+    first = torch.full((uniq.numel(),), flat.numel(), dtype=torch.long).scatter_reduce_(
+        0, inv, pos, "amin"
+    )
     order = torch.argsort(first)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel())
@@ -210,14 +217,25 @@ def snapshot(
         for s, n in enumerate(seq_lens):
             if n % P and len(tables[s]):
                 valid[ends[s]] = n % P
-        used = torch.zeros(distinct.numel(), dtype=torch.long).scatter_reduce_(0, inverse, valid, "amax")
+        used = torch.zeros(distinct.numel(), dtype=torch.long).scatter_reduce_(
+            0, inverse, valid, "amax"
+        )
         partial = [(int(j), int(used[j])) for j in torch.nonzero(used < P).flatten()]
 
     n = int(distinct.numel())
     if out is not None:
         want = (len(layer_ids), 2, n, P, spec.num_kv_heads, spec.head_dim)
-        if out.dim() != 6 or out.shape[:2] != want[:2] or out.shape[2] < n or out.shape[3:] != want[3:] or out.dtype != spec.dtype:
-            raise PagingError(f"out must be [{want[0]}, 2, >= {n}, {P}, {want[4]}, {want[5]}] {spec.dtype}, got {tuple(out.shape)} {out.dtype}")
+        if (
+            out.dim() != 6
+            or out.shape[:2] != want[:2]
+            or out.shape[2] < n
+            or out.shape[3:] != want[3:]
+            or out.dtype != spec.dtype
+        ):
+            raise PagingError(
+                f"out must be [{want[0]}, 2, >= {n}, {P}, {want[4]}, {want[5]}] "
+                f"{spec.dtype}, got {tuple(out.shape)} {out.dtype}"
+            )
     out_layers = []
     for i, li in enumerate(layer_ids):
         kv = pool.layers[li]
@@ -239,10 +257,15 @@ def _check_pool_matches(snap: Snapshot, pool: PagedKVPool) -> None:
     a, b = snap.spec, pool.spec
     for f in ("page_size", "num_kv_heads", "head_dim", "dtype"):
         if getattr(a, f) != getattr(b, f):
-            raise PagingError(f"snapshot and pool disagree on {f}: snapshot {getattr(a, f)}, pool {getattr(b, f)}")
+            raise PagingError(
+                f"snapshot and pool disagree on {f}: snapshot {getattr(a, f)}, pool {getattr(b, f)}"
+            )
     for lay in snap.layers:
         if lay.layer_index >= b.num_layers:
-            raise PagingError(f"snapshot layer {lay.layer_index} does not exist in a pool of {b.num_layers} layers")
+            raise PagingError(
+                f"snapshot layer {lay.layer_index} does not exist in a pool of "
+                f"{b.num_layers} layers"
+            )
 
 
 def restore(
@@ -271,7 +294,9 @@ def restore(
         counts = list(num_pages)
         for s, c in zip(sel, counts, strict=True):
             if not 0 <= c <= len(snap.block_tables[s]):
-                raise PagingError(f"sequence {s}: num_pages must be in [0, {len(snap.block_tables[s])}], got {c}")
+                raise PagingError(
+                    f"sequence {s}: num_pages must be in [0, {len(snap.block_tables[s])}], got {c}"
+                )
     wanted = [snap.block_tables[s][:c] for s, c in zip(sel, counts, strict=True)]
     needed, local_tables, _ = compact(wanted)
     n = int(needed.numel())
@@ -304,7 +329,9 @@ def allocate_shared(pool: PagedKVPool, local_tables: Sequence[Sequence[int]], n:
     return new_ids
 
 
-def release_shared(pool: PagedKVPool, new_ids: Sequence[int], local_tables: Sequence[Sequence[int]]) -> None:
+def release_shared(
+    pool: PagedKVPool, new_ids: Sequence[int], local_tables: Sequence[Sequence[int]]
+) -> None:
     """Undo ``allocate_shared``: drop every holder's reference."""
     refs = [new_ids[j] for t in local_tables for j in set(t)]
     unheld = set(range(len(new_ids))) - {j for t in local_tables for j in t}

@@ -53,7 +53,9 @@ class Admission:
 
 
 class Policy:
-    def __init__(self, ledger: Ledger, *, write_mode: WriteMode = "through", promote_on_hit: bool = True) -> None:
+    def __init__(
+        self, ledger: Ledger, *, write_mode: WriteMode = "through", promote_on_hit: bool = True
+    ) -> None:
         if write_mode not in ("through", "back"):
             raise ValueError(f"write_mode must be 'through' or 'back', got {write_mode!r}")
         self.ledger = ledger
@@ -69,7 +71,9 @@ class Policy:
                 return i
         return None
 
-    def plan_write(self, tier: int, group: Group, sizes: Mapping[str, int], *, depth: int = 0) -> Admission:
+    def plan_write(
+        self, tier: int, group: Group, sizes: Mapping[str, int], *, depth: int = 0
+    ) -> Admission:
         """Take room for ``group`` in ``tier`` (the ledger marks it WRITING) and choose
         the victims: least recently used groups that are neither pinned nor being
         written, until it fits. The victims are off the books when this returns (the
@@ -95,8 +99,14 @@ class Policy:
                 chosen.append(g)
                 free += e.nbytes
             if free < need:
-                return Admission(False, reason=f"{need} bytes do not fit: the rest of the {cap}-byte budget is pinned or being written")
-        victims = tuple(Victim(g, led.forget(tier, g), self._demote_target(tier, g)) for g in chosen)
+                return Admission(
+                    False,
+                    reason=f"{need} bytes do not fit: the rest of the {cap}-byte budget is pinned "
+                    "or being written",
+                )
+        victims = tuple(
+            Victim(g, led.forget(tier, g), self._demote_target(tier, g)) for g in chosen
+        )
         led.begin_write(tier, group, sizes, depth)
         return Admission(True, victims)
 
@@ -156,7 +166,9 @@ class Policy:
         for i, t in enumerate(self.tiers):
             if t.persistent:
                 continue
-            dest = next((j for j in range(i + 1, len(self.tiers)) if self.tiers[j].persistent), None)
+            dest = next(
+                (j for j in range(i + 1, len(self.tiers)) if self.tiers[j].persistent), None
+            )
             if dest is None:
                 continue
             for g in self.ledger.groups(i):

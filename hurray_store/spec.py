@@ -45,7 +45,9 @@ class KVSpec:
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise SpecError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}")
         if self.dtype not in SUPPORTED_DTYPES:
-            raise SpecError(f"dtype must be one of {list(SUPPORTED_DTYPES.values())}, got {self.dtype}")
+            raise SpecError(
+                f"dtype must be one of {list(SUPPORTED_DTYPES.values())}, got {self.dtype}"
+            )
 
     @property
     def element_size(self) -> int:
@@ -58,6 +60,7 @@ class KVSpec:
 
     def canonical(self) -> bytes:
         """The canonical encoding the fingerprint hashes (see docs/format.md)."""
+
         def text(s: str) -> bytes:
             b = s.encode("utf-8")
             return struct.pack("<I", len(b)) + b
@@ -66,7 +69,9 @@ class KVSpec:
             text(_FINGERPRINT_TAG.decode())
             + text(self.model)
             + text(self.revision)
-            + struct.pack("<QQQQ", self.num_layers, self.num_kv_heads, self.head_dim, self.page_size)
+            + struct.pack(
+                "<QQQQ", self.num_layers, self.num_kv_heads, self.head_dim, self.page_size
+            )
             + text(SUPPORTED_DTYPES[self.dtype])
             + struct.pack("<QQ", self.tp_rank, self.tp_size)
         )

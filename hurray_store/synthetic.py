@@ -30,6 +30,10 @@ def shared_prefix_layer(
     values = torch.randn(num_pages, page_size, heads, dim, generator=g).to(dtype)
     prefix = torch.arange(shared)
     tails = torch.arange(shared, num_pages).view(seqs, own)
-    block_table = torch.cat([torch.cat([prefix, tails[s]]) for s in range(seqs)]) if seqs else torch.zeros(0, dtype=torch.long)
+    block_table = (
+        torch.cat([torch.cat([prefix, tails[s]]) for s in range(seqs)])
+        if seqs
+        else torch.zeros(0, dtype=torch.long)
+    )
     seq_ptr = torch.arange(seqs + 1) * per_seq
     return LayerKV(layer_index, keys, values, block_table, seq_ptr)

@@ -17,7 +17,9 @@ from hurray_store.spec import DTYPES_BY_NAME
 DTYPES = DTYPES_BY_NAME
 
 
-def build_tiny_model(out_dir: str, *, dtype: str = "float32", seed: int = 0, layers: int = 4) -> None:
+def build_tiny_model(
+    out_dir: str, *, dtype: str = "float32", seed: int = 0, layers: int = 4
+) -> None:
     """Write the model with ``save_pretrained`` (``AutoModelForCausalLM`` loads it)."""
     config = LlamaConfig(
         vocab_size=tokenizer.VOCAB_SIZE,

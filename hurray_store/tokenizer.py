@@ -17,4 +17,6 @@ def encode(text: str, *, bos: bool = True) -> list[int]:
 
 
 def decode(ids: Sequence[int]) -> str:
-    return bytes(i - OFFSET for i in ids if OFFSET <= i < VOCAB_SIZE).decode("utf-8", errors="replace")
+    return bytes(i - OFFSET for i in ids if OFFSET <= i < VOCAB_SIZE).decode(
+        "utf-8", errors="replace"
+    )

@@ -185,9 +185,15 @@ def _layout_list(r: Cursor) -> list[int]:
     return tags
 
 
-def encode_request(key: str, *, device: int = DEVICE_CPU, min_alignment: int = 64, flags: int = 0) -> bytes:
+def encode_request(
+    key: str, *, device: int = DEVICE_CPU, min_alignment: int = 64, flags: int = 0
+) -> bytes:
     """TENSOR_REQUEST: key, preferred layouts (row-major), device, alignment, flags."""
-    return key_field(key) + struct.pack("<HB", 1, LAYOUT_ROW_MAJOR) + _REQ_TAIL.pack(device, min_alignment, flags)
+    return (
+        key_field(key)
+        + struct.pack("<HB", 1, LAYOUT_ROW_MAJOR)
+        + _REQ_TAIL.pack(device, min_alignment, flags)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,9 +236,14 @@ def decode_descriptor(payload: memoryview, limit: int) -> int:
     total, shard, shards = _DESC_TAIL.unpack(r.take(_DESC_TAIL.size))
     r.done()
     if total != n or shard != 0 or shards != 1:
-        raise ProtocolError(Err.SHARD_MISMATCH, f"descriptor of {n} bytes announces {total} bytes in shard {shard}/{shards}")
+        raise ProtocolError(
+            Err.SHARD_MISMATCH,
+            f"descriptor of {n} bytes announces {total} bytes in shard {shard}/{shards}",
+        )
     if n > limit:
-        raise ProtocolError(Err.MESSAGE_TOO_LARGE, f"object of {n} bytes; this side takes at most {limit}")
+        raise ProtocolError(
+            Err.MESSAGE_TOO_LARGE, f"object of {n} bytes; this side takes at most {limit}"
+        )
     return n
 
 
@@ -252,7 +263,11 @@ def decode_put(payload: memoryview) -> tuple[str, int]:
     except FormatError as e:
         raise invalid(f"TENSOR_PUT: {e}", fatal=False) from None
     if used != desc.nbytes or n != total:
-        raise invalid(f"TENSOR_PUT: descriptor of {n} bytes ({used} long) in a field of {desc.nbytes}, total {total}", fatal=False)
+        raise invalid(
+            f"TENSOR_PUT: descriptor of {n} bytes ({used} long) in a field of "
+            f"{desc.nbytes}, total {total}",
+            fatal=False,
+        )
     return key, n
 
 
@@ -282,7 +297,9 @@ def decode_keys(payload: memoryview, limit: int = 1 << 16) -> list[str]:
 
 
 def encode_sizes(sizes: Sequence[int | None]) -> bytes:
-    return _U32.pack(len(sizes)) + b"".join(struct.pack("<q", -1 if s is None else s) for s in sizes)
+    return _U32.pack(len(sizes)) + b"".join(
+        struct.pack("<q", -1 if s is None else s) for s in sizes
+    )
 
 
 def decode_sizes(payload: memoryview) -> list[int | None]:
@@ -296,7 +313,11 @@ def decode_sizes(payload: memoryview) -> list[int | None]:
 
 
 def encode_ranges(key: str, ranges: Sequence[tuple[int, int]]) -> bytes:
-    return key_field(key) + _U32.pack(len(ranges)) + b"".join(struct.pack("<QQ", o, n) for o, n in ranges)
+    return (
+        key_field(key)
+        + _U32.pack(len(ranges))
+        + b"".join(struct.pack("<QQ", o, n) for o, n in ranges)
+    )
 
 
 def decode_ranges(payload: memoryview, limit: int = 1 << 20) -> tuple[str, list[tuple[int, int]]]:
@@ -310,7 +331,9 @@ def decode_ranges(payload: memoryview, limit: int = 1 << 20) -> tuple[str, list[
     return key, ranges
 
 
-def encode_lookup(seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool, wait_ms: int = 0) -> bytes:
+def encode_lookup(
+    seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool, wait_ms: int = 0
+) -> bytes:
     """X_LOOKUP: flags (bit 0: claim the unmatched pages for a put), the longest the
     server may wait for other clients' claims, then per sequence the pages the caller
     already has and the page hashes (16 bytes each)."""
@@ -321,7 +344,9 @@ def encode_lookup(seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool, w
     return b"".join(out)
 
 
-def decode_lookup(payload: memoryview, hash_len: int) -> tuple[bool, int, list[tuple[int, list[bytes]]]]:
+def decode_lookup(
+    payload: memoryview, hash_len: int
+) -> tuple[bool, int, list[tuple[int, list[bytes]]]]:
     r = _cursor(payload)
     flags = r.u32()
     wait_ms = r.u32()
@@ -351,7 +376,9 @@ def decode_lookup_reply(payload: memoryview) -> tuple[list[int], list[bytes]]:
     return matched, manifests
 
 
-def encode_commit(manifest_key: str, manifest: bytes | bytearray | memoryview) -> list[bytes | bytearray | memoryview]:
+def encode_commit(
+    manifest_key: str, manifest: bytes | bytearray | memoryview
+) -> list[bytes | bytearray | memoryview]:
     return [key_field(manifest_key), _U32.pack(memoryview(manifest).nbytes), manifest]
 
 
@@ -371,6 +398,8 @@ def encode_json(obj: Any) -> bytes:
 
 
 _THREAD_BYTES = 1 << 20  # reads and writes this large run in a worker thread
+
+
 class IOThreads:
     """Threads for large socket reads and writes: the kernel copies of several
     connections then run on several cores (``recv_into``/``sendmsg`` release the GIL),
@@ -385,7 +414,9 @@ class IOThreads:
     def executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="hurray-io")
+                self._executor = ThreadPoolExecutor(
+                    max_workers=self.workers, thread_name_prefix="hurray-io"
+                )
             return self._executor
 
     def shutdown(self) -> None:
@@ -408,7 +439,10 @@ class Channel:
 
     def __init__(self, sock: socket.socket, *, buffer_size: int = 256 << 10) -> None:
         sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1) if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1) if sock.family in (
+            socket.AF_INET,
+            socket.AF_INET6,
+        ) else None
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self._buf = bytearray(buffer_size)
@@ -449,7 +483,12 @@ class Channel:
         fd = self.sock.fileno()
         if fd < 0:
             raise ConnectionClosed("connection closed")
-        add, remove = (self.loop.add_reader, self.loop.remove_reader) if reader else (self.loop.add_writer, self.loop.remove_writer)
+        add, remove = (
+            (self.loop.add_reader, self.loop.remove_reader)
+            if reader
+            else (self.loop.add_writer, self.loop.remove_writer)
+        )
+
         def ready() -> None:
             if not fut.done():
                 fut.set_result(None)
@@ -584,17 +623,27 @@ class Channel:
         n = sum(memoryview(p).nbytes for p in payload)
         await self.send_parts([HEADER.pack(kind, stream, n), *payload])
 
-    async def send_object(self, stream: int, parts: Sequence[bytes | bytearray | memoryview], frame: int) -> None:
+    async def send_object(
+        self, stream: int, parts: Sequence[bytes | bytearray | memoryview], frame: int
+    ) -> None:
         """TENSOR_DESCRIPTOR, TENSOR_DATA frames of at most ``frame`` payload bytes,
         TENSOR_DATA_END: the concatenation of ``parts`` as one object."""
         desc = encode_descriptor(sum(memoryview(p).nbytes for p in parts))
-        await self.send_parts([HEADER.pack(Msg.TENSOR_DESCRIPTOR, stream, len(desc)), desc, *data_frames(stream, parts, frame)])
+        await self.send_parts(
+            [
+                HEADER.pack(Msg.TENSOR_DESCRIPTOR, stream, len(desc)),
+                desc,
+                *data_frames(stream, parts, frame),
+            ]
+        )
 
     async def send_error(self, stream: int, code: int, message: str) -> None:
         await self.send(Msg.ERROR, stream, encode_error(code, message))
 
 
-def data_frames(stream: int, parts: Sequence[bytes | bytearray | memoryview], frame: int) -> list[bytes | memoryview]:
+def data_frames(
+    stream: int, parts: Sequence[bytes | bytearray | memoryview], frame: int
+) -> list[bytes | memoryview]:
     """The concatenation of ``parts`` as TENSOR_DATA frames of at most ``frame`` payload
     bytes (headers and zero-copy views, ready for ``send_parts``), then TENSOR_DATA_END."""
     out: list[bytes | memoryview] = []
@@ -604,7 +653,11 @@ def data_frames(stream: int, parts: Sequence[bytes | bytearray | memoryview], fr
         mv = memoryview(p).cast("B")
         for a in range(0, mv.nbytes, step):
             chunk = mv[a : a + step]
-            out += [HEADER.pack(Msg.TENSOR_DATA, stream, chunk.nbytes + DATA_OFFSET.size), DATA_OFFSET.pack(off), chunk]
+            out += [
+                HEADER.pack(Msg.TENSOR_DATA, stream, chunk.nbytes + DATA_OFFSET.size),
+                DATA_OFFSET.pack(off),
+                chunk,
+            ]
             off += chunk.nbytes
     out.append(HEADER.pack(Msg.TENSOR_DATA_END, stream, 0))
     return out

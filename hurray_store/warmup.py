@@ -53,7 +53,9 @@ def read_prompts(path: str | Path, *, vocab_size: int) -> tuple[list[list[int]],
                 bad.append(PromptError(n, f"not JSON ({e.msg} at column {e.colno})"))
                 continue
             if not isinstance(obj, dict) or ("text" in obj) == ("token_ids" in obj):
-                bad.append(PromptError(n, 'expected an object with exactly one of "text" or "token_ids"'))
+                bad.append(
+                    PromptError(n, 'expected an object with exactly one of "text" or "token_ids"')
+                )
                 continue
             if "text" in obj:
                 if not isinstance(obj["text"], str) or not obj["text"]:
@@ -62,12 +64,22 @@ def read_prompts(path: str | Path, *, vocab_size: int) -> tuple[list[list[int]],
                 ids = tokenizer.encode(obj["text"])
             else:
                 ids = obj["token_ids"]
-                if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                if (
+                    not isinstance(ids, list)
+                    or not ids
+                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+                ):
                     bad.append(PromptError(n, '"token_ids" must be a non-empty list of integers'))
                     continue
                 out_of_range = [t for t in ids if not 0 <= t < vocab_size]
                 if out_of_range:
-                    bad.append(PromptError(n, f"token id {out_of_range[0]} outside the model's vocabulary [0, {vocab_size})"))
+                    bad.append(
+                        PromptError(
+                            n,
+                            f"token id {out_of_range[0]} outside the model's vocabulary "
+                            f"[0, {vocab_size})",
+                        )
+                    )
                     continue
             prompts.append(ids)
     return prompts, bad
@@ -139,13 +151,17 @@ async def warmup(
     return res
 
 
-async def _warm_batch(model: Any, store: Any, pool: PagedKVPool, batch: list[list[int]], res: WarmupResult) -> None:
+async def _warm_batch(
+    model: Any, store: Any, pool: PagedKVPool, batch: list[list[int]], res: WarmupResult
+) -> None:
     # The shared prefix once (on top of what the store has), leaving each prompt at
     # least one token of tail.
     lcp = min(_common_prefix(batch), min(len(p) for p in batch) - 1)
     past: Any = DynamicCache()
     if lcp > 0:
-        _, past, reused = await prefill_with_cache(model, store, pool, batch[0][:lcp], store_result=False)
+        _, past, reused = await prefill_with_cache(
+            model, store, pool, batch[0][:lcp], store_result=False
+        )
         res.tokens_computed += lcp - reused
         if len(batch) > 1:
             past = _repeat(past, len(batch), pool)
@@ -174,7 +190,11 @@ def _repeat(past: Any, n: int, pool: PagedKVPool) -> Any:
     """The one-sequence cache ``past`` as a batch of ``n`` equal sequences."""
     cache = DynamicCache()
     for li, lay in enumerate(past.layers):
-        cache.update(lay.keys.expand(n, -1, -1, -1).contiguous(), lay.values.expand(n, -1, -1, -1).contiguous(), li)
+        cache.update(
+            lay.keys.expand(n, -1, -1, -1).contiguous(),
+            lay.values.expand(n, -1, -1, -1).contiguous(),
+            li,
+        )
     return cache
 
 
@@ -187,7 +207,9 @@ class ReplayRow:
     max_abs_diff: float
 
 
-async def replay(model: Any, store: Any, pool: PagedKVPool, prompts: Sequence[Sequence[int]]) -> list[ReplayRow]:
+async def replay(
+    model: Any, store: Any, pool: PagedKVPool, prompts: Sequence[Sequence[int]]
+) -> list[ReplayRow]:
     """For each prompt: time to first token without the cache (a full prefill) and
     with it (``prefill_with_cache``, nothing stored), and the largest difference
     between their next-token logits."""
@@ -198,11 +220,21 @@ async def replay(model: Any, store: Any, pool: PagedKVPool, prompts: Sequence[Se
         cold = run_model(model, ids)[0][:, -1]
         t_cold = time.perf_counter() - t0
         t0 = time.perf_counter()
-        logits, _, reused = await prefill_with_cache(model, store, pool, list(p), store_result=False)
+        logits, _, reused = await prefill_with_cache(
+            model, store, pool, list(p), store_result=False
+        )
         t_warm = time.perf_counter() - t0
         diff = (logits[:, -1].float() - cold.float()).abs().max().item()
         rows.append(ReplayRow(len(p), reused, t_cold, t_warm, diff))
     return rows
 
 
-__all__ = ["PromptError", "ReplayRow", "WarmupResult", "from_paged", "read_prompts", "replay", "warmup"]
+__all__ = [
+    "PromptError",
+    "ReplayRow",
+    "WarmupResult",
+    "from_paged",
+    "read_prompts",
+    "replay",
+    "warmup",
+]

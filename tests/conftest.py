@@ -14,7 +14,9 @@ import pytest
 
 REDIS = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
-needs_redis = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (make test installs it)")
+needs_redis = pytest.mark.skipif(
+    REDIS is None, reason="redis-server is not installed (make test installs it)"
+)
 
 
 def free_port(bus: bool = False) -> int:
@@ -35,19 +37,25 @@ def free_port(bus: bool = False) -> int:
                 pass
 
 
-def wait_listening(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float, log: Path | None = None) -> None:
+def wait_listening(
+    port: int, proc: subprocess.Popen[bytes], what: str, timeout: float, log: Path | None = None
+) -> None:
     """Wait until ``proc`` accepts connections on ``port``; raise (with its log) if it
     exits or does not listen within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}" + (f":\n{log.read_text()}" if log else ""))
+            raise RuntimeError(
+                f"{what} exited with {proc.returncode}" + (f":\n{log.read_text()}" if log else "")
+            )
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on port {port}" + (f":\n{log.read_text()}" if log else ""))
+    raise RuntimeError(
+        f"{what} did not listen on port {port}" + (f":\n{log.read_text()}" if log else "")
+    )
 
 
 class RedisProc:
@@ -67,15 +75,30 @@ class RedisProc:
 
     def cli(self, *args: str) -> str:
         assert REDIS_CLI is not None
-        out = subprocess.run([REDIS_CLI, "-p", str(self.port), *args], capture_output=True, timeout=20)
+        out = subprocess.run(
+            [REDIS_CLI, "-p", str(self.port), *args], capture_output=True, timeout=20
+        )
         return out.stdout.decode()
 
     def start(self) -> RedisProc:
         assert REDIS is not None
         self.proc = subprocess.Popen(
-            [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                REDIS,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         wait_listening(self.port, self.proc, "redis-server", 10)
         return self
@@ -120,12 +143,30 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Red
         for i in range(3):
             port = free_port(bus=True)
             nodes.append(
-                RedisProc(base / str(i), "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                          "--cluster-node-timeout", "2000", port=port).start()
+                RedisProc(
+                    base / str(i),
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    f"nodes-{port}.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    port=port,
+                ).start()
             )
         subprocess.run(
-            [REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes], "--cluster-replicas", "0", "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
+            [
+                REDIS_CLI,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{n.port}" for n in nodes],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
         )
         deadline = time.monotonic() + 30
         while not all("cluster_state:ok" in n.cli("cluster", "info") for n in nodes):

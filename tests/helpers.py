@@ -10,7 +10,11 @@ import torch
 
 from hurray_store.format import LayerKV
 
-H_DTYPES = {torch.float16: hurray.float16, torch.bfloat16: hurray.bfloat16, torch.float32: hurray.float32}
+H_DTYPES = {
+    torch.float16: hurray.float16,
+    torch.bfloat16: hurray.bfloat16,
+    torch.float32: hurray.float32,
+}
 
 
 def make_layer(
@@ -32,7 +36,9 @@ def make_layer(
     ptr = [0]
     for t in tables:
         ptr.append(ptr[-1] + len(t))
-    return LayerKV(layer_index, keys, values, torch.tensor(flat, dtype=torch.long), torch.tensor(ptr))
+    return LayerKV(
+        layer_index, keys, values, torch.tensor(flat, dtype=torch.long), torch.tensor(ptr)
+    )
 
 
 def hurray_tensor(

@@ -20,7 +20,9 @@ from hurray_store import keys as keymod
 from hurray_store.config import load_config
 from hurray_store.store import TieredStore
 
-SPEC = KVSpec(model="server-test", num_layers=2, num_kv_heads=2, head_dim=16, page_size=8, dtype=torch.float16)
+SPEC = KVSpec(
+    model="server-test", num_layers=2, num_kv_heads=2, head_dim=16, page_size=8, dtype=torch.float16
+)
 SYSTEM = list(range(1000, 1064))  # 8 pages every client shares
 
 
@@ -40,7 +42,9 @@ def batches(client: int, rounds: int) -> list[list[list[int]]]:
 
 def page_kv(h: bytes, layer: int) -> torch.Tensor:
     g = torch.Generator().manual_seed((int.from_bytes(h[:8], "little") + layer) & (2**62 - 1))
-    return torch.randn((2, SPEC.page_size, SPEC.num_kv_heads, SPEC.head_dim), generator=g).to(SPEC.dtype)
+    return torch.randn((2, SPEC.page_size, SPEC.num_kv_heads, SPEC.head_dim), generator=g).to(
+        SPEC.dtype
+    )
 
 
 def fill(pool: PagedKVPool, seqs: list[list[int]]) -> list[list[int]]:
@@ -63,7 +67,9 @@ def fill(pool: PagedKVPool, seqs: list[list[int]]) -> list[list[int]]:
     return tables
 
 
-def check(pool: PagedKVPool, seqs: list[list[int]], tables: list[list[int]], num_tokens: list[int]) -> int:
+def check(
+    pool: PagedKVPool, seqs: list[list[int]], tables: list[list[int]], num_tokens: list[int]
+) -> int:
     """Pages that differ from what their tokens say they hold."""
     bad = 0
     for toks, row, n in zip(seqs, tables, num_tokens, strict=True):
@@ -75,9 +81,23 @@ def check(pool: PagedKVPool, seqs: list[list[int]], tables: list[list[int]], num
 
 
 async def run(url: str, token: str, client: int, rounds: int, read_clients: int) -> dict[str, Any]:
-    remote = {"type": "remote", "url": url, "token": token, "backoff_initial_s": 0.05, "backoff_max_s": 0.5}
-    cfg = load_config({"tiers": [{"type": "gpu", "device": "cpu", "capacity_bytes": 64 << 20}, remote]}, env={})
-    report: dict[str, Any] = {"client": client, "pages_written": 0, "bad_pages": 0, "short": 0, "retrieved_tokens": 0}
+    remote = {
+        "type": "remote",
+        "url": url,
+        "token": token,
+        "backoff_initial_s": 0.05,
+        "backoff_max_s": 0.5,
+    }
+    cfg = load_config(
+        {"tiers": [{"type": "gpu", "device": "cpu", "capacity_bytes": 64 << 20}, remote]}, env={}
+    )
+    report: dict[str, Any] = {
+        "client": client,
+        "pages_written": 0,
+        "bad_pages": 0,
+        "short": 0,
+        "retrieved_tokens": 0,
+    }
     t0 = time.perf_counter()
     async with TieredStore(cfg) as store:
         for seqs in batches(client, rounds):
@@ -94,7 +114,9 @@ async def run(url: str, token: str, client: int, rounds: int, read_clients: int)
                 res = await store.retrieve(dst, seqs)
                 report["bad_pages"] += check(dst, seqs, res.block_tables, res.num_tokens)
                 full = [len(t) // SPEC.page_size * SPEC.page_size for t in seqs]
-                report["short"] += sum(1 for n, f in zip(res.num_tokens, full, strict=True) if n != f)
+                report["short"] += sum(
+                    1 for n, f in zip(res.num_tokens, full, strict=True) if n != f
+                )
                 report["retrieved_tokens"] += sum(res.num_tokens)
     report["total_s"] = time.perf_counter() - t0
     return report
@@ -106,7 +128,12 @@ def main() -> None:
     ap.add_argument("--token", default="")
     ap.add_argument("--client", type=int, required=True)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--read-clients", type=int, default=1, help="1: read back its own batches; N: those of clients 0..N-1")
+    ap.add_argument(
+        "--read-clients",
+        type=int,
+        default=1,
+        help="1: read back its own batches; N: those of clients 0..N-1",
+    )
     a = ap.parse_args()
     print(json.dumps(asyncio.run(run(a.url, a.token, a.client, a.rounds, a.read_clients))))
 

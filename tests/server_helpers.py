@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 class ServerProc:
     """``hurray-store serve`` on a cpu + disk config under ``workdir``."""
 
-    def __init__(self, workdir: Path, *, token: str = "", cpu_bytes: int = 256 << 20, **server: Any) -> None:
+    def __init__(
+        self, workdir: Path, *, token: str = "", cpu_bytes: int = 256 << 20, **server: Any
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.port = free_port()
@@ -33,7 +35,12 @@ class ServerProc:
                 {"type": "cpu", "capacity_bytes": cpu_bytes},
                 {"type": "disk", "path": "cache", "capacity_bytes": 4 << 30},
             ],
-            "server": {"port": self.port, "metrics_port": self.metrics_port, "token": token, **server},
+            "server": {
+                "port": self.port,
+                "metrics_port": self.metrics_port,
+                "token": token,
+                **server,
+            },
         }
         self.config.write_text(yaml.safe_dump(cfg))
         self.log = workdir / "server.log"
@@ -45,8 +52,19 @@ class ServerProc:
 
     def start(self) -> ServerProc:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(self.config), "--log-level", "info"],
-            stdout=self.log.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT,
+            [
+                sys.executable,
+                "-m",
+                "hurray_store.cli",
+                "serve",
+                "--config",
+                str(self.config),
+                "--log-level",
+                "info",
+            ],
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
         )
         wait_listening(self.port, self.proc, "the server", 60, self.log)
         return self
@@ -67,7 +85,14 @@ class ServerProc:
 
     def tier(self, **kw: Any) -> dict[str, Any]:
         """A remote tier entry for an engine config."""
-        return {"type": "remote", "url": self.url, "token": self.token, "backoff_initial_s": 0.05, "backoff_max_s": 0.5, **kw}
+        return {
+            "type": "remote",
+            "url": self.url,
+            "token": self.token,
+            "backoff_initial_s": 0.05,
+            "backoff_max_s": 0.5,
+            **kw,
+        }
 
 
 class Raw:

@@ -10,7 +10,14 @@ from hurray_store import KVSpec, PagedKVPool
 
 
 def spec(**kw: object) -> KVSpec:
-    base: dict = dict(model="test-model", num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float16)
+    base: dict = dict(
+        model="test-model",
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=8,
+        page_size=4,
+        dtype=torch.float16,
+    )
     base.update(kw)
     return KVSpec(**base)
 
@@ -43,11 +50,19 @@ def shared_batch(pool: PagedKVPool, prefix: list[int], tails: list[list[int]]) -
     return Batch(tokens, tables)
 
 
-def assert_pages_equal(src: PagedKVPool, src_tables: list[list[int]], dst: PagedKVPool, dst_tables: list[list[int]], num_tokens: list[int]) -> None:
+def assert_pages_equal(
+    src: PagedKVPool,
+    src_tables: list[list[int]],
+    dst: PagedKVPool,
+    dst_tables: list[list[int]],
+    num_tokens: list[int],
+) -> None:
     P = src.spec.page_size
     for s, n in enumerate(num_tokens):
         assert n % P == 0
         for i in range(n // P):
             a, b = src_tables[s][i], dst_tables[s][i]
             for li in range(src.spec.num_layers):
-                assert torch.equal(src.layers[li][:, a], dst.layers[li][:, b]), f"seq {s} page {i} layer {li}"
+                assert torch.equal(src.layers[li][:, a], dst.layers[li][:, b]), (
+                    f"seq {s} page {i} layer {li}"
+                )

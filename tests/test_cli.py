@@ -14,13 +14,25 @@ from tests.test_manifest import sample
 
 def test_inspect_layer_object(tmp_path: Path, capsys) -> None:
     p = tmp_path / "layer.hrry"
-    p.write_bytes(encode_layer(make_layer([[0, 1, 2], [0, 1, 3], [4]], 5, layer_index=6), quantization="int8"))
+    p.write_bytes(
+        encode_layer(make_layer([[0, 1, 2], [0, 1, 3], [4]], 5, layer_index=6), quantization="int8")
+    )
     assert main(["inspect", str(p)]) == 0
     out = capsys.readouterr().out
-    for needle in ("0x0A (block-paged)", "kv_role        key", "kv_role        value", "layer          6",
-                   "dtype          int8", "shape          [28, 2, 8]", "page_size      4", "num_pages      5",
-                   "num_seqs       3", "index type     uint32", "PerBlockAffine",
-                   "7 block-table entries over 5 distinct pages"):
+    for needle in (
+        "0x0A (block-paged)",
+        "kv_role        key",
+        "kv_role        value",
+        "layer          6",
+        "dtype          int8",
+        "shape          [28, 2, 8]",
+        "page_size      4",
+        "num_pages      5",
+        "num_seqs       3",
+        "index type     uint32",
+        "PerBlockAffine",
+        "7 block-table entries over 5 distinct pages",
+    ):
         assert needle in out, needle
 
 
@@ -35,7 +47,11 @@ def test_inspect_manifest(tmp_path: Path, capsys) -> None:
 def test_inspect_bad_file_prints_one_line(tmp_path: Path) -> None:
     p = tmp_path / "bad.hrry"
     p.write_bytes(encode_layer(make_layer([[0, 1]], 2))[:-3])
-    r = subprocess.run([sys.executable, "-m", "hurray_store.cli", "inspect", str(p)], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "hurray_store.cli", "inspect", str(p)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1
     assert r.stdout == ""
     lines = r.stderr.strip().splitlines()
@@ -48,7 +64,24 @@ def test_inspect_missing_file(tmp_path: Path, capsys) -> None:
 
 
 def test_demo_runs_and_checks(capsys) -> None:
-    assert main(["codec-demo", "--layers", "2", "--seqs", "3", "--tokens", "64", "--heads", "2", "--dim", "8"]) == 0
+    assert (
+        main(
+            [
+                "codec-demo",
+                "--layers",
+                "2",
+                "--seqs",
+                "3",
+                "--tokens",
+                "64",
+                "--heads",
+                "2",
+                "--dim",
+                "8",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "distinct pages stored" in out and out.count(" ok") == 2
 
@@ -56,7 +89,12 @@ def test_demo_runs_and_checks(capsys) -> None:
 def test_serve_with_a_bad_config_names_the_key(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("tiers: [{type: cpu, capacity_bytes: 1024}]\nserver: {port: 99999}\n")
-    r = subprocess.run([sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "server.port" in r.stderr
 
 
@@ -66,9 +104,24 @@ def test_serve_on_a_taken_port_says_so(tmp_path: Path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         cfg = tmp_path / "c.yaml"
-        cfg.write_text("tiers: [{type: cpu, capacity_bytes: 1048576}]\nserver: {metrics_port: null}\n")
-        r = subprocess.run([sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(cfg), "--port", str(port)],
-                           capture_output=True, text=True, timeout=60)
+        cfg.write_text(
+            "tiers: [{type: cpu, capacity_bytes: 1048576}]\nserver: {metrics_port: null}\n"
+        )
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hurray_store.cli",
+                "serve",
+                "--config",
+                str(cfg),
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert r.returncode == 1 and "cannot listen" in r.stderr
 
 
@@ -82,6 +135,14 @@ def test_stats_with_no_server(capsys) -> None:
 def test_server_token_from_the_environment() -> None:
     from hurray_store.config import load_config
 
-    raw = {"tiers": [{"type": "cpu", "capacity_bytes": 1}, {"type": "remote", "url": "hurray://127.0.0.1:1"}]}
-    cfg = load_config(raw, env={"HURRAY_STORE__SERVER__TOKEN": "from-env", "HURRAY_STORE__TIERS__REMOTE__TOKEN": "t2"})
+    raw = {
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": 1},
+            {"type": "remote", "url": "hurray://127.0.0.1:1"},
+        ]
+    }
+    cfg = load_config(
+        raw,
+        env={"HURRAY_STORE__SERVER__TOKEN": "from-env", "HURRAY_STORE__TIERS__REMOTE__TOKEN": "t2"},
+    )
     assert cfg.server.token == "from-env" and cfg.tiers[1].token == "t2"  # type: ignore[union-attr]

@@ -17,7 +17,9 @@ from hurray_store.config import (
 from hurray_store.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
-LMCACHE_CONFIG = ROOT / "configs/lmcache.yaml"  # LMCache's own config, tested in test_lmcache_plugin
+LMCACHE_CONFIG = (
+    ROOT / "configs/lmcache.yaml"
+)  # LMCache's own config, tested in test_lmcache_plugin
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p != LMCACHE_CONFIG)
 
 
@@ -52,17 +54,38 @@ def test_relative_paths_resolve_against_the_files_folder(tmp_path: Path) -> None
         ({"tiers": [{"type": "tape", "capacity_bytes": 1}]}, "tiers.tape.type"),
         ({"tiers": [{"type": "remote"}]}, "tiers.remote.url"),
         ({"tiers": [{"type": "remote", "url": "redis://h:1"}]}, "tiers.remote.url"),
-        ({"tiers": [{"type": "cpu", "capacity_bytes": 1}], "server": {"port": 70000}}, "server.port"),
-        ({"tiers": [{"type": "cpu", "capacity_bytes": 1}], "server": {"max_message_bytes": 100}}, "server.max_message_bytes"),
-        ({"tiers": [{"type": "cpu", "capacity_bytes": 1}], "server": {"max_object_bytes": 1 << 40}}, "server.max_object_bytes"),
+        (
+            {"tiers": [{"type": "cpu", "capacity_bytes": 1}], "server": {"port": 70000}},
+            "server.port",
+        ),
+        (
+            {"tiers": [{"type": "cpu", "capacity_bytes": 1}], "server": {"max_message_bytes": 100}},
+            "server.max_message_bytes",
+        ),
+        (
+            {
+                "tiers": [{"type": "cpu", "capacity_bytes": 1}],
+                "server": {"max_object_bytes": 1 << 40},
+            },
+            "server.max_object_bytes",
+        ),
         ({"tiers": [{"type": "cpu", "capacity_bytes": 1}], "server": {"tokn": "x"}}, "server.tokn"),
-        ({"tiers": [{"type": "disk", "capacity_bytes": 1, "path": "x", "fsync": "yes"}]}, "tiers.disk.fsync"),
+        (
+            {"tiers": [{"type": "disk", "capacity_bytes": 1, "path": "x", "fsync": "yes"}]},
+            "tiers.disk.fsync",
+        ),
         ({"tiers": [{"type": "redis", "url": "redis://h", "ttl_s": -5}]}, "tiers.redis.ttl_s"),
-        ({"tiers": [{"type": "cpu", "capacity_bytes": 1}], "policy": {"write_mode": "sideways"}}, "policy.write_mode"),
+        (
+            {"tiers": [{"type": "cpu", "capacity_bytes": 1}], "policy": {"write_mode": "sideways"}},
+            "policy.write_mode",
+        ),
         ({"tiers": [{"type": "cpu", "capacity_bytes": 1}], "quantization": "int4"}, "quantization"),
         ({"tiers": []}, "tiers"),
         ({}, "tiers"),
-        ({"tiers": [{"type": "cpu", "capacity_bytes": 1}, {"type": "cpu", "capacity_bytes": 1}]}, "tiers.cpu.name"),
+        (
+            {"tiers": [{"type": "cpu", "capacity_bytes": 1}, {"type": "cpu", "capacity_bytes": 1}]},
+            "tiers.cpu.name",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -107,12 +130,21 @@ def test_env_override_of_an_unknown_key_or_tier_is_an_error() -> None:
 
 def test_redis_defaults() -> None:
     (r,) = load_config({"tiers": [{"type": "redis", "url": "redis://127.0.0.1:1"}]}, env={}).tiers
-    assert isinstance(r, RedisTierConfig) and r.name == "redis" and r.capacity_bytes is None and r.ttl_s is None
+    assert (
+        isinstance(r, RedisTierConfig)
+        and r.name == "redis"
+        and r.capacity_bytes is None
+        and r.ttl_s is None
+    )
 
 
 def test_every_key_is_documented_in_docs_config_md() -> None:
     doc = (ROOT / "docs/config.md").read_text()
-    missing = [key for key, _, _ in schema() if f"`{key}`" not in doc and f"`{key.split('.')[-1]}`" not in doc]
+    missing = [
+        key
+        for key, _, _ in schema()
+        if f"`{key}`" not in doc and f"`{key.split('.')[-1]}`" not in doc
+    ]
     assert not missing, f"docs/config.md lacks {missing}"
     for key, _, text in schema():
         assert text, f"{key} has no doc string"

@@ -43,7 +43,9 @@ def test_python_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.Monke
 
     async def run_all() -> None:
         for line, src in python_blocks(path):
-            code: CodeType = compile(src, f"{path.name}:{line}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+            code: CodeType = compile(
+                src, f"{path.name}:{line}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+            )
             result = eval(code, namespace)  # noqa: S307 - the project's own documents
             if asyncio.iscoroutine(result):
                 await result

@@ -48,18 +48,28 @@ async def stored_segment(tmp_path: Path, tails: list[list[int]], **spec_kw: Any)
     async with await open_store(disk_cfg(tmp_path)) as store:
         await store.put(src, b.tokens, b.tables)
         (seg,) = store.catalog.segments()
-        keys = [lay.key for lay in store.catalog.cached_manifest(seg).layers] + [store.catalog.key(seg).manifest]
+        keys = [lay.key for lay in store.catalog.cached_manifest(seg).layers] + [
+            store.catalog.key(seg).manifest
+        ]
         paths = {k: store.tiers[0].path_of(k) for k in keys}  # type: ignore[attr-defined]
         return Stored(sp, src, b.tokens, b.tables, seg, store.catalog.cached_manifest(seg), paths)
 
 
-async def test_redis_killed_mid_run_degrades_to_misses_and_recovers(redis_fresh: RedisProc, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_redis_killed_mid_run_degrades_to_misses_and_recovers(
+    redis_fresh: RedisProc, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     sp = spec()
     src = random_pool(sp, 512)
     cfg = {
         "tiers": [
             {"type": "cpu", "capacity_bytes": 1 << 30},
-            {"type": "redis", "url": redis_fresh.url, "timeout_s": 0.5, "backoff_initial_s": 0.05, "backoff_max_s": 0.1},
+            {
+                "type": "redis",
+                "url": redis_fresh.url,
+                "timeout_s": 0.5,
+                "backoff_initial_s": 0.05,
+                "backoff_max_s": 0.1,
+            },
         ]
     }
     batches = [shared_batch(src, [g] * 16, [[g] * 4]) for g in range(4)]
@@ -89,12 +99,18 @@ async def test_redis_killed_mid_run_degrades_to_misses_and_recovers(redis_fresh:
         assert store.stats()["tiers"]["redis"]["available"]
         await store.put(src, batches[3].tokens, batches[3].tables)
         await store.flush()
-        (seg3,) = store.catalog.longest_prefix(page_hashes(sp, batches[3].tokens[0])).segment_ids[:1]
+        (seg3,) = store.catalog.longest_prefix(page_hashes(sp, batches[3].tokens[0])).segment_ids[
+            :1
+        ]
         keys = redis_fresh.cli("--scan", "--pattern", "hurray:*").split()
-        assert f"hurray:{store.catalog.key(seg3).manifest}" in keys, "writes resumed after Redis came back"
+        assert f"hurray:{store.catalog.key(seg3).manifest}" in keys, (
+            "writes resumed after Redis came back"
+        )
 
 
-async def test_corrupt_layer_object_on_disk_is_a_miss_quarantined_and_counted(tmp_path: Path) -> None:
+async def test_corrupt_layer_object_on_disk_is_a_miss_quarantined_and_counted(
+    tmp_path: Path,
+) -> None:
     st = await stored_segment(tmp_path, [[1] * 8], num_layers=2)  # 6 pages, one segment
     m, sp, b = st.manifest, st.sp, st
     path = st.paths[m.layers[1].key]
@@ -111,7 +127,9 @@ async def test_corrupt_layer_object_on_disk_is_a_miss_quarantined_and_counted(tm
         stats = store.stats()
         assert stats["tiers"]["disk"]["verification_failures"] == 1 and stats["segments"] == 0
         await store.flush()
-    assert [p.name.split(".")[0] for p in (tmp_path / "quarantine").iterdir()] == [path.name.split(".")[0]]
+    assert [p.name.split(".")[0] for p in (tmp_path / "quarantine").iterdir()] == [
+        path.name.split(".")[0]
+    ]
     assert not path.exists()
     async with await open_store(disk_cfg(tmp_path)) as store:
         assert await store.lookup(sp, b.tokens) == [0]
@@ -136,12 +154,18 @@ async def test_writer_killed_between_layers_and_manifest_leaves_no_segment(tmp_p
             sp = spec()
             src = random_pool(sp)
             b = shared_batch(src, list(range(500, 516)), [[1] * 8])
-            store = await open_store({{"tiers": [{{"type": "disk", "path": {str(tmp_path)!r}, "capacity_bytes": 1 << 30}}]}})
+            disk = {{"type": "disk", "path": {str(tmp_path)!r}, "capacity_bytes": 1 << 30}}
+            store = await open_store({{"tiers": [disk]}})
             await store.put(src, b.tokens, b.tables)
         asyncio.run(main())
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        timeout=120,
+    )
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     left = [p for p in (tmp_path / "objects").rglob("*") if p.is_file()]
     assert len(left) == 3  # three layer objects, no manifest
@@ -152,7 +176,9 @@ async def test_writer_killed_between_layers_and_manifest_leaves_no_segment(tmp_p
     assert not [p for p in (tmp_path / "objects").rglob("*") if p.is_file()], "leftovers cleaned"
 
 
-async def test_full_disk_tier_evicts_and_refuses_what_never_fits(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_full_disk_tier_evicts_and_refuses_what_never_fits(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     sp = spec()
     src = random_pool(sp, 512)
     batches = [shared_batch(src, [g] * 16, [[]]) for g in range(5)]
@@ -203,13 +229,18 @@ async def test_a_manifest_with_a_bad_checksum_is_quarantined_at_open(tmp_path: P
     raw[40] ^= 1
     mpath.write_bytes(bytes(raw))
     async with await open_store(disk_cfg(tmp_path)) as store:
-        assert store.stats()["segments"] == 0 and store.stats()["tiers"]["disk"]["verification_failures"] == 1
+        assert (
+            store.stats()["segments"] == 0
+            and store.stats()["tiers"]["disk"]["verification_failures"] == 1
+        )
         assert await store.lookup(st.sp, st.tokens) == [0]
     assert len(list((tmp_path / "quarantine").iterdir())) == 1
 
 
 @pytest.mark.parametrize("backend", ["disk", "redis"])
-async def test_restart_finds_every_committed_segment(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+async def test_restart_finds_every_committed_segment(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     sp = spec()
     src = random_pool(sp, 1024)
     if backend == "disk":
@@ -218,7 +249,9 @@ async def test_restart_finds_every_committed_segment(backend: str, tmp_path: Pat
         r: RedisProc = request.getfixturevalue("redis_fresh")
         lower = {"type": "redis", "url": r.url}
     cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, lower]}
-    batches = [shared_batch(src, [g, g + 1] * 10, [[g] * 7, [g + 3] * 9, []]) for g in range(0, 40, 2)]
+    batches = [
+        shared_batch(src, [g, g + 1] * 10, [[g] * 7, [g + 3] * 9, []]) for g in range(0, 40, 2)
+    ]
     async with await open_store(cfg) as store:
         for b in batches:
             await store.put(src, b.tokens, b.tables)
@@ -232,13 +265,20 @@ async def test_restart_finds_every_committed_segment(backend: str, tmp_path: Pat
             assert_pages_equal(src, b.tables, dst, got.block_tables, got.num_tokens)
 
 
-async def test_redis_down_at_open_is_a_warning_not_a_failure(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_redis_down_at_open_is_a_warning_not_a_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from tests.conftest import free_port
 
     sp = spec()
     src = random_pool(sp)
     b = shared_batch(src, PREFIX, [[]])
-    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, {"type": "redis", "url": f"redis://127.0.0.1:{free_port()}", "timeout_s": 0.3}]}
+    cfg = {
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": 1 << 30},
+            {"type": "redis", "url": f"redis://127.0.0.1:{free_port()}", "timeout_s": 0.3},
+        ]
+    }
     with caplog.at_level(logging.WARNING):
         async with await open_store(cfg) as store:
             assert (await store.put(src, b.tokens, b.tables)).pages_written == 4
@@ -254,7 +294,9 @@ async def test_manifest_bytes_are_what_the_store_parses(tmp_path: Path) -> None:
     assert Manifest.from_bytes(raw).to_bytes() == raw == st.manifest.to_bytes()
 
 
-async def test_corrupt_descriptor_byte_fails_a_whole_read_and_is_not_promoted(tmp_path: Path) -> None:
+async def test_corrupt_descriptor_byte_fails_a_whole_read_and_is_not_promoted(
+    tmp_path: Path,
+) -> None:
     st = await stored_segment(tmp_path, [[1] * 8], num_layers=2)
     path = st.paths[st.manifest.layers[0].key]
     raw = bytearray(path.read_bytes())
@@ -267,7 +309,9 @@ async def test_corrupt_descriptor_byte_fails_a_whole_read_and_is_not_promoted(tm
         await store.flush()
         assert got.num_tokens == [0] and dst.num_free == 16
         stats = store.stats()["tiers"]
-        assert stats["disk"]["verification_failures"] == 1 and stats["cpu"]["objects"] == 0  # nothing promoted
+        assert (
+            stats["disk"]["verification_failures"] == 1 and stats["cpu"]["objects"] == 0
+        )  # nothing promoted
 
 
 async def test_object_checksum_is_recomputable_from_the_object_alone(tmp_path: Path) -> None:
@@ -280,9 +324,23 @@ async def test_object_checksum_is_recomputable_from_the_object_alone(tmp_path: P
     pb = m.page_bytes
     for pos, lay in enumerate(m.layers):
         raw = st.paths[lay.key].read_bytes()
-        ks = [xxhash.xxh3_64_intdigest(raw[lay.key_pool_offset + p * pb : lay.key_pool_offset + (p + 1) * pb]) for p in range(m.num_pages)]
-        vs = [xxhash.xxh3_64_intdigest(raw[lay.value_pool_offset + p * pb : lay.value_pool_offset + (p + 1) * pb]) for p in range(m.num_pages)]
+        ks = [
+            xxhash.xxh3_64_intdigest(
+                raw[lay.key_pool_offset + p * pb : lay.key_pool_offset + (p + 1) * pb]
+            )
+            for p in range(m.num_pages)
+        ]
+        vs = [
+            xxhash.xxh3_64_intdigest(
+                raw[lay.value_pool_offset + p * pb : lay.value_pool_offset + (p + 1) * pb]
+            )
+            for p in range(m.num_pages)
+        ]
         assert tuple(ks) == lay.key_page_checksums and tuple(vs) == lay.value_page_checksums
         fixed = [raw[o : o + n] for o, n in m.fixed_ranges(pos)]
-        assert sum(n for _, n in m.fixed_ranges(pos)) + 2 * m.num_pages * pb == lay.object_size == len(raw)
+        assert (
+            sum(n for _, n in m.fixed_ranges(pos)) + 2 * m.num_pages * pb
+            == lay.object_size
+            == len(raw)
+        )
         assert object_checksum(fixed, ks, vs) == lay.object_checksum

@@ -100,8 +100,12 @@ def test_single_bit_flips_in_header_and_index_buffers(obj: bytes) -> None:
     k_bt = descriptor_len(obj) + sizes[0]
     v_start = key_end(obj)
     v_bt = v_start + descriptor_len(obj, v_start) + sizes[0]
-    regions = [(0, descriptor_len(obj)), (k_bt, sizes[1] + sizes[2]), (v_start, descriptor_len(obj, v_start)),
-               (v_bt, sizes[1] + sizes[2])]
+    regions = [
+        (0, descriptor_len(obj)),
+        (k_bt, sizes[1] + sizes[2]),
+        (v_start, descriptor_len(obj, v_start)),
+        (v_bt, sizes[1] + sizes[2]),
+    ]
     outcomes: dict[str, int] = {}
     for start, length in regions:
         for byte in range(start, start + length):
@@ -120,13 +124,19 @@ def test_single_bit_flips_in_header_and_index_buffers(obj: bytes) -> None:
 
 
 def test_page_id_equal_to_num_pages() -> None:
-    bad = hurray_stream(hurray_tensor(role="key", block_table=[0, 5, 0]), hurray_tensor(role="value", block_table=[0, 5, 0]))
+    bad = hurray_stream(
+        hurray_tensor(role="key", block_table=[0, 5, 0]),
+        hurray_tensor(role="value", block_table=[0, 5, 0]),
+    )
     err = decode_raises(bad, errors.PageIdError)
     assert "block_table[1] = 5" in str(err) and "num_pages = 5" in str(err)
 
 
 def test_page_id_out_of_range_accepted_when_permissive_but_never_read() -> None:
-    bad = hurray_stream(hurray_tensor(role="key", block_table=[0, 5, 0]), hurray_tensor(role="value", block_table=[0, 5, 0]))
+    bad = hurray_stream(
+        hurray_tensor(role="key", block_table=[0, 5, 0]),
+        hurray_tensor(role="value", block_table=[0, 5, 0]),
+    )
     out = decode_layer(bad, permissive=True)
     assert out.block_table.tolist() == [0, 5, 0]
     with pytest.raises(IndexError):
@@ -135,27 +145,40 @@ def test_page_id_out_of_range_accepted_when_permissive_but_never_read() -> None:
 
 def test_seq_ptr_decreasing() -> None:
     t = dict(block_table=[0, 1, 0], seq_ptr=[0, 2, 1, 3])
-    err = decode_raises(hurray_stream(hurray_tensor(role="key", **t), hurray_tensor(role="value", **t)), errors.SeqPtrError)
+    err = decode_raises(
+        hurray_stream(hurray_tensor(role="key", **t), hurray_tensor(role="value", **t)),
+        errors.SeqPtrError,
+    )
     assert "non-decreasing" in str(err)
 
 
 def test_seq_ptr_first_not_zero() -> None:
     t = dict(block_table=[0, 1, 0], seq_ptr=[1, 2, 3])
-    decode_raises(hurray_stream(hurray_tensor(role="key", **t), hurray_tensor(role="value", **t)), errors.SeqPtrError)
+    decode_raises(
+        hurray_stream(hurray_tensor(role="key", **t), hurray_tensor(role="value", **t)),
+        errors.SeqPtrError,
+    )
 
 
 def test_seq_ptr_last_wrong() -> None:
     t = dict(block_table=[0, 1, 0], seq_ptr=[0, 2, 2])
-    err = decode_raises(hurray_stream(hurray_tensor(role="key", **t), hurray_tensor(role="value", **t)), errors.SeqPtrError)
+    err = decode_raises(
+        hurray_stream(hurray_tensor(role="key", **t), hurray_tensor(role="value", **t)),
+        errors.SeqPtrError,
+    )
     assert "len(block_table) = 3" in str(err)
 
 
 def test_rank_2(obj: bytes) -> None:
-    decode_raises(rewrite_key_descriptor(obj, set_rank(obj[: descriptor_len(obj)], 2)), errors.RankError)
+    decode_raises(
+        rewrite_key_descriptor(obj, set_rank(obj[: descriptor_len(obj)], 2)), errors.RankError
+    )
 
 
 def test_rank_4(obj: bytes) -> None:
-    decode_raises(rewrite_key_descriptor(obj, set_rank(obj[: descriptor_len(obj)], 4)), errors.RankError)
+    decode_raises(
+        rewrite_key_descriptor(obj, set_rank(obj[: descriptor_len(obj)], 4)), errors.RankError
+    )
 
 
 def test_roles_swapped() -> None:
@@ -165,11 +188,15 @@ def test_roles_swapped() -> None:
 
 
 def test_role_repeated() -> None:
-    decode_raises(hurray_stream(hurray_tensor(role="key"), hurray_tensor(role="key")), errors.RoleError)
+    decode_raises(
+        hurray_stream(hurray_tensor(role="key"), hurray_tensor(role="key")), errors.RoleError
+    )
 
 
 def test_fused_role_rejected() -> None:
-    decode_raises(hurray_stream(hurray_tensor(role="key"), hurray_tensor(role="fused")), errors.RoleError)
+    decode_raises(
+        hurray_stream(hurray_tensor(role="key"), hurray_tensor(role="fused")), errors.RoleError
+    )
 
 
 def test_mismatched_layers() -> None:
@@ -179,22 +206,31 @@ def test_mismatched_layers() -> None:
 
 
 def test_mismatched_block_tables() -> None:
-    bad = hurray_stream(hurray_tensor(role="key", block_table=[0, 1, 0]), hurray_tensor(role="value", block_table=[0, 1, 1]))
+    bad = hurray_stream(
+        hurray_tensor(role="key", block_table=[0, 1, 0]),
+        hurray_tensor(role="value", block_table=[0, 1, 1]),
+    )
     decode_raises(bad, errors.PagingMismatchError)
 
 
 def test_mismatched_page_size() -> None:
-    bad = hurray_stream(hurray_tensor(role="key"), hurray_tensor(role="value", page_size=2, num_pages=10))
+    bad = hurray_stream(
+        hurray_tensor(role="key"), hurray_tensor(role="value", page_size=2, num_pages=10)
+    )
     decode_raises(bad, errors.PagingMismatchError)
 
 
 def test_mismatched_dtypes() -> None:
-    bad = hurray_stream(hurray_tensor(role="key"), hurray_tensor(role="value", dtype=hurray.bfloat16))
+    bad = hurray_stream(
+        hurray_tensor(role="key"), hurray_tensor(role="value", dtype=hurray.bfloat16)
+    )
     decode_raises(bad, errors.PagingMismatchError)
 
 
 def test_a_shard(obj: bytes) -> None:
-    err = decode_raises(rewrite_key_descriptor(obj, add_shard(obj[: descriptor_len(obj)])), errors.ShardError)
+    err = decode_raises(
+        rewrite_key_descriptor(obj, add_shard(obj[: descriptor_len(obj)])), errors.ShardError
+    )
     assert "shard" in str(err)
 
 
@@ -208,12 +244,17 @@ def test_not_block_paged() -> None:
 
 
 def test_unsupported_dtype() -> None:
-    bad = hurray_stream(hurray_tensor(role="key", dtype=hurray.int32, elem=4), hurray_tensor(role="value", dtype=hurray.int32, elem=4))
+    bad = hurray_stream(
+        hurray_tensor(role="key", dtype=hurray.int32, elem=4),
+        hurray_tensor(role="value", dtype=hurray.int32, elem=4),
+    )
     decode_raises(bad, errors.DtypeError)
 
 
 def _quantized(role: str, q) -> hurray.Tensor:
-    return hurray_tensor(role=role, dtype=hurray.int8, elem=1, quantization=q, scales=bytes(5 * 4 * 2))
+    return hurray_tensor(
+        role=role, dtype=hurray.int8, elem=1, quantization=q, scales=bytes(5 * 4 * 2)
+    )
 
 
 def test_quantization_block_size_not_page_size() -> None:
@@ -230,7 +271,12 @@ def test_quantization_block_size_not_page_size() -> None:
 
 def test_quantization_per_channel_on_the_paged_axis() -> None:
     q = hurray.PerChannelAffine.symmetric(axis=1, scale_buffer_index=3)
-    t = lambda role: hurray_tensor(role=role, dtype=hurray.int8, elem=1, quantization=q, scales=bytes(2 * 2))  # noqa: E731
+
+    def t(role: str) -> hurray.Tensor:
+        return hurray_tensor(
+            role=role, dtype=hurray.int8, elem=1, quantization=q, scales=bytes(2 * 2)
+        )
+
     good = hurray_stream(t("key"), t("value"))
     decode_raises(good, errors.UnsupportedQuantizationError)  # legal, but not ours to dequantize
     section = 85 + 4 * 16 + 4
@@ -240,7 +286,10 @@ def test_quantization_per_channel_on_the_paged_axis() -> None:
 
 def test_quantization_scales_wrong_size() -> None:
     q = hurray.PerBlockAffine.symmetric(0, 4, 3, hurray.float16)
-    t = lambda role: hurray_tensor(role=role, dtype=hurray.int8, elem=1, quantization=q, scales=bytes(6))  # noqa: E731
+
+    def t(role: str) -> hurray.Tensor:
+        return hurray_tensor(role=role, dtype=hurray.int8, elem=1, quantization=q, scales=bytes(6))
+
     decode_raises(hurray_stream(t("key"), t("value")), errors.BufferSizeError)
 
 
@@ -276,7 +325,10 @@ def test_declared_pool_far_larger_than_input_with_consistent_fields(obj: bytes) 
 
 def test_huge_block_table_index_type_u64_values() -> None:
     t = dict(index_type="uint64", block_table=[0, 2**63 + 1, 0])
-    decode_raises(hurray_stream(hurray_tensor(role="key", **t), hurray_tensor(role="value", **t)), errors.PageIdError)
+    decode_raises(
+        hurray_stream(hurray_tensor(role="key", **t), hurray_tensor(role="value", **t)),
+        errors.PageIdError,
+    )
 
 
 def test_nothing_but_format_errors_from_random_inputs() -> None:

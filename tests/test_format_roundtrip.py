@@ -37,8 +37,14 @@ def layers(draw):
     layer_index = draw(st.integers(0, 200))
     seed = draw(st.integers(0, 2**16))
     return make_layer(
-        tables, num_pages, page_size=page_size, heads=heads, dim=dim, dtype=dtype,
-        layer_index=layer_index, seed=seed,
+        tables,
+        num_pages,
+        page_size=page_size,
+        heads=heads,
+        dim=dim,
+        dtype=dtype,
+        layer_index=layer_index,
+        seed=seed,
     )
 
 
@@ -88,8 +94,20 @@ def test_pyhurray_stream_reader_reads_our_bytes(dtype, quant) -> None:
     assert [t.layout.kv_role for t in tensors] == ["key", "value"]
     for t, src in zip(tensors, (layer.keys, layer.values), strict=True):
         lay = t.layout
-        assert (lay.tag, lay.page_size, lay.num_pages, lay.num_seqs, lay.paged_axis, lay.layer_index) == (
-            0x0A, 4, 5, 3, 0, 7,
+        assert (
+            lay.tag,
+            lay.page_size,
+            lay.num_pages,
+            lay.num_seqs,
+            lay.paged_axis,
+            lay.layer_index,
+        ) == (
+            0x0A,
+            4,
+            5,
+            3,
+            0,
+            7,
         )
         assert lay.block_table_index_type == "uint32"
         assert t.shape == (5 * 4, 2, 8)
@@ -122,7 +140,8 @@ def test_we_read_streams_built_with_pyhurray() -> None:
 
 def test_pyhurray_built_uint64_index_stream_is_read() -> None:
     obj = hurray_stream(
-        hurray_tensor(role="key", index_type="uint64"), hurray_tensor(role="value", index_type="uint64")
+        hurray_tensor(role="key", index_type="uint64"),
+        hurray_tensor(role="value", index_type="uint64"),
     )
     out = decode_layer(obj)
     assert out.block_table.tolist() == [0, 1, 0]
@@ -133,10 +152,22 @@ def test_our_descriptors_equal_pyhurray_built_ones() -> None:
     layer = make_layer([[0, 1, 2, 2], [4]], 6, page_size=4, heads=2, dim=8, layer_index=9)
     obj = encode_layer(layer)
     ref = hurray_stream(
-        hurray_tensor(role="key", layer=9, num_pages=6, block_table=[0, 1, 2, 2, 4], seq_ptr=[0, 4, 5],
-                      pool=layer.keys.numpy().tobytes()),
-        hurray_tensor(role="value", layer=9, num_pages=6, block_table=[0, 1, 2, 2, 4], seq_ptr=[0, 4, 5],
-                      pool=layer.values.numpy().tobytes()),
+        hurray_tensor(
+            role="key",
+            layer=9,
+            num_pages=6,
+            block_table=[0, 1, 2, 2, 4],
+            seq_ptr=[0, 4, 5],
+            pool=layer.keys.numpy().tobytes(),
+        ),
+        hurray_tensor(
+            role="value",
+            layer=9,
+            num_pages=6,
+            block_table=[0, 1, 2, 2, 4],
+            seq_ptr=[0, 4, 5],
+            pool=layer.values.numpy().tobytes(),
+        ),
     )
     assert obj == ref
 
@@ -198,4 +229,10 @@ def test_encoder_rejects_invalid_layers() -> None:
     with pytest.raises(errors.QuantizationError, match="power of two"):
         encode_layer(make_layer([[0]], 1, page_size=3), quantization="int8")
     with pytest.raises(ValueError, match="values must match keys"):
-        LayerKV(0, torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 4), torch.tensor([0]), torch.tensor([0, 1]))
+        LayerKV(
+            0,
+            torch.zeros(1, 4, 2, 8),
+            torch.zeros(1, 4, 2, 4),
+            torch.tensor([0]),
+            torch.tensor([0, 1]),
+        )

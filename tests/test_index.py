@@ -31,7 +31,10 @@ def test_first_writer_wins_and_duplicates_in_a_batch() -> None:
     idx = PrefixIndex()
     idx.insert(b"a", 0, 0, [h(1)])
     assert idx.insert(b"b", 2, 7, [h(1), h(2), h(2)]) == 1
-    assert idx.longest_prefix([h(1), h(2)]).locations == [PageLocation(b"a", 0, 0), PageLocation(b"b", 2, 8)]
+    assert idx.longest_prefix([h(1), h(2)]).locations == [
+        PageLocation(b"a", 0, 0),
+        PageLocation(b"b", 2, 8),
+    ]
 
 
 def test_remove_segment_and_reinsert() -> None:
@@ -67,7 +70,12 @@ def test_memory_per_page_is_compact() -> None:
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("insert"), st.integers(0, 5), st.integers(0, 3), st.lists(st.integers(0, 60), max_size=12)),
+        st.tuples(
+            st.just("insert"),
+            st.integers(0, 5),
+            st.integers(0, 3),
+            st.lists(st.integers(0, 60), max_size=12),
+        ),
         st.tuples(st.just("remove"), st.integers(0, 5)),
     ),
     max_size=40,

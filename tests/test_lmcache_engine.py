@@ -50,29 +50,47 @@ class PagedTorchConnector(GPUConnectorInterface):
         for o, a, b in zip(memory_objs, starts, ends, strict=True):
             self.from_gpu(o, a, b, **kw)
 
-    def batched_to_gpu(self, memory_objs: Any = None, starts: Any = None, ends: Any = None, **kw: Any) -> None:
+    def batched_to_gpu(
+        self, memory_objs: Any = None, starts: Any = None, ends: Any = None, **kw: Any
+    ) -> None:
         for o, a, b in zip(memory_objs, starts, ends, strict=True):
             self.to_gpu(o, a, b, **kw)
 
 
 @pytest.fixture
 def engines(tmp_path: Path) -> Iterator[Any]:
-    (tmp_path / "h.yaml").write_text(f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n")
+    (tmp_path / "h.yaml").write_text(
+        f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"
+    )
     names: list[str] = []
 
     def make() -> Any:
-        cfg = LMCacheEngineConfig.from_dict({
-            "chunk_size": CHUNK, "local_cpu": False, "max_local_cpu_size": 0.25, "storage_plugins": ["hurray"],
-            "extra_config": {
-                "storage_plugin.hurray.module_path": "hurray_store.adapters.lmcache",
-                "storage_plugin.hurray.class_name": "HurrayStoragePlugin",
-                "storage_plugin.hurray.config": str(tmp_path / "h.yaml"),
-            },
-        })
-        md = LMCacheMetadata(model_name="tiny", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-                             kv_dtype=torch.float16, kv_shape=(L, 2, CHUNK, H, D))
+        cfg = LMCacheEngineConfig.from_dict(
+            {
+                "chunk_size": CHUNK,
+                "local_cpu": False,
+                "max_local_cpu_size": 0.25,
+                "storage_plugins": ["hurray"],
+                "extra_config": {
+                    "storage_plugin.hurray.module_path": "hurray_store.adapters.lmcache",
+                    "storage_plugin.hurray.class_name": "HurrayStoragePlugin",
+                    "storage_plugin.hurray.config": str(tmp_path / "h.yaml"),
+                },
+            }
+        )
+        md = LMCacheMetadata(
+            model_name="tiny",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.float16,
+            kv_shape=(L, 2, CHUNK, H, D),
+        )
         name = f"test-{uuid.uuid4().hex[:8]}"
-        eng = LMCacheEngineBuilder.get_or_create(name, cfg, md, PagedTorchConnector(), lambda t, r: None, lambda o, r: o)
+        eng = LMCacheEngineBuilder.get_or_create(
+            name, cfg, md, PagedTorchConnector(), lambda t, r: None, lambda o, r: o
+        )
         names.append(name)
         eng.post_init()
         return eng
@@ -85,7 +103,11 @@ def engines(tmp_path: Path) -> Iterator[Any]:
 
 
 def plugin(eng: Any) -> HurrayStoragePlugin:
-    found = [b for b in eng.storage_manager.storage_backends.values() if isinstance(b, HurrayStoragePlugin)]
+    found = [
+        b
+        for b in eng.storage_manager.storage_backends.values()
+        if isinstance(b, HurrayStoragePlugin)
+    ]
     assert found, "LMCache swallowed a plugin load error: the plugin is not among the backends"
     return found[0]
 
@@ -93,13 +115,18 @@ def plugin(eng: Any) -> HurrayStoragePlugin:
 def test_store_lookup_retrieve_into_other_pages_and_restart(engines: Any) -> None:
     eng = engines()
     p = plugin(eng)
-    assert [type(b).__name__ for b in eng.storage_manager.storage_backends.values()] == ["LocalCPUBackend", "HurrayStoragePlugin"]
+    assert [type(b).__name__ for b in eng.storage_manager.storage_backends.values()] == [
+        "LocalCPUBackend",
+        "HurrayStoragePlugin",
+    ]
     g = torch.Generator().manual_seed(0)
     src = [torch.randn((2, BLOCKS, P, H, D), generator=g).half() for _ in range(L)]
     a = list(range(1000, 1200))  # 3 full chunks + 8 tokens
     b = a[:64] + list(range(5000, 5128))  # shares its first chunk with a
     slots_a = torch.arange(0, 200)
-    slots_b = torch.cat([torch.arange(0, 64), torch.arange(256, 384)])  # the shared chunk's pages too
+    slots_b = torch.cat(
+        [torch.arange(0, 64), torch.arange(256, 384)]
+    )  # the shared chunk's pages too
     eng.store(torch.tensor(a), slot_mapping=slots_a, kvcaches=src)
     eng.store(torch.tensor(b), slot_mapping=slots_b, kvcaches=src)
     p.flush()
@@ -113,11 +140,16 @@ def test_store_lookup_retrieve_into_other_pages_and_restart(engines: Any) -> Non
         ret = e.retrieve(torch.tensor(toks), slot_mapping=slots, kvcaches=dst)
         assert int(ret.sum()) == 192
         for li in range(L):
-            assert torch.equal(dst[li].view(2, -1, H, D)[:, slots[:192]], src[li].view(2, -1, H, D)[:, src_slots[:192]])
+            assert torch.equal(
+                dst[li].view(2, -1, H, D)[:, slots[:192]],
+                src[li].view(2, -1, H, D)[:, src_slots[:192]],
+            )
 
     check(eng, a, slots_a)
     check(eng, b, slots_b)
-    LMCacheEngineBuilder.destroy(next(n for n, e in LMCacheEngineBuilder._instances.items() if e is eng))
+    LMCacheEngineBuilder.destroy(
+        next(n for n, e in LMCacheEngineBuilder._instances.items() if e is eng)
+    )
     eng2 = engines()  # a new engine over the same disk tier (LMCache's own disk backend forgets)
     assert eng2.lookup(torch.tensor(a)) == 192
     check(eng2, a, slots_a)

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-lmcache = pytest.importorskip("lmcache", reason="the lmcache extra is not installed (make test installs it)")
+lmcache = pytest.importorskip(
+    "lmcache", reason="the lmcache extra is not installed (make test installs it)"
+)
 
 from lmcache.utils import CacheEngineKey  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
@@ -25,7 +27,14 @@ from hurray_store.adapters.lmcache import HurrayStoragePlugin  # noqa: E402
 LAYERS, HEADS, DIM = 3, 2, 16
 
 
-def backends(tmp_path: Path, *, chunk: int = 64, heads: int = HEADS, page_size: int | None = None, lower: str | None = None) -> Any:
+def backends(
+    tmp_path: Path,
+    *,
+    chunk: int = 64,
+    heads: int = HEADS,
+    page_size: int | None = None,
+    lower: str | None = None,
+) -> Any:
     """LMCache's backends with the plugin; its tiers are cpu, then ``lower`` (a tier
     entry in YAML flow style; default: a disk tier under ``tmp_path``)."""
     cfg_file = tmp_path / f"hurray-{os.urandom(4).hex()}.yaml"
@@ -38,10 +47,24 @@ def backends(tmp_path: Path, *, chunk: int = 64, heads: int = HEADS, page_size: 
     }
     if page_size:
         extra["storage_plugin.hurray.page_size"] = page_size
-    cfg = LMCacheEngineConfig.from_dict({"chunk_size": chunk, "local_cpu": False, "max_local_cpu_size": 0.25,
-                                         "storage_plugins": ["hurray"], "extra_config": extra})
-    md = LMCacheMetadata(model_name="tiny", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-                         kv_dtype=torch.float16, kv_shape=(LAYERS, 2, chunk, heads, DIM))
+    cfg = LMCacheEngineConfig.from_dict(
+        {
+            "chunk_size": chunk,
+            "local_cpu": False,
+            "max_local_cpu_size": 0.25,
+            "storage_plugins": ["hurray"],
+            "extra_config": extra,
+        }
+    )
+    md = LMCacheMetadata(
+        model_name="tiny",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.float16,
+        kv_shape=(LAYERS, 2, chunk, heads, DIM),
+    )
     import asyncio
     import threading
 
@@ -76,7 +99,9 @@ def plugin_of(b: Any) -> HurrayStoragePlugin:
 
 def chunk(b: Any, tokens: int, seed: int, heads: int = HEADS) -> Any:
     cpu = b["LocalCPUBackend"]
-    obj = cpu.allocate(torch.Size([2, LAYERS, tokens, heads * DIM]), torch.float16, MemoryFormat.KV_2LTD)
+    obj = cpu.allocate(
+        torch.Size([2, LAYERS, tokens, heads * DIM]), torch.float16, MemoryFormat.KV_2LTD
+    )
     g = torch.Generator().manual_seed(seed)
     obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=g).half())
     return obj
@@ -161,7 +186,9 @@ def test_plugin_refuses_to_load_without_a_config(tmp_path: Path) -> None:
         HurrayStoragePlugin(config=SimpleNamespace(extra_config={}), metadata=md)
 
 
-def test_shipped_lmcache_config_loads_the_plugin_over_the_shipped_tiers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_shipped_lmcache_config_loads_the_plugin_over_the_shipped_tiers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import asyncio
     import threading
 
@@ -178,8 +205,15 @@ def test_shipped_lmcache_config_loads_the_plugin_over_the_shipped_tiers(monkeypa
     (tmp_path / "h.yaml").write_text(yaml.safe_dump(raw))
     cfg.extra_config["storage_plugin.hurray.config"] = str(tmp_path / "h.yaml")
     cfg.max_local_cpu_size = 0.25
-    md = LMCacheMetadata(model_name="tiny", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-                         kv_dtype=torch.float16, kv_shape=(LAYERS, 2, 256, HEADS, DIM))
+    md = LMCacheMetadata(
+        model_name="tiny",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.float16,
+        kv_shape=(LAYERS, 2, 256, HEADS, DIM),
+    )
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     b = CreateStorageBackends(cfg, md, loop)
@@ -193,7 +227,9 @@ def test_shipped_lmcache_config_loads_the_plugin_over_the_shipped_tiers(monkeypa
 
 
 @pytest.mark.parametrize("tier", ["disk", "redis", "remote"])
-def test_l2_adapter_under_lmcache_bench_with_verification(tmp_path: Path, tier: str, request: pytest.FixtureRequest) -> None:
+def test_l2_adapter_under_lmcache_bench_with_verification(
+    tmp_path: Path, tier: str, request: pytest.FixtureRequest
+) -> None:
     import json
     import subprocess
     import sys
@@ -209,14 +245,36 @@ def test_l2_adapter_under_lmcache_bench_with_verification(tmp_path: Path, tier: 
         srv = ServerProc(tmp_path / "srv").start()
         request.addfinalizer(srv.kill)
         lower = f"{{type: remote, url: '{srv.url}'}}"
-    (tmp_path / "h.yaml").write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: 67108864}}\n  - {lower}\n")
-    spec = {"type": "plugin", "module_path": "hurray_store.adapters.lmcache", "class_name": "HurrayL2Adapter",
-            "adapter_params": {"config": str(tmp_path / "h.yaml")}}
+    (tmp_path / "h.yaml").write_text(
+        f"tiers:\n  - {{type: cpu, capacity_bytes: 67108864}}\n  - {lower}\n"
+    )
+    spec = {
+        "type": "plugin",
+        "module_path": "hurray_store.adapters.lmcache",
+        "class_name": "HurrayL2Adapter",
+        "adapter_params": {"config": str(tmp_path / "h.yaml")},
+    }
     lmcache_cli = Path(sys.executable).parent / "lmcache"
     out = subprocess.run(
-        [str(lmcache_cli), "bench", "l2", "--l2-adapter", json.dumps(spec), "--no-skip-verify", "--num-keys", "16",
-         "--data-size-kb", "128", "--rounds", "2", "--lookup-max-hit-rate", "1.0"],
-        capture_output=True, timeout=300, env={**os.environ, "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"},
+        [
+            str(lmcache_cli),
+            "bench",
+            "l2",
+            "--l2-adapter",
+            json.dumps(spec),
+            "--no-skip-verify",
+            "--num-keys",
+            "16",
+            "--data-size-kb",
+            "128",
+            "--rounds",
+            "2",
+            "--lookup-max-hit-rate",
+            "1.0",
+        ],
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"},
     )
     text = out.stdout.decode() + out.stderr.decode()
     assert out.returncode == 0, text[-3000:]
@@ -233,11 +291,15 @@ def test_l2_adapter_verifies_before_it_copies(tmp_path: Path) -> None:
 
     from hurray_store.adapters.lmcache import HurrayL2Adapter
 
-    (tmp_path / "h.yaml").write_text(f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n")
+    (tmp_path / "h.yaml").write_text(
+        f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"
+    )
 
     def obj(fill: int) -> TensorMemoryObj:
         raw = torch.full((4096,), fill, dtype=torch.uint8)
-        return TensorMemoryObj(raw, MemoryObjMetadata(torch.Size([4096]), torch.uint8, 0, 4096, 1), None)
+        return TensorMemoryObj(
+            raw, MemoryObjMetadata(torch.Size([4096]), torch.uint8, 0, 4096, 1), None
+        )
 
     def wait(fd: int) -> None:
         assert select.select([fd], [], [], 10)[0], "no completion signalled"
@@ -256,7 +318,11 @@ def test_l2_adapter_verifies_before_it_copies(tmp_path: Path) -> None:
         assert bm is not None and [bm.test(i) for i in range(3)] == [True, True, False]
         a.submit_unlock(keys[:2])
         # Corrupt key 1's bytes on disk: its load must be a 0, and the buffer untouched.
-        f = next(p for p in (tmp_path / "cache" / "objects").rglob("*") if p.is_file() and p.name.endswith(bytes([1]).hex() * 16 + "%40"))
+        f = next(
+            p
+            for p in (tmp_path / "cache" / "objects").rglob("*")
+            if p.is_file() and p.name.endswith(bytes([1]).hex() * 16 + "%40")
+        )
         raw = bytearray(f.read_bytes())
         raw[100] ^= 0xFF
         f.write_bytes(bytes(raw))

@@ -19,8 +19,18 @@ def sample(num_pages: int = 3, quant: str | None = None) -> Manifest:
     )
     pb, sb = 64, (8 if quant else 0)
     layers = tuple(
-        ManifestLayer(i, f"ns/seg/{i}", 1000, 1234 + i, 100, 400, 700 if quant else 0, 800 if quant else 0,
-                      tuple(range(num_pages)), tuple(range(10, 10 + num_pages)))
+        ManifestLayer(
+            i,
+            f"ns/seg/{i}",
+            1000,
+            1234 + i,
+            100,
+            400,
+            700 if quant else 0,
+            800 if quant else 0,
+            tuple(range(num_pages)),
+            tuple(range(10, 10 + num_pages)),
+        )
         for i in range(2)
     )
     return Manifest(b"F" * 32, b"S" * 16, quant, 4, num_pages, pb, sb, seqs, layers)
@@ -37,8 +47,16 @@ def test_round_trip() -> None:
 def test_round_trip_random_sequences(tokens: list[int], page_size: int) -> None:
     full = len(tokens) // page_size
     total = -(-len(tokens) // page_size)
-    seq = ManifestSeq(tuple(tokens), 0, len(tokens), tuple(bytes([i]) * 16 for i in range(full)), tuple(range(total)))
-    lay = ManifestLayer(0, "k", total * 128 + 10, 1, 0, total * 64, 0, 0, tuple(range(total)), tuple(range(total)))
+    seq = ManifestSeq(
+        tuple(tokens),
+        0,
+        len(tokens),
+        tuple(bytes([i]) * 16 for i in range(full)),
+        tuple(range(total)),
+    )
+    lay = ManifestLayer(
+        0, "k", total * 128 + 10, 1, 0, total * 64, 0, 0, tuple(range(total)), tuple(range(total))
+    )
     m = Manifest(b"", b"x", None, page_size, total, 64, 0, (seq,), (lay,))
     assert Manifest.from_bytes(m.to_bytes()) == m
 
@@ -103,7 +121,9 @@ def test_huge_count_does_not_allocate() -> None:
 def test_inconsistent_but_checksummed_is_rejected() -> None:
     """Validation does not rest on the checksum: a well-summed lie is still refused."""
     m = sample()
-    bad = Manifest(m.fingerprint, m.segment_id, None, 4, 2, 64, 0, m.sequences, m.layers)  # page id 2 >= 2
+    bad = Manifest(
+        m.fingerprint, m.segment_id, None, 4, 2, 64, 0, m.sequences, m.layers
+    )  # page id 2 >= 2
     with pytest.raises(errors.ManifestError):
         bad.to_bytes()
     b = m.to_bytes()
@@ -117,8 +137,17 @@ def test_inconsistent_but_checksummed_is_rejected() -> None:
 def test_token_count_must_match_seq_len() -> None:
     m = sample()
     s = m.sequences[0]
-    bad = Manifest(m.fingerprint, m.segment_id, None, 4, 3, 64, 0,
-                   (ManifestSeq(s.token_ids[:5], 0, 10, s.page_hashes, s.block_table),), m.layers)
+    bad = Manifest(
+        m.fingerprint,
+        m.segment_id,
+        None,
+        4,
+        3,
+        64,
+        0,
+        (ManifestSeq(s.token_ids[:5], 0, 10, s.page_hashes, s.block_table),),
+        m.layers,
+    )
     with pytest.raises(errors.ManifestError, match="token ids"):
         bad.to_bytes()
 
@@ -128,7 +157,9 @@ def test_encoded_size_is_the_length_of_to_bytes() -> None:
 
     m = _sample_manifest_for_size()
     assert m.encoded_size() == len(m.to_bytes())
-    bigger = dataclasses.replace(m, layers=tuple(dataclasses.replace(lay, key=lay.key + "ü") for lay in m.layers))
+    bigger = dataclasses.replace(
+        m, layers=tuple(dataclasses.replace(lay, key=lay.key + "ü") for lay in m.layers)
+    )
     assert bigger.encoded_size() == len(bigger.to_bytes())
 
 
@@ -139,5 +170,8 @@ def _sample_manifest_for_size():  # type: ignore[no-untyped-def]
         ManifestSeq(tuple(range(10)), 0, 10, (b"a" * 16, b"b" * 16), (0, 1, 2)),
         ManifestSeq(tuple(range(8)), 1, 8, (b"c" * 16,), (1,)),
     )
-    layers = tuple(ManifestLayer(i, f"ns/s/{{x}}/{i}", 10_000, 7, 100, 5000, 0, 0, (1, 2, 3), (4, 5, 6)) for i in range(2))
+    layers = tuple(
+        ManifestLayer(i, f"ns/s/{{x}}/{i}", 10_000, 7, 100, 5000, 0, 0, (1, 2, 3), (4, 5, 6))
+        for i in range(2)
+    )
     return Manifest(b"f" * 32, b"s" * 16, None, 4, 3, 64, 0, seqs, layers)

@@ -122,7 +122,9 @@ def test_zero_unused_slots_respects_sharers() -> None:
     for lay in snap.layers:
         src = pool.layers[lay.layer_index]
         assert torch.equal(lay.keys[0, :3], src[0, 0, :3]) and bool((lay.keys[0, 3] == 0).all())
-        assert torch.equal(lay.values[2, :1], src[1, 1, :1]) and bool((lay.values[2, 1:] == 0).all())
+        assert torch.equal(lay.values[2, :1], src[1, 1, :1]) and bool(
+            (lay.values[2, 1:] == 0).all()
+        )
         assert torch.equal(lay.keys[1], src[0, 5])  # a full page is untouched
     assert all(torch.equal(a, b) for a, b in zip(original, pool.layers, strict=True))
 
@@ -178,7 +180,14 @@ def test_restore_bad_arguments() -> None:
 def batches(draw):
     page_size = draw(st.sampled_from([1, 2, 4, 16]))
     dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
-    spec = KVSpec("m", draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.sampled_from([1, 4, 8])), page_size, dtype)
+    spec = KVSpec(
+        "m",
+        draw(st.integers(1, 3)),
+        draw(st.integers(1, 3)),
+        draw(st.sampled_from([1, 4, 8])),
+        page_size,
+        dtype,
+    )
     num_blocks = draw(st.integers(1, 24))
     nseq = draw(st.integers(0, 6))
     tables, lens = [], []
@@ -186,7 +195,13 @@ def batches(draw):
         n_tok = draw(st.integers(0, 5 * page_size))
         need = -(-n_tok // page_size)
         extra = draw(st.integers(0, 1))
-        tables.append(draw(st.lists(st.integers(0, num_blocks - 1), min_size=need + extra, max_size=need + extra)))
+        tables.append(
+            draw(
+                st.lists(
+                    st.integers(0, num_blocks - 1), min_size=need + extra, max_size=need + extra
+                )
+            )
+        )
         lens.append(n_tok)
     return spec, num_blocks, tables, lens, draw(st.integers(0, 2**16)), draw(st.booleans())
 
@@ -207,8 +222,13 @@ def test_restore_equals_original_for_every_valid_token(batch) -> None:
     src = filled_pool(spec, num_blocks, seed)
     snap = snapshot(src, tables, lens, zero_unused_slots=bool(seed % 2))
     if through_codec:  # the same, through encode/decode of every layer
-        snap = Snapshot(spec, [decode_layer(encode_layer(lay)) for lay in snap.layers], snap.seq_lens,
-                        snap.block_tables, snap.source_pages)
+        snap = Snapshot(
+            spec,
+            [decode_layer(encode_layer(lay)) for lay in snap.layers],
+            snap.seq_lens,
+            snap.block_tables,
+            snap.source_pages,
+        )
     dst = PagedKVPool(spec, snap.num_pages + 3)
     dst.allocate(3)
     new_tables = restore(snap, dst)
@@ -222,7 +242,11 @@ def test_restore_equals_original_for_every_valid_token(batch) -> None:
     for p in range(3, dst.num_blocks):
         assert dst.refcount(p) == holders.get(p, 0) >= 1
     # sharing survives: entries that named one source page name one new page
-    pairs = {(tables[s][i], new_tables[s][i]) for s in range(len(tables)) for i in range(len(new_tables[s]))}
+    pairs = {
+        (tables[s][i], new_tables[s][i])
+        for s in range(len(tables))
+        for i in range(len(new_tables[s]))
+    }
     assert len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
 
 

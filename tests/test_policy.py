@@ -147,10 +147,14 @@ def test_a_group_being_written_is_unreadable_and_never_a_victim() -> None:
     p = make([MEM])
     led = p.ledger
     assert p.plan_write(0, "w", {"w/0": 60, "w/m": 10}).accepted
-    assert led.holders("w/m") == [] and led.group_holders("w") == [], "not readable before its bytes exist"
+    assert led.holders("w/m") == [] and led.group_holders("w") == [], (
+        "not readable before its bytes exist"
+    )
     assert led.used_bytes(0) == 70, "its room is taken at once"
     adm = p.plan_write(0, "x", {"x/0": 40})
-    assert not adm.accepted and "being written" in adm.reason, "the only candidate victim is being written"
+    assert not adm.accepted and "being written" in adm.reason, (
+        "the only candidate victim is being written"
+    )
     led.complete_write(0, "w", True)
     assert led.holders("w/m") == [0] and led.group_holders("w") == [0]
     assert [v.group for v in p.plan_write(0, "x", {"x/0": 40}).victims] == ["w"]
@@ -160,7 +164,11 @@ def test_a_failed_write_leaves_no_trace_in_the_books() -> None:
     p = make([MEM])
     assert p.plan_write(0, "w", {"w/0": 60}).accepted
     p.ledger.complete_write(0, "w", False)
-    assert p.ledger.groups(0) == [] and p.ledger.used_bytes(0) == 0 and p.ledger.group_of(0, "w/0") is None
+    assert (
+        p.ledger.groups(0) == []
+        and p.ledger.used_bytes(0) == 0
+        and p.ledger.group_of(0, "w/0") is None
+    )
 
 
 def test_a_group_cannot_be_written_twice_into_one_tier_at_once() -> None:
@@ -171,7 +179,15 @@ def test_a_group_cannot_be_written_twice_into_one_tier_at_once() -> None:
 
 @pytest.mark.parametrize(
     ("tiers_read", "source"),
-    [({1}, 1), ({2}, 2), ({0}, None), ({None}, None), ({1, None}, None), ({1, 2}, None), (set(), None)],
+    [
+        ({1}, 1),
+        ({2}, 2),
+        ({0}, None),
+        ({None}, None),
+        ({1, None}, None),
+        ({1, 2}, None),
+        (set(), None),
+    ],
 )
 def test_promotion_after_a_read(tiers_read: set[int | None], source: int | None) -> None:
     assert make([MEM, MEM, DISK]).promote_after_read(tiers_read) == source

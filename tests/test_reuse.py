@@ -22,12 +22,20 @@ from hurray_store.store import open_store
 from hurray_store.tiny_model import build_tiny_model
 
 REQ1 = tokenizer.encode("The shared system prompt greets every user and sets the rules. " * 5)
-REQ2 = REQ1[:150] + tokenizer.encode(" but this request then asks about something else.", bos=False)  # 150: not a page multiple
+REQ2 = REQ1[:150] + tokenizer.encode(
+    " but this request then asks about something else.", bos=False
+)  # 150: not a page multiple
 # Bounds measured on this model (tools/bench_reuse.py prints them too): unquantized
 # reuse is bit-exact in every dtype here; int8 pages move logits of magnitude ~1.1 by at
 # most 0.0022 (fp32), 0.0024 (fp16), 0.0098 (bf16).
-BOUNDS = {("float32", "none"): 1e-5, ("float16", "none"): 1e-3, ("bfloat16", "none"): 1e-2,
-          ("float32", "int8"): 0.02, ("float16", "int8"): 0.02, ("bfloat16", "int8"): 0.04}
+BOUNDS = {
+    ("float32", "none"): 1e-5,
+    ("float16", "none"): 1e-3,
+    ("bfloat16", "none"): 1e-2,
+    ("float32", "int8"): 0.02,
+    ("float16", "int8"): 0.02,
+    ("bfloat16", "int8"): 0.04,
+}
 
 
 @pytest.fixture(scope="session")
@@ -56,11 +64,15 @@ def greedy(model, cache, last_logits: torch.Tensor, n: int) -> list[int]:  # typ
 
 @pytest.mark.parametrize("quant", ["none", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-async def test_reuse_matches_a_full_recompute(model_dirs: dict[str, Path], dtype: str, quant: str) -> None:
+async def test_reuse_matches_a_full_recompute(
+    model_dirs: dict[str, Path], dtype: str, quant: str
+) -> None:
     model = load(model_dirs[dtype])
     spec = spec_for_model(model, page_size=16)
     assert spec.dtype == getattr(torch, dtype)
-    async with await open_store({"tiers": [{"type": "cpu", "capacity_bytes": 1 << 28}], "quantization": quant}) as store:
+    async with await open_store(
+        {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 28}], "quantization": quant}
+    ) as store:
         pool = PagedKVPool(spec, 256)
         _, _, n1 = await prefill_with_cache(model, store, pool, REQ1)
         assert n1 == 0
@@ -75,7 +87,9 @@ async def test_reuse_matches_a_full_recompute(model_dirs: dict[str, Path], dtype
         assert pool.num_free == 256  # every page borrowed for the retrieve went back
 
 
-async def test_a_fully_cached_prompt_still_computes_its_last_token(model_dirs: dict[str, Path]) -> None:
+async def test_a_fully_cached_prompt_still_computes_its_last_token(
+    model_dirs: dict[str, Path],
+) -> None:
     model = load(model_dirs["float32"])
     spec = spec_for_model(model, page_size=16)
     prompt = REQ1[:160]  # exactly 10 pages
@@ -89,15 +103,23 @@ async def test_a_fully_cached_prompt_still_computes_its_last_token(model_dirs: d
         assert (logits[:, -1] - full[:, -1]).abs().max().item() <= 1e-5
 
 
-async def test_a_partial_hit_after_eviction_reuses_what_is_left(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+async def test_a_partial_hit_after_eviction_reuses_what_is_left(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
     model = load(model_dirs["float32"])
     spec = spec_for_model(model, page_size=16)
-    async with await open_store({"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}) as store:
+    async with await open_store(
+        {"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    ) as store:
         pool = PagedKVPool(spec, 256)
         await prefill_with_cache(model, store, pool, REQ1[:96])  # segment A: 6 pages
         await prefill_with_cache(model, store, pool, REQ1)  # segment B: the rest
         assert len(store.catalog.segments()) == 2
-        seg_b = next(s for s in store.catalog.segments() if store.catalog.cached_manifest(s).sequences[0].first_page > 0)
+        seg_b = next(
+            s
+            for s in store.catalog.segments()
+            if store.catalog.cached_manifest(s).sequences[0].first_page > 0
+        )
         for k in store.ledger.group_keys(0, store.catalog.key(seg_b)):  # evict B
             await store.tiers[0].delete(k)
         logits, _, reused = await prefill_with_cache(model, store, pool, REQ1, store_result=False)
@@ -138,8 +160,13 @@ def test_left_padding_pages_the_right_positions(model_dirs: dict[str, Path]) -> 
     spec = spec_for_model(model, page_size=16)
     _, cache = run_model(model, torch.tensor([REQ1[:40]]))
     k = cache.layers[0].keys
-    padded = [(torch.cat([torch.zeros_like(lay.keys[:, :, :8]), lay.keys], 2), torch.cat([torch.zeros_like(lay.values[:, :, :8]), lay.values], 2))
-              for lay in cache.layers]
+    padded = [
+        (
+            torch.cat([torch.zeros_like(lay.keys[:, :, :8]), lay.keys], 2),
+            torch.cat([torch.zeros_like(lay.values[:, :, :8]), lay.values], 2),
+        )
+        for lay in cache.layers
+    ]
     pool = PagedKVPool(spec, 16)
     (table,) = to_paged(padded, pool, [40], padding_side="left")
     back = from_paged(pool, [table], [40])

@@ -33,7 +33,9 @@ Err, Msg = tp.Err, tp.Msg
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     """One server for the module; a short request timeout for the truncation test."""
-    s = ServerProc(tmp_path_factory.mktemp("server"), token=TOKEN, request_timeout_s=1.0, hello_timeout_s=2.0).start()
+    s = ServerProc(
+        tmp_path_factory.mktemp("server"), token=TOKEN, request_timeout_s=1.0, hello_timeout_s=2.0
+    ).start()
     yield s
     s.kill()
 
@@ -55,8 +57,21 @@ def bystander(server: ServerProc) -> Iterator[Raw]:
 def _clients(server: ServerProc, n: int, *args: str) -> list[dict]:
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.server_client", "--url", server.url, "--token", TOKEN, "--client", str(c), *args],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [
+                sys.executable,
+                "-m",
+                "tests.server_client",
+                "--url",
+                server.url,
+                "--token",
+                TOKEN,
+                "--client",
+                str(c),
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         for c in range(n)
     ]
@@ -82,11 +97,21 @@ def test_three_client_processes_share_pages_through_one_server(tmp_path: Path) -
         second = _clients(srv, 3, "--rounds", str(rounds), "--read-clients", "3")
     finally:
         srv.kill()
-    distinct = {h for c in range(3) for seqs in sc.batches(c, rounds) for t in seqs for h in keymod.page_hashes(sc.SPEC, t)}
-    assert sum(r["pages_written"] for r in first) == len(distinct), "a page shared across clients is stored once"
+    distinct = {
+        h
+        for c in range(3)
+        for seqs in sc.batches(c, rounds)
+        for t in seqs
+        for h in keymod.page_hashes(sc.SPEC, t)
+    }
+    assert sum(r["pages_written"] for r in first) == len(distinct), (
+        "a page shared across clients is stored once"
+    )
     assert sum(r["pages_written"] for r in second) == 0
     for r in first + second:
-        assert r["bad_pages"] == 0, f"client {r['client']}: retrieved pages differ from what was put"
+        assert r["bad_pages"] == 0, (
+            f"client {r['client']}: retrieved pages differ from what was put"
+        )
         assert r["short"] == 0, f"client {r['client']}: a sequence came back short"
     full = sum(len(t) // 8 * 8 for c in range(3) for seqs in sc.batches(c, rounds) for t in seqs)
     assert all(r["retrieved_tokens"] == full for r in second)
@@ -113,7 +138,12 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), i
 """
     n, size = 64, 256 << 10
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, server.url, TOKEN, str(me), str(n), str(size)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, "-c", code, server.url, TOKEN, str(me), str(n), str(size)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         for me in range(3)
     ]
     reports = []
@@ -125,14 +155,22 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), i
         assert r["puts_ok"] == n and r["gets_ok"] == n
     total = sum(r["bytes"] for r in reports)
     slowest = max(r["seconds"] for r in reports)
-    print(f"\nload: {3 * 2 * n} requests, {total / 2**20:.0f} MiB in {slowest:.2f} s ({total / slowest / 1e9:.2f} GB/s)")
+    print(
+        f"\nload: {3 * 2 * n} requests, {total / 2**20:.0f} MiB in {slowest:.2f} s "
+        f"({total / slowest / 1e9:.2f} GB/s)"
+    )
 
 
-def test_server_restart_with_disk_tier_clients_reconnect_and_find_every_segment(tmp_path: Path) -> None:
+def test_server_restart_with_disk_tier_clients_reconnect_and_find_every_segment(
+    tmp_path: Path,
+) -> None:
     srv = ServerProc(tmp_path / "srv", token=TOKEN).start()
 
     async def main() -> None:
-        cfg = load_config({"tiers": [{"type": "gpu", "device": "cpu", "capacity_bytes": 64 << 20}, srv.tier()]}, env={})
+        cfg = load_config(
+            {"tiers": [{"type": "gpu", "device": "cpu", "capacity_bytes": 64 << 20}, srv.tier()]},
+            env={},
+        )
         all_batches = sc.batches(0, 3)
         async with TieredStore(cfg) as engine:
             for seqs in all_batches:
@@ -156,7 +194,9 @@ def test_server_restart_with_disk_tier_clients_reconnect_and_find_every_segment(
                     res = await store.retrieve(dst, seqs)
                     assert res.num_tokens == [len(t) // 8 * 8 for t in seqs]
                     assert sc.check(dst, seqs, res.block_tables, res.num_tokens) == 0
-            assert fresh.stats()["tiers"]["remote"]["hits"] > 0, "the fresh engine read from the server"
+            assert fresh.stats()["tiers"]["remote"]["hits"] > 0, (
+                "the fresh engine read from the server"
+            )
             await fresh.close()
 
     try:
@@ -165,13 +205,23 @@ def test_server_restart_with_disk_tier_clients_reconnect_and_find_every_segment(
         srv.kill()
 
 
-def test_engine_store_runs_with_the_server_down(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_engine_store_runs_with_the_server_down(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """No server at all: puts land in the local tier, reads miss, nothing raises; when
     the server comes up, writes resume after the backoff."""
     srv = ServerProc(tmp_path / "srv", token=TOKEN)
 
     async def main() -> None:
-        cfg = load_config({"tiers": [{"type": "gpu", "device": "cpu", "capacity_bytes": 64 << 20}, srv.tier(connect_timeout_s=0.5)]}, env={})
+        cfg = load_config(
+            {
+                "tiers": [
+                    {"type": "gpu", "device": "cpu", "capacity_bytes": 64 << 20},
+                    srv.tier(connect_timeout_s=0.5),
+                ]
+            },
+            env={},
+        )
         async with TieredStore(cfg) as engine:
             seqs = sc.batches(0, 1)[0]
             pool = PagedKVPool(sc.SPEC, 512)
@@ -205,14 +255,23 @@ def test_a_plain_level3_client_puts_and_requests_a_tensor(server: ServerProc) ->
     kind, _, payload = r.hello(TOKEN)
     assert kind == Msg.SERVER_HELLO
     hello = tp.Hello.decode(payload)
-    assert hello.version == 1 and hello.layouts == [0x01] and hello.devices == [0x00] and hello.capabilities == 0
+    assert (
+        hello.version == 1
+        and hello.layouts == [0x01]
+        and hello.devices == [0x00]
+        and hello.capabilities == 0
+    )
     data = bytes(range(256)) * 4099
     assert r.put("plain/tensor", data)[0] == Msg.TENSOR_PUT_ACK
     r.send(Msg.TENSOR_REQUEST, 11, tp.encode_request("plain/tensor"))
     kind, sid, payload = r.recv()
     assert (kind, sid) == (Msg.TENSOR_DESCRIPTOR, 11)
     d = hurray.Descriptor.decode(payload)
-    assert str(d.dtype) == "uint8" and tuple(d.shape) == (len(data),) and type(d.layout).__name__ == "RowMajorLayout"
+    assert (
+        str(d.dtype) == "uint8"
+        and tuple(d.shape) == (len(data),)
+        and type(d.layout).__name__ == "RowMajorLayout"
+    )
     total, shard, shards = tp._DESC_TAIL.unpack(payload[d.encoded_len :])
     assert (total, shard, shards) == (len(data), 0, 1)
     got = bytearray()
@@ -294,7 +353,9 @@ def test_header_announcing_a_payload_over_the_limit(server: ServerProc, bystande
 def test_truncated_message_times_out_with_error(server: ServerProc, bystander: Raw) -> None:
     r = Raw(server.port)
     r.hello(TOKEN)
-    r.s.sendall(tp.HEADER.pack(Msg.TENSOR_REQUEST, 3, 100) + b"\x05\x00\x00\x00abc")  # 8 of 100 bytes, then silence
+    r.s.sendall(
+        tp.HEADER.pack(Msg.TENSOR_REQUEST, 3, 100) + b"\x05\x00\x00\x00abc"
+    )  # 8 of 100 bytes, then silence
     code, _ = r.error()
     assert code == Err.TIMEOUT
     assert r.is_closed()
@@ -343,13 +404,17 @@ def test_data_frame_at_the_wrong_offset(server: ServerProc, bystander: Raw) -> N
 
 
 def test_object_over_the_limit_is_refused_on_its_stream(tmp_path: Path) -> None:
-    srv = ServerProc(tmp_path / "srv", max_object_bytes=1 << 20, max_inflight_put_bytes=2 << 20).start()
+    srv = ServerProc(
+        tmp_path / "srv", max_object_bytes=1 << 20, max_inflight_put_bytes=2 << 20
+    ).start()
     try:
         r = Raw(srv.port)
         r.hello()
         big = b"z" * ((1 << 20) + 1)
         kind, _, payload = r.put("too/big", big)
-        assert kind == Msg.ERROR and tp.decode_error(memoryview(payload)).code == Err.MESSAGE_TOO_LARGE
+        assert (
+            kind == Msg.ERROR and tp.decode_error(memoryview(payload)).code == Err.MESSAGE_TOO_LARGE
+        )
         assert r.put("fits", b"z" * 1000)[0] == Msg.TENSOR_PUT_ACK, "the connection stays"
     finally:
         srv.kill()
@@ -393,7 +458,9 @@ def test_commit_of_a_corrupt_segment_is_refused_and_nothing_is_stored(server: Se
         assert code == Err.REJECTED and "differs" in text
         r.send(Msg.X_CONTAINS, 41, tp.encode_keys([mkey, *objs]))
         kind, _, payload = r.recv()
-        assert kind == Msg.X_CONTAINS_REPLY and tp.decode_sizes(memoryview(payload)) == [None] * (1 + len(objs))
+        assert kind == Msg.X_CONTAINS_REPLY and tp.decode_sizes(memoryview(payload)) == [None] * (
+            1 + len(objs)
+        )
 
     asyncio.run(main())
 
@@ -433,7 +500,9 @@ def test_sigterm_finishes_the_put_in_flight_flushes_and_exits_0(tmp_path: Path) 
         srv.kill()
 
 
-def test_a_put_left_half_sent_times_out_and_gives_its_memory_back(server: ServerProc, bystander: Raw) -> None:
+def test_a_put_left_half_sent_times_out_and_gives_its_memory_back(
+    server: ServerProc, bystander: Raw
+) -> None:
     r = Raw(server.port)
     r.hello(TOKEN)
     r.send(Msg.TENSOR_PUT, 3, tp.encode_put("stalled", 2000))
@@ -459,13 +528,20 @@ def test_write_back_engine_flushes_its_segments_to_the_server(tmp_path: Path) ->
     srv = ServerProc(tmp_path / "srv").start()
 
     async def main() -> None:
-        cfg = load_config({"policy": {"write_mode": "back"},
-                           "tiers": [{"type": "gpu", "device": "cpu", "capacity_bytes": 64 << 20}, srv.tier()]}, env={})
+        cfg = load_config(
+            {
+                "policy": {"write_mode": "back"},
+                "tiers": [{"type": "gpu", "device": "cpu", "capacity_bytes": 64 << 20}, srv.tier()],
+            },
+            env={},
+        )
         seqs = sc.batches(3, 1)[0]
         async with TieredStore(cfg) as engine:
             pool = PagedKVPool(sc.SPEC, 512)
             await engine.put(pool, seqs, sc.fill(pool, seqs))
-            assert engine.stats()["tiers"]["remote"]["bytes_written"] == 0, "write-back: nothing sent before flush"
+            assert engine.stats()["tiers"]["remote"]["bytes_written"] == 0, (
+                "write-back: nothing sent before flush"
+            )
             await engine.flush()
             assert engine.stats()["tiers"]["remote"]["bytes_written"] > 0
         async with TieredStore(cfg) as fresh:

@@ -17,7 +17,9 @@ from tests import server_client as sc
 
 
 def _cpu() -> TieredStore:
-    return TieredStore(load_config({"tiers": [{"type": "cpu", "capacity_bytes": 64 << 20}]}, env={}))
+    return TieredStore(
+        load_config({"tiers": [{"type": "cpu", "capacity_bytes": 64 << 20}]}, env={})
+    )
 
 
 async def _segment(client: int = 0) -> tuple[SegmentKey, bytes, dict[str, bytes], list[list[int]]]:
@@ -45,12 +47,23 @@ async def test_a_good_commit_is_stored_and_found_by_prefix() -> None:
         matched, manifests = await server.find_segments([(len(hs), hs) for hs in hashes], 1 << 20)
         assert manifests == [], "nothing past what the asker has"
         matched, manifests = await server.find_segments([(0, hs) for hs in hashes], 10)
-        assert manifests == [] and matched == [0] * len(seqs), "a match stops where the manifests that fit stop"
+        assert manifests == [] and matched == [0] * len(seqs), (
+            "a match stops where the manifests that fit stop"
+        )
         assert server.stats()["tiers"]["cpu"]["objects"] == len(objs) + 1
 
 
 @pytest.mark.parametrize(
-    "case", ["missing_layer", "extra_object", "flipped_page_byte", "truncated_object", "garbage_manifest", "other_namespace", "wrong_segment_key"],
+    "case",
+    [
+        "missing_layer",
+        "extra_object",
+        "flipped_page_byte",
+        "truncated_object",
+        "garbage_manifest",
+        "other_namespace",
+        "wrong_segment_key",
+    ],
 )
 async def test_a_bad_commit_raises_and_stores_nothing(case: str) -> None:
     seg, manifest, objs, _ = await _segment()
@@ -87,10 +100,12 @@ async def test_served_keys() -> None:
         s = ServedStore(store)
         seg = SegmentKey("hurray", bytes.fromhex("00ff")).layer(3)
         k = s.key(seg)
-        assert k.stored == seg and k.segment == SegmentPart(SegmentKey("hurray", bytes.fromhex("00ff")), 3), (
-            "a segment key of this namespace is kept as it is"
+        assert k.stored == seg and k.segment == SegmentPart(
+            SegmentKey("hurray", bytes.fromhex("00ff")), 3
+        ), "a segment key of this namespace is kept as it is"
+        assert (
+            s.key("my/tensor").stored == "hurray/o/my/tensor" and s.key("my/tensor").segment is None
         )
-        assert s.key("my/tensor").stored == "hurray/o/my/tensor" and s.key("my/tensor").segment is None
         other = s.key(SegmentKey("elsewhere", bytes.fromhex("00ff")).layer(3))
         assert other.stored.startswith("hurray/o/") and other.segment is None
         with pytest.raises(FormatError):
@@ -105,8 +120,20 @@ def test_stored_key_parsing() -> None:
     ]
     for text, want in table:
         assert parse_key(text) == want, text
-    for bad in ["ns/s/{XY}/1", "ns/s/{ab}/", "ns/s/{ab}/x", "/s/{ab}/1", "ns/s/{}/1", "ns/s/ab/1", "ns/s/{abc}/1",
-                "ns/o/", "/o/x", "plain", "ns/s/{ab}/1x", "ns/s/{ab}/99999999999"]:
+    for bad in [
+        "ns/s/{XY}/1",
+        "ns/s/{ab}/",
+        "ns/s/{ab}/x",
+        "/s/{ab}/1",
+        "ns/s/{}/1",
+        "ns/s/ab/1",
+        "ns/s/{abc}/1",
+        "ns/o/",
+        "/o/x",
+        "plain",
+        "ns/s/{ab}/1x",
+        "ns/s/{ab}/99999999999",
+    ]:
         assert parse_key(bad) is None, bad
     seg = SegmentKey("ns", bytes.fromhex("0a1b"))
     for k in (seg.layer(0), seg.layer(31), seg.manifest):

@@ -18,37 +18,70 @@ SPEC = KVSpec("tiny-llama", 4, 2, 64, 4, torch.float16)
 
 
 def test_fingerprint_golden_vector() -> None:
-    assert SPEC.fingerprint().hex() == "3bcbac95e487a5249cf9b08ded1d2c15377f0a7890f93e176b298e6e6aac83dd"
+    assert (
+        SPEC.fingerprint().hex()
+        == "3bcbac95e487a5249cf9b08ded1d2c15377f0a7890f93e176b298e6e6aac83dd"
+    )
 
 
 def test_fingerprint_is_sha256_of_the_documented_encoding() -> None:
     def text(s: str) -> bytes:
         return struct.pack("<I", len(s.encode())) + s.encode()
 
-    enc = (text("hurray_store/kvspec/v1") + text("tiny-llama") + text("") + struct.pack("<QQQQ", 4, 2, 64, 4)
-           + text("float16") + struct.pack("<QQ", 0, 1))
+    enc = (
+        text("hurray_store/kvspec/v1")
+        + text("tiny-llama")
+        + text("")
+        + struct.pack("<QQQQ", 4, 2, 64, 4)
+        + text("float16")
+        + struct.pack("<QQ", 0, 1)
+    )
     assert SPEC.canonical() == enc
     assert SPEC.fingerprint() == hashlib.sha256(enc).digest()
 
 
 @pytest.mark.parametrize(
     "change",
-    [dict(model="other"), dict(num_layers=5), dict(num_kv_heads=4), dict(head_dim=128), dict(page_size=16),
-     dict(dtype=torch.bfloat16), dict(revision="r2"), dict(tp_rank=1, tp_size=2), dict(tp_size=2)],
+    [
+        dict(model="other"),
+        dict(num_layers=5),
+        dict(num_kv_heads=4),
+        dict(head_dim=128),
+        dict(page_size=16),
+        dict(dtype=torch.bfloat16),
+        dict(revision="r2"),
+        dict(tp_rank=1, tp_size=2),
+        dict(tp_size=2),
+    ],
 )
 def test_every_field_changes_the_fingerprint(change) -> None:
-    fields = dict(model="tiny-llama", num_layers=4, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.float16)
+    fields = dict(
+        model="tiny-llama",
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=4,
+        dtype=torch.float16,
+    )
     assert KVSpec(**{**fields, **change}).fingerprint() != SPEC.fingerprint()
 
 
 @pytest.mark.parametrize(
     "bad, msg",
-    [(dict(num_layers=0), "num_layers"), (dict(head_dim=-1), "head_dim"), (dict(page_size=0), "page_size"),
-     (dict(dtype=torch.int8), "dtype"), (dict(model=""), "model"), (dict(tp_rank=1), "tp_rank"),
-     (dict(num_kv_heads=2.0), "num_kv_heads")],
+    [
+        (dict(num_layers=0), "num_layers"),
+        (dict(head_dim=-1), "head_dim"),
+        (dict(page_size=0), "page_size"),
+        (dict(dtype=torch.int8), "dtype"),
+        (dict(model=""), "model"),
+        (dict(tp_rank=1), "tp_rank"),
+        (dict(num_kv_heads=2.0), "num_kv_heads"),
+    ],
 )
 def test_invalid_specs_are_refused(bad, msg) -> None:
-    fields = dict(model="m", num_layers=1, num_kv_heads=1, head_dim=1, page_size=1, dtype=torch.float32)
+    fields = dict(
+        model="m", num_layers=1, num_kv_heads=1, head_dim=1, page_size=1, dtype=torch.float32
+    )
     with pytest.raises(SpecError, match=msg):
         KVSpec(**{**fields, **bad})
 
@@ -107,11 +140,16 @@ def test_same_hashes_in_processes_with_different_hash_seeds() -> None:
     code = (
         "import torch; from hurray_store import KVSpec; from hurray_store.keys import page_hashes;"
         "s = KVSpec('m', 2, 2, 8, 16, torch.bfloat16, revision='x');"
-        "print(s.fingerprint().hex(), *[h.hex() for h in page_hashes(s, list(range(1000)), salt=b'z')])"
+        "print(s.fingerprint().hex(), *[h.hex() for h in page_hashes(s, list(range(1000)), "
+        "salt=b'z')])"
     )
     outs = set()
     for seed in ("0", "1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+        outs.add(
+            subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+            ).stdout
+        )
     assert len(outs) == 1
     assert len(next(iter(outs)).split()) == 1 + 1000 // 16

@@ -43,14 +43,21 @@ def tiers(request: pytest.FixtureRequest, tmp_path: Path) -> list[dict[str, Any]
     return [cpu, {"type": "redis", "url": url, "key_prefix": prefix}]
 
 
-async def test_put_then_retrieve_is_bit_exact_and_keeps_sharing(tiers: list[dict[str, Any]]) -> None:
+async def test_put_then_retrieve_is_bit_exact_and_keeps_sharing(
+    tiers: list[dict[str, Any]],
+) -> None:
     sp = spec()
     src = random_pool(sp)
     b = shared_batch(src, PREFIX, [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11], [12]])
     async with await open_store({"tiers": tiers}) as store:
         r = await store.put(src, b.tokens, b.tables)
         # 4 shared pages + per tail: (18+6)//4=6 -> 2 own, (23)//4=5 -> 1 own, 19//4=4 -> 0 own
-        assert (r.pages_referenced, r.pages_written, r.pages_already_stored, r.segments) == (15, 7, 0, 1)
+        assert (r.pages_referenced, r.pages_written, r.pages_already_stored, r.segments) == (
+            15,
+            7,
+            0,
+            1,
+        )
         await store.flush()
         assert await store.lookup(sp, b.tokens) == [24, 20, 16]
         dst = PagedKVPool(sp, 64)
@@ -66,14 +73,24 @@ async def test_put_then_retrieve_is_bit_exact_and_keeps_sharing(tiers: list[dict
 async def test_dedup_across_requests_and_retrieval_across_segments(tmp_path: Path) -> None:
     sp = spec()
     src = random_pool(sp)
-    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    cfg = {
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": 1 << 30},
+            {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30},
+        ]
+    }
     first = shared_batch(src, PREFIX, [[]])
     second_tokens = PREFIX + list(range(50, 60))  # 28 tokens = 7 pages, the first 4 already stored
     second_table = first.tables[0] + src.allocate(3)
     async with await open_store(cfg) as store:
         r1 = await store.put(src, first.tokens, first.tables)
         r2 = await store.put(src, [second_tokens], [second_table])
-        assert (r1.pages_written, r2.pages_written, r2.pages_already_stored, r2.pages_referenced) == (4, 3, 4, 7)
+        assert (
+            r1.pages_written,
+            r2.pages_written,
+            r2.pages_already_stored,
+            r2.pages_referenced,
+        ) == (4, 3, 4, 7)
         assert store.stats()["segments"] == 2
         dst = PagedKVPool(sp, 32)
         got = await store.retrieve(dst, [second_tokens, PREFIX + [999] * 10])
@@ -88,7 +105,9 @@ async def test_only_full_pages_are_stored_and_matched() -> None:
     b = shared_batch(src, list(range(7)), [[]])  # one full page and 3 tokens
     async with await open_store({"tiers": [{"type": "cpu", "capacity_bytes": 1 << 20}]}) as store:
         assert (await store.put(src, b.tokens, b.tables)).pages_written == 1
-        assert await store.lookup(sp, [list(range(7)), list(range(4)), list(range(3)), [0, 1, 2, 9, 9]]) == [4, 4, 0, 0]
+        assert await store.lookup(
+            sp, [list(range(7)), list(range(4)), list(range(3)), [0, 1, 2, 9, 9]]
+        ) == [4, 4, 0, 0]
         assert await store.lookup(sp, [list(range(7))]) == [4]
 
 
@@ -105,10 +124,15 @@ async def test_large_batches_split_into_segments_keeping_sharers_together(tmp_pa
     sp = spec()
     src = random_pool(sp, 512)
     page_cost = 2 * sp.page_bytes * sp.num_layers
-    groups = [shared_batch(src, [g * 100 + i for i in range(16)], [[1] * 4, [2] * 4]) for g in range(6)]
+    groups = [
+        shared_batch(src, [g * 100 + i for i in range(16)], [[1] * 4, [2] * 4]) for g in range(6)
+    ]
     tokens = [t for g in groups for t in g.tokens]
     tables = [t for g in groups for t in g.tables]
-    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}], "max_segment_bytes": 12 * page_cost}
+    cfg = {
+        "tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}],
+        "max_segment_bytes": 12 * page_cost,
+    }
     async with await open_store(cfg) as store:
         r = await store.put(src, tokens, tables)
         assert r.pages_written == 36 and r.segments == 3  # 6 pages per group, 2 groups per segment
@@ -124,8 +148,13 @@ async def test_large_batches_split_into_segments_keeping_sharers_together(tmp_pa
 async def test_no_read_amplification_for_one_sequence_of_a_large_segment(tmp_path: Path) -> None:
     sp = spec(page_size=16, num_kv_heads=4, head_dim=64)
     src = random_pool(sp, 2048)
-    b = shared_batch(src, list(range(64)), [[s] * 448 for s in range(32)])  # 32 x 512 tokens, 4 pages shared
-    cfg = {"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 32}], "policy": {"promote_on_hit": False}}
+    b = shared_batch(
+        src, list(range(64)), [[s] * 448 for s in range(32)]
+    )  # 32 x 512 tokens, 4 pages shared
+    cfg = {
+        "tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 32}],
+        "policy": {"promote_on_hit": False},
+    }
     async with await open_store(cfg) as store:
         await store.put(src, b.tokens, b.tables)
     async with await open_store(cfg) as store:  # cold: only the disk tier
@@ -186,12 +215,19 @@ async def test_concurrent_puts_of_one_prefix_write_it_once(tmp_path: Path) -> No
     src = random_pool(sp, 512)
     prefix_pages = src.allocate(4)  # same tokens, same KV: one set of pages for all
     batches = [Batch([PREFIX + [i] * 8], [prefix_pages + src.allocate(2)]) for i in range(8)]
-    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    cfg = {
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": 1 << 30},
+            {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30},
+        ]
+    }
     async with await open_store(cfg) as store:
         results = await asyncio.gather(*(store.put(src, b.tokens, b.tables) for b in batches))
         assert sum(r.pages_written for r in results) == 4 + 8 * 2
         dsts = [PagedKVPool(sp, 16) for _ in batches]
-        gots = await asyncio.gather(*(store.retrieve(d, b.tokens) for d, b in zip(dsts, batches, strict=True)))
+        gots = await asyncio.gather(
+            *(store.retrieve(d, b.tokens) for d, b in zip(dsts, batches, strict=True))
+        )
         for d, g, b in zip(dsts, gots, batches, strict=True):
             assert g.num_tokens == [24]
             assert_pages_equal(src, b.tables, d, g.block_tables, g.num_tokens)
@@ -206,7 +242,9 @@ async def test_tenants_with_different_salts_never_see_each_others_pages() -> Non
         await store.put(src, b.tokens, b.tables)
         assert await store.lookup(sp, b.tokens) == [16]
         assert await store.lookup(sp, b.tokens, salt="tenant-b") == [0]
-        assert (await store.retrieve(PagedKVPool(sp, 8), b.tokens, salt="tenant-b")).num_tokens == [0]
+        assert (await store.retrieve(PagedKVPool(sp, 8), b.tokens, salt="tenant-b")).num_tokens == [
+            0
+        ]
         r = await store.put(src, b.tokens, b.tables, salt="tenant-b")
         assert r.pages_written == 4 and r.pages_already_stored == 0
 
@@ -215,7 +253,9 @@ async def test_int8_tier_is_within_the_stated_bound() -> None:
     sp = spec(dtype=torch.float32)
     src = random_pool(sp)
     b = shared_batch(src, PREFIX, [[3] * 6])
-    async with await open_store({"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}], "quantization": "int8"}) as store:
+    async with await open_store(
+        {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}], "quantization": "int8"}
+    ) as store:
         await store.put(src, b.tokens, b.tables)
         dst = PagedKVPool(sp, 16)
         got = await store.retrieve(dst, b.tokens)
@@ -234,7 +274,12 @@ async def test_restart_finds_every_committed_segment_on_disk(tmp_path: Path) -> 
     sp = spec()
     src = random_pool(sp, 512)
     batches = [shared_batch(src, [g] * 12, [[g + 1] * 8, [g + 2] * 9]) for g in range(5)]
-    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    cfg = {
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": 1 << 30},
+            {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30},
+        ]
+    }
     async with await open_store(cfg) as store:
         for b in batches:
             await store.put(src, b.tokens, b.tables)
@@ -246,7 +291,9 @@ async def test_restart_finds_every_committed_segment_on_disk(tmp_path: Path) -> 
             assert got.num_tokens == [20, 20]
             assert_pages_equal(src, b.tables, dst, got.block_tables, got.num_tokens)
         await store.flush()
-        assert store.stats()["tiers"]["cpu"]["objects"] == 5 * 4  # promoted: 3 layers + manifest each
+        assert (
+            store.stats()["tiers"]["cpu"]["objects"] == 5 * 4
+        )  # promoted: 3 layers + manifest each
 
 
 async def test_eviction_keeps_data_reachable_in_lower_tiers(tmp_path: Path) -> None:
@@ -254,8 +301,15 @@ async def test_eviction_keeps_data_reachable_in_lower_tiers(tmp_path: Path) -> N
     src = random_pool(sp, 512)
     batches = [shared_batch(src, [g] * 16, [[]]) for g in range(6)]
     async with await open_store({"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}]}) as probe:
-        seg_bytes = (await probe.put(src, batches[0].tokens, batches[0].tables)).bytes_per_tier["cpu"]
-    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 2 * seg_bytes}, {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+        seg_bytes = (await probe.put(src, batches[0].tokens, batches[0].tables)).bytes_per_tier[
+            "cpu"
+        ]
+    cfg = {
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": 2 * seg_bytes},
+            {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30},
+        ]
+    }
     async with await open_store(cfg) as store:
         for b in batches:
             await store.put(src, b.tokens, b.tables)
@@ -270,14 +324,19 @@ async def test_eviction_keeps_data_reachable_in_lower_tiers(tmp_path: Path) -> N
             assert got.num_tokens == [16]
 
 
-async def test_write_back_moves_evicted_groups_down_and_flush_persists_the_rest(tmp_path: Path) -> None:
+async def test_write_back_moves_evicted_groups_down_and_flush_persists_the_rest(
+    tmp_path: Path,
+) -> None:
     sp = spec()
     src = random_pool(sp, 512)
     batches = [shared_batch(src, [g] * 16, [[]]) for g in range(4)]
     async with await open_store({"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}]}) as probe:
         one = (await probe.put(src, batches[0].tokens, batches[0].tables)).bytes_per_tier["cpu"]
     cfg = {
-        "tiers": [{"type": "cpu", "capacity_bytes": int(2.5 * one)}, {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}],
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": int(2.5 * one)},
+            {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30},
+        ],
         "policy": {"write_mode": "back"},
     }
     async with await open_store(cfg) as store:
@@ -294,7 +353,12 @@ async def test_write_back_moves_evicted_groups_down_and_flush_persists_the_rest(
 
 
 async def test_object_level_put_get_ranges_delete(tmp_path: Path) -> None:
-    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 20}, {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    cfg = {
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": 1 << 20},
+            {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30},
+        ]
+    }
     data = bytes(range(256)) * 10
     async with await open_store(cfg) as store:
         assert await store.put_object("chunk/1", [data[:100], data[100:]])
@@ -308,7 +372,9 @@ async def test_object_level_put_get_ranges_delete(tmp_path: Path) -> None:
         got = await store.get_object("chunk/1")
         assert got is not None and bytes(got) == data
         await store.delete_object("chunk/1")
-        assert not await store.contains_object("chunk/1") and await store.get_object("chunk/1") is None
+        assert (
+            not await store.contains_object("chunk/1") and await store.get_object("chunk/1") is None
+        )
 
 
 async def test_stats_and_prometheus_metrics_agree() -> None:
@@ -321,7 +387,10 @@ async def test_stats_and_prometheus_metrics_agree() -> None:
         st = store.stats()["tiers"]["cpu"]
         text = generate_latest(store.metrics.registry).decode()
         assert f'hurray_store_tier_hits_total{{tier="cpu"}} {float(st["hits"])}' in text
-        assert f'hurray_store_tier_bytes_written_total{{tier="cpu"}} {float(st["bytes_written"])}' in text
+        assert (
+            f'hurray_store_tier_bytes_written_total{{tier="cpu"}} {float(st["bytes_written"])}'
+            in text
+        )
         assert f'hurray_store_tier_objects{{tier="cpu"}} {float(st["objects"])}' in text
         assert "hurray_store_tier_op_seconds_bucket" in text
         # three layer objects read; the manifest came from the store's own cache
@@ -354,7 +423,10 @@ async def test_gpu_tier_and_pool_on_cuda_round_trip() -> None:
     for layer in src.layers:
         layer.copy_(torch.randn(layer.shape, device="cuda:0").to(layer.dtype))
     b = shared_batch(src, PREFIX, [[1] * 6, [2] * 9])
-    tiers = [{"type": "gpu", "device": "cuda:0", "capacity_bytes": 1 << 30}, {"type": "cpu", "capacity_bytes": 1 << 30}]
+    tiers = [
+        {"type": "gpu", "device": "cuda:0", "capacity_bytes": 1 << 30},
+        {"type": "cpu", "capacity_bytes": 1 << 30},
+    ]
     async with await open_store({"tiers": tiers}) as store:
         await store.put(src, b.tokens, b.tables)
         dst = PagedKVPool(sp, 64, device="cuda:0")
@@ -364,10 +436,17 @@ async def test_gpu_tier_and_pool_on_cuda_round_trip() -> None:
 
 
 async def test_delete_right_after_put_is_not_undone_by_write_through(tmp_path: Path) -> None:
-    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    cfg = {
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": 1 << 30},
+            {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30},
+        ]
+    }
     async with await open_store(cfg) as store:
         for i in range(20):
-            assert await store.put_object(f"k{i}", b"x" * 100_000)  # write-through to disk still running
+            assert await store.put_object(
+                f"k{i}", b"x" * 100_000
+            )  # write-through to disk still running
             await store.delete_object(f"k{i}")
         await store.flush()
         assert not any([await store.contains_object(f"k{i}") for i in range(20)])
@@ -376,24 +455,36 @@ async def test_delete_right_after_put_is_not_undone_by_write_through(tmp_path: P
 
 
 async def test_put_objects_is_one_group_written_record_last(tmp_path: Path) -> None:
-    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 2000}, {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    cfg = {
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": 2000},
+            {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30},
+        ]
+    }
     async with await open_store(cfg) as store:  # room for one 1203-byte group in memory
-        assert await store.put_objects([("c1/0", b"a" * 600), ("c1/1", b"b" * 600), ("c1/r", b"rec")])
+        assert await store.put_objects(
+            [("c1/0", b"a" * 600), ("c1/1", b"b" * 600), ("c1/r", b"rec")]
+        )
         await store.flush()  # c1 stays pinned in memory while its write-through runs
-        assert await store.put_objects([("c2/0", b"c" * 600), ("c2/1", b"d" * 600), ("c2/r", b"rec")])
+        assert await store.put_objects(
+            [("c2/0", b"c" * 600), ("c2/1", b"d" * 600), ("c2/r", b"rec")]
+        )
         await store.flush()
         cpu = store.stats()["tiers"]["cpu"]
         # c1 left the cpu tier whole: its 3 objects and its member list
         assert cpu["evictions"] == 4 and cpu["objects"] == 4
-        assert [await store.contains_object(k) for k in ("c1/0", "c1/1", "c1/r")] == [True] * 3  # still on disk
+        assert [await store.contains_object(k) for k in ("c1/0", "c1/1", "c1/r")] == [
+            True
+        ] * 3  # still on disk
         await store.delete_object("c2/r")  # any key of a group takes the group
         assert [await store.contains_object(k) for k in ("c2/0", "c2/1", "c2/r")] == [False] * 3
         got = await store.get_object("c1/1")
         assert got is not None and bytes(got) == b"b" * 600
 
 
-
-async def test_object_groups_survive_a_restart_and_half_written_ones_are_deleted(tmp_path: Path) -> None:
+async def test_object_groups_survive_a_restart_and_half_written_ones_are_deleted(
+    tmp_path: Path,
+) -> None:
     cfg = {"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
     async with await open_store(cfg) as store:
         assert await store.put_objects([("c1/0", b"a" * 60), ("c1/1", b"b" * 60), ("c1/r", b"rec")])
@@ -403,9 +494,13 @@ async def test_object_groups_survive_a_restart_and_half_written_ones_are_deleted
     # A writer killed mid-group: c2 lost a member before its record was written.
     (tmp_path / disk.path_of("hurray/o/c2/0").relative_to(tmp_path)).unlink()  # type: ignore[attr-defined]
     async with await open_store(cfg) as store:
-        assert store.ledger.group_of(0, "hurray/o/c1/0") == ObjectKey("hurray", "c1/r"), "c1 is one group again"
+        assert store.ledger.group_of(0, "hurray/o/c1/0") == ObjectKey("hurray", "c1/r"), (
+            "c1 is one group again"
+        )
         assert not await store.contains_object("c2/r"), "an incomplete group is deleted whole"
         assert await store.get_object("solo") is not None
         await store.delete_object("c1/0")
         assert [await store.contains_object(k) for k in ("c1/0", "c1/1", "c1/r")] == [False] * 3
-    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [p.name for p in [disk.path_of("hurray/o/solo")]]  # type: ignore[attr-defined]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [
+        p.name for p in [disk.path_of("hurray/o/solo")]
+    ]  # type: ignore[attr-defined]

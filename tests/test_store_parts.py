@@ -45,14 +45,18 @@ class HeldDisk(DiskTier):
 
 
 async def _held_store(tmp_path: Path) -> tuple[TieredStore, HeldDisk]:
-    cfg = load_config({"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}, env={})
+    cfg = load_config(
+        {"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}, env={}
+    )
     disk = HeldDisk(cfg.tiers[0], cfg.namespace)  # type: ignore[arg-type]
     return await TieredStore(cfg, tiers=[disk]).open(), disk
 
 
 async def test_an_object_group_is_not_contained_until_a_get_finds_it(tmp_path: Path) -> None:
     store, disk = await _held_store(tmp_path)
-    put = asyncio.ensure_future(store.put_objects([("c/0", b"x" * 100), ("c/1", b"y" * 100), ("c/r", b"rec")]))
+    put = asyncio.ensure_future(
+        store.put_objects([("c/0", b"x" * 100), ("c/1", b"y" * 100), ("c/r", b"rec")])
+    )
     await disk.entered.wait()  # the group's first write is under way, held open
     for key in ("c/0", "c/r"):
         assert not store.has_object(key), "the books claim nothing before the bytes exist"
@@ -88,7 +92,9 @@ async def test_a_segment_is_not_looked_up_until_retrieve_delivers_it(tmp_path: P
 async def test_a_group_being_written_is_never_evicted_by_another_put(tmp_path: Path) -> None:
     """Room for one group: a second put while the first is held open is refused by the
     tier (it cannot evict a write in progress), and the first lands whole."""
-    cfg = load_config({"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 300}]}, env={})
+    cfg = load_config(
+        {"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 300}]}, env={}
+    )
     disk = HeldDisk(cfg.tiers[0], cfg.namespace)  # type: ignore[arg-type]
     store = await TieredStore(cfg, tiers=[disk]).open()
     first = asyncio.ensure_future(store.put_object("a", b"a" * 200))
@@ -116,7 +122,11 @@ def test_split_segments_keeps_sharers_together_and_packs_by_bytes() -> None:
         ([[h[0], h[1], h[2]], [h[4]], [h[2], h[5]]], [0, 0, 0], 4, [[0, 2], [1]]),
     ]
     for hashes, firsts, max_pages, want in table:
-        assert split_segments(hashes, firsts, 10, max_pages * 10) == want, (hashes, firsts, max_pages)
+        assert split_segments(hashes, firsts, 10, max_pages * 10) == want, (
+            hashes,
+            firsts,
+            max_pages,
+        )
 
 
 def test_segment_ids() -> None:
@@ -139,11 +149,21 @@ def test_runs_and_cuts() -> None:
         assert cut_at_bad(tables, bad) == (cut, lost)
 
 
-def _manifest(seg: bytes, seqs: list[tuple[list[int], int, list[int]]], num_pages: int, P: int = 2) -> Manifest:
+def _manifest(
+    seg: bytes, seqs: list[tuple[list[int], int, list[int]]], num_pages: int, P: int = 2
+) -> Manifest:
     return Manifest(
-        fingerprint=b"f" * 32, segment_id=seg, quantization=None, page_size=P, num_pages=num_pages, page_bytes=8,
+        fingerprint=b"f" * 32,
+        segment_id=seg,
+        quantization=None,
+        page_size=P,
+        num_pages=num_pages,
+        page_bytes=8,
         scale_bytes=0,
-        sequences=tuple(ManifestSeq(tuple(t), first, len(t), tuple(b"h" * 16 for _ in table), tuple(table)) for t, first, table in seqs),
+        sequences=tuple(
+            ManifestSeq(tuple(t), first, len(t), tuple(b"h" * 16 for _ in table), tuple(table))
+            for t, first, table in seqs
+        ),
         layers=(ManifestLayer(0, "k", 100, 0, 10, 50, 0, 0, (0,) * num_pages, (0,) * num_pages),),
     )
 
@@ -160,7 +180,10 @@ def test_read_plan_shares_pages_and_stops_at_bad_segments() -> None:
     plan = read_plan(matches, manifests, toks, 2)
     assert plan.tables == [[0, 1, 2], [0, 1]], "the shared prefix is one set of local pages"
     assert plan.num_pages == 3 and plan.rejected == {C: "token ids differ from the request's"}
-    assert [(r.segment_id, r.pages, r.dest, r.runs) for r in plan.segments] == [(A, [0, 1], [0, 1], [(0, 2)]), (B, [0], [2], [(0, 1)])]
+    assert [(r.segment_id, r.pages, r.dest, r.runs) for r in plan.segments] == [
+        (A, [0, 1], [0, 1], [(0, 2)]),
+        (B, [0], [2], [(0, 1)]),
+    ]
     missing = read_plan(matches, {**manifests, A: None}, toks, 2)
     assert missing.tables == [[], []] and missing.num_pages == 0 and missing.segments == []
 
@@ -184,12 +207,22 @@ def _layer_object(pool: PagedKVPool, li: int, pages: list[int]) -> tuple[Manifes
     sp = pool.spec
     n = len(pages)
     bt = torch.arange(n)
-    plan = plan_layer(li, bt, torch.tensor([0, n]), num_pages=n, page_size=sp.page_size, heads=sp.num_kv_heads,
-                      dim=sp.head_dim, dtype=sp.dtype)
+    plan = plan_layer(
+        li,
+        bt,
+        torch.tensor([0, n]),
+        num_pages=n,
+        page_size=sp.page_size,
+        heads=sp.num_kv_heads,
+        dim=sp.head_dim,
+        dtype=sp.dtype,
+    )
     out = bytearray(plan.nbytes)
     plan.write_fixed(memoryview(out))
     obj_sum, kc, vc = gather_layer(pool.layers[li], torch.tensor(pages), plan, memoryview(out))
-    lay = ManifestLayer(li, "k", plan.nbytes, obj_sum, plan.key_pool_offset, plan.value_pool_offset, 0, 0, kc, vc)
+    lay = ManifestLayer(
+        li, "k", plan.nbytes, obj_sum, plan.key_pool_offset, plan.value_pool_offset, 0, 0, kc, vc
+    )
     m = Manifest(sp.fingerprint(), b"s" * 16, None, sp.page_size, n, plan.page_bytes, 0, (), (lay,))
     return m, out
 
@@ -219,10 +252,17 @@ def test_verify_and_scatter_names_the_bad_pages_and_copies_the_rest(whole: bool)
     parts = [obj] if whole else [bytes(obj[o : o + n]) for o, n in run_ranges(m, 0, page_runs)]
     dst = PagedKVPool(sp, 8)
     rows = torch.tensor([3, 6])
-    bad = verify_and_scatter(dst.layers[0], sp, m, 0, page_runs, parts, rows, whole=whole, check=True)
+    bad = verify_and_scatter(
+        dst.layers[0], sp, m, 0, page_runs, parts, rows, whole=whole, check=True
+    )
     assert bad == [1], "the second page of the run (segment page 2) is bad"
     assert torch.equal(dst.layers[0][:, 3], src.layers[0][:, 5]), "the good page landed"
-    assert verify_and_scatter(dst.layers[0], sp, m, 0, page_runs, parts, rows, whole=whole, check=False) == []
+    assert (
+        verify_and_scatter(
+            dst.layers[0], sp, m, 0, page_runs, parts, rows, whole=whole, check=False
+        )
+        == []
+    )
 
 
 def test_a_whole_object_with_a_bad_descriptor_or_size_is_refused_whole() -> None:
@@ -232,8 +272,16 @@ def test_a_whole_object_with_a_bad_descriptor_or_size_is_refused_whole() -> None
     dst = PagedKVPool(sp, 8)
     rows = torch.tensor([0, 1])
     obj[0] ^= 0x01  # outside every page: only the object checksum covers it
-    assert verify_and_scatter(dst.layers[0], sp, m, 0, [(0, 2)], [obj], rows, whole=True, check=True) is None
-    assert verify_and_scatter(dst.layers[0], sp, m, 0, [(0, 2)], [obj[:-1]], rows, whole=True, check=False) is None
+    assert (
+        verify_and_scatter(dst.layers[0], sp, m, 0, [(0, 2)], [obj], rows, whole=True, check=True)
+        is None
+    )
+    assert (
+        verify_and_scatter(
+            dst.layers[0], sp, m, 0, [(0, 2)], [obj[:-1]], rows, whole=True, check=False
+        )
+        is None
+    )
     assert not dst.layers[0].any(), "nothing copied"
 
 
@@ -245,7 +293,10 @@ def test_snapshot_and_the_store_gather_the_same_page_bytes() -> None:
     snap = snapshot(pool, [[2, 9, 4]], [12])
     m, obj = _layer_object(pool, 2, [2, 9, 4])
     ((off, ln),) = m.page_range(0, "key", 0)
-    assert bytes(obj[off : off + 3 * ln]) == snap.layers[2].keys.contiguous().view(torch.uint8).numpy().tobytes()
+    assert (
+        bytes(obj[off : off + 3 * ln])
+        == snap.layers[2].keys.contiguous().view(torch.uint8).numpy().tobytes()
+    )
 
 
 def test_hashes_key_segments_of_one_namespace() -> None:

@@ -20,14 +20,18 @@ from tests.store_helpers import spec
 
 SP = spec(num_layers=2, page_size=2)
 P = SP.page_size
-tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=9)  # small alphabet: many shared prefixes
+tokens_st = st.lists(
+    st.integers(0, 2), min_size=0, max_size=9
+)  # small alphabet: many shared prefixes
 
 
 def page_content(tokens: list[int], i: int) -> torch.Tensor:
     """The KV an engine would compute for page i: a function of tokens[: (i+1)P]."""
     seed = int.from_bytes(hashlib.sha256(bytes(tokens[: (i + 1) * P])).digest()[:8], "little")
     g = torch.Generator().manual_seed(seed)
-    return torch.randn((SP.num_layers, 2, P, SP.num_kv_heads, SP.head_dim), generator=g).to(SP.dtype)
+    return torch.randn((SP.num_layers, 2, P, SP.num_kv_heads, SP.head_dim), generator=g).to(
+        SP.dtype
+    )
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -35,7 +39,12 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.dir = tempfile.mkdtemp()
-        self.cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, {"type": "disk", "path": self.dir, "capacity_bytes": 1 << 30}]}
+        self.cfg = {
+            "tiers": [
+                {"type": "cpu", "capacity_bytes": 1 << 30},
+                {"type": "disk", "path": self.dir, "capacity_bytes": 1 << 30},
+            ]
+        }
         self.store: TieredStore = self.run(open_store(self.cfg))
         self.stored: set[bytes] = set()
         self.objects: dict[str, bytes] = {}
@@ -111,6 +120,9 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=30, stateful_step_count=12, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=30,
+    stateful_step_count=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 TestStoreMachine = StoreMachine.TestCase

@@ -83,8 +83,12 @@ class TierContract:
         assert await tier.put_many(items) == [True] * 20
         got = await tier.get_many([k for k, _ in items] + ["missing"])
         assert [as_bytes(g) for g in got[:-1]] == [v[0] for _, v in items] and got[-1] is None
-        rng = await tier.get_ranges_many([(k, [(1, 3)]) for k, _ in items] + [("missing", [(0, 1)])])
-        assert [as_bytes(r[0]) for r in rng[:-1] if r] == [v[0][1:4] for _, v in items] and rng[-1] is None
+        rng = await tier.get_ranges_many(
+            [(k, [(1, 3)]) for k, _ in items] + [("missing", [(0, 1)])]
+        )
+        assert [as_bytes(r[0]) for r in rng[:-1] if r] == [v[0][1:4] for _, v in items] and rng[
+            -1
+        ] is None
         await tier.delete_many([k for k, _ in items])
         assert await tier.get_many([k for k, _ in items]) == [None] * 20
 
@@ -139,7 +143,11 @@ class TestGpuTier(TierContract):
     async def test_blobs_are_device_tensors(self, tier: Tier) -> None:
         await tier.put("t", [b"abcd"])
         got = await tier.get("t")
-        assert isinstance(got, torch.Tensor) and got.device == torch.device("cpu") and got.dtype == torch.uint8
+        assert (
+            isinstance(got, torch.Tensor)
+            and got.device == torch.device("cpu")
+            and got.dtype == torch.uint8
+        )
 
 
 class TestCpuTier(TierContract):
@@ -171,7 +179,11 @@ class DiskBase(MediumContract):
 
     @pytest.fixture
     async def tier(self, tmp_path: Path) -> Tier:
-        t = open_tier(DiskTierConfig(path=str(tmp_path / "disk"), capacity_bytes=1 << 30, name="disk", fsync=self.fsync))
+        t = open_tier(
+            DiskTierConfig(
+                path=str(tmp_path / "disk"), capacity_bytes=1 << 30, name="disk", fsync=self.fsync
+            )
+        )
         await t.open()
         return t
 
@@ -200,7 +212,9 @@ class TestDiskTier(DiskBase):
         q = list(tier.quarantine_dir.iterdir())  # type: ignore[attr-defined]
         assert len(q) == 1 and q[0].read_bytes() == b"corrupt"
 
-    async def test_a_failed_write_leaves_no_object_and_returns_false(self, tier: Tier, caplog: pytest.LogCaptureFixture) -> None:
+    async def test_a_failed_write_leaves_no_object_and_returns_false(
+        self, tier: Tier, caplog: pytest.LogCaptureFixture
+    ) -> None:
         shard = tier.path_of("blocked").parent  # type: ignore[attr-defined]
         shard.mkdir(parents=True, exist_ok=True)
         tier.path_of("blocked").mkdir()  # type: ignore[attr-defined]  # a folder where the file goes
@@ -251,10 +265,14 @@ class TestRedisTier(RedisBase):
 
     def config(self, request: pytest.FixtureRequest) -> RedisTierConfig:
         r: RedisProc = request.getfixturevalue("redis_server")
-        return RedisTierConfig(url=r.url, name="redis", key_prefix=f"t{next(_n)}-{uuid.uuid4().hex[:6]}:")
+        return RedisTierConfig(
+            url=r.url, name="redis", key_prefix=f"t{next(_n)}-{uuid.uuid4().hex[:6]}:"
+        )
 
     async def test_ttl_is_set_on_every_object(self, redis_server: RedisProc) -> None:
-        t = RedisTier(RedisTierConfig(url=redis_server.url, name="redis", key_prefix="ttl:", ttl_s=100))
+        t = RedisTier(
+            RedisTierConfig(url=redis_server.url, name="redis", key_prefix="ttl:", ttl_s=100)
+        )
         await t.open()
         await t.put("k", [b"v"])
         ttl = int(redis_server.cli("ttl", "ttl:k").strip())
@@ -268,15 +286,27 @@ class TestRedisTier(RedisBase):
             await bad.open()
             assert await bad.put("k", [b"v"]) is False  # refused without the password
             await bad.close()
-            good = RedisTier(RedisTierConfig(url=f"redis://:s3cret@127.0.0.1:{r.port}/0", name="redis"))
+            good = RedisTier(
+                RedisTierConfig(url=f"redis://:s3cret@127.0.0.1:{r.port}/0", name="redis")
+            )
             await good.open()
             assert await good.put("k", [b"v"]) and await good.get("k") == b"v"
             await good.close()
         finally:
             r.stop()
 
-    async def test_down_server_is_a_miss_with_one_warning_then_recovers(self, redis_fresh: RedisProc, caplog: pytest.LogCaptureFixture) -> None:
-        t = RedisTier(RedisTierConfig(url=redis_fresh.url, name="redis", timeout_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.2))
+    async def test_down_server_is_a_miss_with_one_warning_then_recovers(
+        self, redis_fresh: RedisProc, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        t = RedisTier(
+            RedisTierConfig(
+                url=redis_fresh.url,
+                name="redis",
+                timeout_s=0.5,
+                backoff_initial_s=0.05,
+                backoff_max_s=0.2,
+            )
+        )
         await t.open()
         assert await t.put("k", [b"v"])
         redis_fresh.stop()
@@ -301,7 +331,9 @@ class TestRedisTier(RedisBase):
     async def test_open_with_the_server_down_does_not_raise(self) -> None:
         from tests.conftest import free_port
 
-        t = RedisTier(RedisTierConfig(url=f"redis://127.0.0.1:{free_port()}/0", name="redis", timeout_s=0.3))
+        t = RedisTier(
+            RedisTierConfig(url=f"redis://127.0.0.1:{free_port()}/0", name="redis", timeout_s=0.3)
+        )
         await t.open()
         assert not t.available and await t.get("k") is None
         await t.close()
@@ -315,10 +347,19 @@ class TestRedisClusterTier(RedisBase):
     def config(self, request: pytest.FixtureRequest) -> RedisTierConfig:
         nodes: list[RedisProc] = request.getfixturevalue("redis_cluster")
         url = "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes)
-        return RedisTierConfig(url=url, name="redis", key_prefix=f"c{next(_n)}-{uuid.uuid4().hex[:6]}:")
+        return RedisTierConfig(
+            url=url, name="redis", key_prefix=f"c{next(_n)}-{uuid.uuid4().hex[:6]}:"
+        )
 
     async def test_cluster_flag_with_a_plain_url(self, redis_cluster: list[RedisProc]) -> None:
-        t = RedisTier(RedisTierConfig(url=redis_cluster[1].url.rsplit("/", 1)[0], name="redis", cluster=True, key_prefix="flag:"))
+        t = RedisTier(
+            RedisTierConfig(
+                url=redis_cluster[1].url.rsplit("/", 1)[0],
+                name="redis",
+                cluster=True,
+                key_prefix="flag:",
+            )
+        )
         await t.open()
         assert t.is_cluster and t.available
         keys = [f"k{i}" for i in range(50)]  # spread over slots on every master
@@ -394,17 +435,25 @@ class TestRemoteTier(MediumContract):
 
     @pytest.fixture
     async def tier(self, cache_server: ServerProc) -> Tier:
-        t = open_tier(RemoteTierConfig(url=cache_server.url, name="remote", token="tiers", connections=2))
+        t = open_tier(
+            RemoteTierConfig(url=cache_server.url, name="remote", token="tiers", connections=2)
+        )
         await t.open()
         assert t.available, "the test server should be reachable"
         yield t
         await t.close()
 
-    async def test_many_requests_in_flight_on_one_connection(self, cache_server: ServerProc) -> None:
-        t = open_tier(RemoteTierConfig(url=cache_server.url, name="remote", token="tiers", connections=1))
+    async def test_many_requests_in_flight_on_one_connection(
+        self, cache_server: ServerProc
+    ) -> None:
+        t = open_tier(
+            RemoteTierConfig(url=cache_server.url, name="remote", token="tiers", connections=1)
+        )
         blobs = {f"pipe/{i}": os.urandom(1000 + 37 * i) for i in range(64)}
         assert await t.put_many([(k, [v]) for k, v in blobs.items()]) == [True] * 64
-        got = await asyncio.gather(*(t.get(k) for k in blobs), *(t.get_ranges(k, [(5, 10)]) for k in blobs))
+        got = await asyncio.gather(
+            *(t.get(k) for k in blobs), *(t.get_ranges(k, [(5, 10)]) for k in blobs)
+        )
         assert [as_bytes(g) for g in got[:64]] == list(blobs.values())
         assert [as_bytes(g[0]) for g in got[64:]] == [v[5:15] for v in blobs.values()]
         await t.close()
@@ -413,12 +462,19 @@ class TestRemoteTier(MediumContract):
         key = "hurray/s/{00ff}/0"
         assert await tier.put(key, [b"layer bytes"])  # staged on the server
         assert not await tier.contains(key) and await tier.get(key) is None
-        assert not await tier.put("hurray/s/{00ff}/m", [b"a manifest"]), "a manifest is only sent by its commit"
-        group = [StoredObject(key, [b"layer bytes"]), StoredObject("hurray/s/{00ff}/m", [b"not a manifest"])]
+        assert not await tier.put("hurray/s/{00ff}/m", [b"a manifest"]), (
+            "a manifest is only sent by its commit"
+        )
+        group = [
+            StoredObject(key, [b"layer bytes"]),
+            StoredObject("hurray/s/{00ff}/m", [b"not a manifest"]),
+        ]
         assert not await tier.put_group(group), "a bad commit is a skipped write"
         assert await tier.get(key) is None
 
-    async def test_wrong_token_is_an_outage_not_an_exception(self, cache_server: ServerProc, caplog: pytest.LogCaptureFixture) -> None:
+    async def test_wrong_token_is_an_outage_not_an_exception(
+        self, cache_server: ServerProc, caplog: pytest.LogCaptureFixture
+    ) -> None:
         t = open_tier(RemoteTierConfig(url=cache_server.url, name="remote", token="nope"))
         await t.open()
         assert not t.available and await t.get("x") is None and await t.put("x", [b"1"]) is False
@@ -428,14 +484,26 @@ class TestRemoteTier(MediumContract):
     async def test_nothing_listening(self) -> None:
         from tests.conftest import free_port
 
-        t = open_tier(RemoteTierConfig(url=f"hurray://127.0.0.1:{free_port()}", name="remote", connect_timeout_s=0.5))
+        t = open_tier(
+            RemoteTierConfig(
+                url=f"hurray://127.0.0.1:{free_port()}", name="remote", connect_timeout_s=0.5
+            )
+        )
         await t.open()
         assert not t.available
-        assert await t.get("x") is None and await t.put("x", [b"1"]) is False and not await t.contains("x")
+        assert (
+            await t.get("x") is None
+            and await t.put("x", [b"1"]) is False
+            and not await t.contains("x")
+        )
         await t.close()
 
-    async def test_a_namespace_other_than_the_servers_is_named(self, cache_server: ServerProc, caplog: pytest.LogCaptureFixture) -> None:
-        t = open_tier(RemoteTierConfig(url=cache_server.url, name="remote", token="tiers"), "not-hurray")
+    async def test_a_namespace_other_than_the_servers_is_named(
+        self, cache_server: ServerProc, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        t = open_tier(
+            RemoteTierConfig(url=cache_server.url, name="remote", token="tiers"), "not-hurray"
+        )
         await t.open()
         assert "the server's namespace is 'hurray', this store's 'not-hurray'" in caplog.text
         await t.close()

@@ -28,7 +28,9 @@ from hurray_store.synthetic import shared_prefix_layer  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=8)
@@ -37,7 +39,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     a = ap.parse_args()
     torch.set_num_threads(1)  # the references (memcpy) are single-threaded too
-    layer = shared_prefix_layer(seqs=a.seqs, tokens=a.tokens, heads=a.heads, dim=a.dim, page_size=a.page)
+    layer = shared_prefix_layer(
+        seqs=a.seqs, tokens=a.tokens, heads=a.heads, dim=a.dim, page_size=a.page
+    )
     obj = encode_layer(layer)
     n = len(obj)
     src = np.frombuffer(obj, dtype=np.uint8)
@@ -77,14 +81,54 @@ def main() -> None:
     rows = [
         ["copy into a fresh buffer (reference)", f"{ref_fresh:.2f}", "1.00", "-"],
         ["memcpy into a preallocated buffer (reference)", f"{ref_mem:.2f}", "-", "1.00"],
-        ["encode_layer -> bytes", f"{gbps(n, t_enc):.2f}", f"{t_fresh / t_enc:.2f}", f"{t_memcpy / t_enc:.2f}"],
-        ["encode_layer_buffers (descriptors + views)", f"{gbps(n, t_vec):.1f}", f"{t_fresh / t_vec:.1f}", f"{t_memcpy / t_vec:.1f}"],
-        ["encode_layer_buffers + copy into a preallocated buffer", f"{gbps(n, t_vec_copy):.2f}", f"{t_fresh / t_vec_copy:.2f}", f"{t_memcpy / t_vec_copy:.2f}"],
-        ["decode_layer (validated, zero-copy views)", f"{gbps(n, t_dec):.1f}", f"{t_fresh / t_dec:.1f}", f"{t_memcpy / t_dec:.1f}"],
-        ["decode_layer + read every key byte (sum)", f"{gbps(n, t_dec_touch):.2f}", "-", f"{t_sum / t_dec_touch:.2f} of the same sum"],
-        ["pyhurray StreamReader + in-memory StreamWriter", f"{gbps(n, t_hw):.2f}", f"{t_fresh / t_hw:.2f}", f"{t_memcpy / t_hw:.2f}"],
-        ["encode_layer int8 (quantize + encode)", f"{gbps(n, t_q):.2f}", f"{t_fresh / t_q:.2f}", f"{t_memcpy / t_q:.2f}"],
-        ["decode_layer int8 (validate + dequantize)", f"{gbps(n, t_dq):.2f}", f"{t_fresh / t_dq:.2f}", f"{t_memcpy / t_dq:.2f}"],
+        [
+            "encode_layer -> bytes",
+            f"{gbps(n, t_enc):.2f}",
+            f"{t_fresh / t_enc:.2f}",
+            f"{t_memcpy / t_enc:.2f}",
+        ],
+        [
+            "encode_layer_buffers (descriptors + views)",
+            f"{gbps(n, t_vec):.1f}",
+            f"{t_fresh / t_vec:.1f}",
+            f"{t_memcpy / t_vec:.1f}",
+        ],
+        [
+            "encode_layer_buffers + copy into a preallocated buffer",
+            f"{gbps(n, t_vec_copy):.2f}",
+            f"{t_fresh / t_vec_copy:.2f}",
+            f"{t_memcpy / t_vec_copy:.2f}",
+        ],
+        [
+            "decode_layer (validated, zero-copy views)",
+            f"{gbps(n, t_dec):.1f}",
+            f"{t_fresh / t_dec:.1f}",
+            f"{t_memcpy / t_dec:.1f}",
+        ],
+        [
+            "decode_layer + read every key byte (sum)",
+            f"{gbps(n, t_dec_touch):.2f}",
+            "-",
+            f"{t_sum / t_dec_touch:.2f} of the same sum",
+        ],
+        [
+            "pyhurray StreamReader + in-memory StreamWriter",
+            f"{gbps(n, t_hw):.2f}",
+            f"{t_fresh / t_hw:.2f}",
+            f"{t_memcpy / t_hw:.2f}",
+        ],
+        [
+            "encode_layer int8 (quantize + encode)",
+            f"{gbps(n, t_q):.2f}",
+            f"{t_fresh / t_q:.2f}",
+            f"{t_memcpy / t_q:.2f}",
+        ],
+        [
+            "decode_layer int8 (validate + dequantize)",
+            f"{gbps(n, t_dq):.2f}",
+            f"{t_fresh / t_dq:.2f}",
+            f"{t_memcpy / t_dq:.2f}",
+        ],
     ]
     pages = int(layer.block_table.numel())
     print(

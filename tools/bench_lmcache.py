@@ -38,7 +38,9 @@ from hurray_store import KVSpec  # noqa: E402
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 
-def run_backend(cpu: Any, backend: Any, data: list[torch.Tensor], keys: list[Any]) -> tuple[float, float]:
+def run_backend(
+    cpu: Any, backend: Any, data: list[torch.Tensor], keys: list[Any]
+) -> tuple[float, float]:
     from lmcache.v1.memory_management import MemoryFormat
 
     objs = []
@@ -65,28 +67,62 @@ def run_backend(cpu: Any, backend: Any, data: list[torch.Tensor], keys: list[Any
 
 
 def redis_bytes(port: int) -> int:
-    out = subprocess.run(["redis-cli", "-p", str(port), "--scan"], capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        ["redis-cli", "-p", str(port), "--scan"], capture_output=True, text=True
+    ).stdout.split()
     total = 0
     for k in out:
-        total += int(subprocess.run(["redis-cli", "-p", str(port), "strlen", k], capture_output=True, text=True).stdout.strip() or 0)
+        total += int(
+            subprocess.run(
+                ["redis-cli", "-p", str(port), "strlen", k], capture_output=True, text=True
+            ).stdout.strip()
+            or 0
+        )
     return total
 
 
 def bench_l2(spec: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, float]:
     out = work / "l2.json"
-    cmd = [str(Path(sys.executable).parent / "lmcache"), "bench", "l2", "--l2-adapter", json.dumps(spec), "--no-skip-verify",
-           "--num-keys", str(args.l2_keys), "--data-size-kb", str(args.l2_kb), "--rounds", "3", "--format", "json",
-           "--output", str(out), "-q"]
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"}, timeout=600)
+    cmd = [
+        str(Path(sys.executable).parent / "lmcache"),
+        "bench",
+        "l2",
+        "--l2-adapter",
+        json.dumps(spec),
+        "--no-skip-verify",
+        "--num-keys",
+        str(args.l2_keys),
+        "--data-size-kb",
+        str(args.l2_kb),
+        "--rounds",
+        "3",
+        "--format",
+        "json",
+        "--output",
+        str(out),
+        "-q",
+    ]
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"},
+        timeout=600,
+    )
     if p.returncode != 0:
         raise SystemExit(f"lmcache bench l2 failed for {spec['type']}: {p.stderr[-2000:]}")
     m = json.loads(out.read_text())["metrics"]
     ops = {v["operation"]: v for k, v in m.items() if k.startswith("op_")}
-    return {"store": ops["Store"]["throughput_avg_mbps"], "load": ops["Load"]["throughput_avg_mbps"]}
+    return {
+        "store": ops["Store"]["throughput_avg_mbps"],
+        "load": ops["Load"]["throughput_avg_mbps"],
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--chunks", type=int, default=32)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
@@ -99,7 +135,10 @@ def main() -> None:
 
     spec = KVSpec("bench", a.layers, a.heads, a.dim, 16, torch.float16)
     g = torch.Generator().manual_seed(0)
-    data = [torch.randn((2, a.layers, a.chunk_size, a.heads * a.dim), generator=g).half() for _ in range(a.chunks)]
+    data = [
+        torch.randn((2, a.layers, a.chunk_size, a.heads * a.dim), generator=g).half()
+        for _ in range(a.chunks)
+    ]
     keys = [CacheEngineKey("bench", 1, 0, 1000 + i, torch.float16) for i in range(a.chunks)]
     nbytes = sum(t.numel() * 2 for t in data)
     work = Path(tempfile.mkdtemp(prefix="bench-lmcache-"))
@@ -107,43 +146,100 @@ def main() -> None:
     rows: list[list[object]] = []
     results: dict[str, tuple[float, float, int]] = {}
     try:
-        plugin = {"storage_plugins": ["hurray"], "extra_config": {
-            "storage_plugin.hurray.module_path": "hurray_store.adapters.lmcache",
-            "storage_plugin.hurray.class_name": "HurrayStoragePlugin",
-            "storage_plugin.hurray.config": str(work / "h.yaml")}}
+        plugin = {
+            "storage_plugins": ["hurray"],
+            "extra_config": {
+                "storage_plugin.hurray.module_path": "hurray_store.adapters.lmcache",
+                "storage_plugin.hurray.class_name": "HurrayStoragePlugin",
+                "storage_plugin.hurray.config": str(work / "h.yaml"),
+            },
+        }
         cases = [
-            ("LMCache LocalDiskBackend", "disk", {"local_disk": f"file://{work}/lmc-disk/", "max_local_disk_size": 16.0}, None),
-            ("hurray_store plugin, disk tier", "disk", plugin, f"  - {{type: disk, path: {work}/h-disk, capacity_bytes: 17179869184}}\n"),
-            ("LMCache RemoteBackend (Redis)", "redis", {"remote_url": f"redis://127.0.0.1:{port}", "remote_serde": "naive"}, None),
-            ("hurray_store plugin, redis tier", "redis", plugin, f"  - {{type: redis, url: 'redis://127.0.0.1:{port}/0'}}\n"),
+            (
+                "LMCache LocalDiskBackend",
+                "disk",
+                {"local_disk": f"file://{work}/lmc-disk/", "max_local_disk_size": 16.0},
+                None,
+            ),
+            (
+                "hurray_store plugin, disk tier",
+                "disk",
+                plugin,
+                f"  - {{type: disk, path: {work}/h-disk, capacity_bytes: 17179869184}}\n",
+            ),
+            (
+                "LMCache RemoteBackend (Redis)",
+                "redis",
+                {"remote_url": f"redis://127.0.0.1:{port}", "remote_serde": "naive"},
+                None,
+            ),
+            (
+                "hurray_store plugin, redis tier",
+                "redis",
+                plugin,
+                f"  - {{type: redis, url: 'redis://127.0.0.1:{port}/0'}}\n",
+            ),
         ]
         for name, tier, extra, tiers in cases:
             subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
             if tiers:
                 (work / "h.yaml").write_text("tiers:\n" + tiers)
-            lm = LMCacheBackend(spec, a.chunk_size, extra)  # LMCache's own loader builds either backend
+            lm = LMCacheBackend(
+                spec, a.chunk_size, extra
+            )  # LMCache's own loader builds either backend
             tp, tg = run_backend(lm.cpu, lm.backend, data, keys)
             if hasattr(lm.backend, "flush"):
                 lm.backend.flush()
-            stored = redis_bytes(port) if tier == "redis" else dir_bytes(work / ("lmc-disk" if "LMCache" in name else "h-disk"))
+            stored = (
+                redis_bytes(port)
+                if tier == "redis"
+                else dir_bytes(work / ("lmc-disk" if "LMCache" in name else "h-disk"))
+            )
             lm.close()
             results[name] = (tp, tg, stored)
-            rows.append([name, f"{gbps(nbytes, tp):.2f}", f"{gbps(nbytes, tg):.2f}", f"{stored / 2**20:.1f}"])
+            rows.append(
+                [
+                    name,
+                    f"{gbps(nbytes, tp):.2f}",
+                    f"{gbps(nbytes, tg):.2f}",
+                    f"{stored / 2**20:.1f}",
+                ]
+            )
         ratio_rows = []
-        for tier, ref, ours in (("disk", "LMCache LocalDiskBackend", "hurray_store plugin, disk tier"),
-                                ("redis", "LMCache RemoteBackend (Redis)", "hurray_store plugin, redis tier")):
+        for tier, ref, ours in (
+            ("disk", "LMCache LocalDiskBackend", "hurray_store plugin, disk tier"),
+            ("redis", "LMCache RemoteBackend (Redis)", "hurray_store plugin, redis tier"),
+        ):
             (rp, rg, _), (op, og, _) = results[ref], results[ours]
             ratio_rows.append([tier, f"{rp / op:.2f}", f"{rg / og:.2f}"])
         l2_rows = []
-        (work / "l2.yaml").write_text(f"tiers:\n  - {{type: disk, path: {work}/l2-disk, capacity_bytes: 17179869184}}\n")
-        (work / "l2r.yaml").write_text(f"tiers:\n  - {{type: redis, url: 'redis://127.0.0.1:{port}/0'}}\n")
+        (work / "l2.yaml").write_text(
+            f"tiers:\n  - {{type: disk, path: {work}/l2-disk, capacity_bytes: 17179869184}}\n"
+        )
+        (work / "l2r.yaml").write_text(
+            f"tiers:\n  - {{type: redis, url: 'redis://127.0.0.1:{port}/0'}}\n"
+        )
         for name, spec in (
             ("LMCache fs", {"type": "fs", "base_path": str(work / "l2-fs")}),
-            ("hurray_store, disk tier", {"type": "plugin", "module_path": "hurray_store.adapters.lmcache", "class_name": "HurrayL2Adapter",
-                                         "adapter_params": {"config": str(work / "l2.yaml")}}),
+            (
+                "hurray_store, disk tier",
+                {
+                    "type": "plugin",
+                    "module_path": "hurray_store.adapters.lmcache",
+                    "class_name": "HurrayL2Adapter",
+                    "adapter_params": {"config": str(work / "l2.yaml")},
+                },
+            ),
             ("LMCache resp (Redis)", {"type": "resp", "host": "127.0.0.1", "port": port}),
-            ("hurray_store, redis tier", {"type": "plugin", "module_path": "hurray_store.adapters.lmcache", "class_name": "HurrayL2Adapter",
-                                          "adapter_params": {"config": str(work / "l2r.yaml")}}),
+            (
+                "hurray_store, redis tier",
+                {
+                    "type": "plugin",
+                    "module_path": "hurray_store.adapters.lmcache",
+                    "class_name": "HurrayL2Adapter",
+                    "adapter_params": {"config": str(work / "l2r.yaml")},
+                },
+            ),
         ):
             subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
             r = bench_l2(spec, a, work)
@@ -151,12 +247,18 @@ def main() -> None:
     finally:
         redis_proc.kill()
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\n{a.chunks} chunks of [2, {a.layers}, {a.chunk_size}, {a.heads * a.dim}] fp16 ({nbytes / 2**20:.0f} MiB); "
-          "in-process storage backends, one run\n")
+    print(
+        f"\n{a.chunks} chunks of [2, {a.layers}, {a.chunk_size}, {a.heads * a.dim}] fp16 "
+        f"({nbytes / 2**20:.0f} MiB); "
+        "in-process storage backends, one run\n"
+    )
     print(table(["backend", "store GB/s", "retrieve GB/s", "MiB stored"], rows))
     print("\nours x LMCache's own backend on the same tier\n")
     print(table(["tier", "store", "retrieve"], ratio_rows))
-    print(f"\nlmcache server L2 adapters under `lmcache bench l2 --no-skip-verify` ({a.l2_keys} keys x {a.l2_kb} KiB, 3 rounds)\n")
+    print(
+        "\nlmcache server L2 adapters under `lmcache bench l2 --no-skip-verify` "
+        f"({a.l2_keys} keys x {a.l2_kb} KiB, 3 rounds)\n"
+    )
     print(table(["adapter", "store MB/s", "load MB/s"], l2_rows))
     os._exit(0)  # LMCache leaves non-daemon threads behind
 

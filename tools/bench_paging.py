@@ -27,7 +27,9 @@ from hurray_store import KVSpec, PagedKVPool, PrefixIndex, restore, snapshot  # 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=2048)
@@ -42,7 +44,11 @@ def main() -> None:
     num_blocks = distinct * 2
     rng = np.random.default_rng(0)
     phys = rng.permutation(num_blocks)[:distinct].tolist()  # scattered source pages
-    tables = [phys[:shared] + phys[shared + s * (per_seq - shared) : shared + (s + 1) * (per_seq - shared)] for s in range(a.seqs)]
+    tables = [
+        phys[:shared]
+        + phys[shared + s * (per_seq - shared) : shared + (s + 1) * (per_seq - shared)]
+        for s in range(a.seqs)
+    ]
     lens = [a.tokens] * a.seqs
     src = PagedKVPool(spec, num_blocks)
     for t in src.layers:
@@ -95,24 +101,63 @@ def main() -> None:
     miss = prompt[:1024] + [b"\0" * 16] * 1024
     t_lp_half = timeit(lambda: index.longest_prefix(miss), repeat=21)
 
-    print(f"{a.layers} layers, {a.seqs} seqs x {a.tokens} tokens, fp16 8x128, page 16: "
-          f"{a.seqs * per_seq} pages referenced, {distinct} distinct; {nbytes / 2**20:.0f} MiB moved; median of {a.repeat}\n")
-    print(table(["operation", "GB/s", "x reference"], [
-        ["index_select(out=) of the distinct pages (reference)", f"{gbps(nbytes, t_ref_g):.2f}", "1.00"],
-        ["snapshot(out=staging) (dedup + gather into a resident buffer)", f"{gbps(nbytes, t_snap_out):.2f}", f"{t_ref_g / t_snap_out:.2f}"],
-        ["snapshot (dedup + gather into fresh memory)", f"{gbps(nbytes, t_snap):.2f}", f"{t_ref_g / t_snap:.2f}"],
-        ["index_copy_ of the distinct pages (reference)", f"{gbps(nbytes, t_ref_s):.2f}", "1.00"],
-        ["restore (allocate + scatter + refcounts)", f"{gbps(nbytes, t_rest):.2f}", f"{t_ref_s / t_rest:.2f}"],
-    ]))
+    print(
+        f"{a.layers} layers, {a.seqs} seqs x {a.tokens} tokens, fp16 8x128, page 16: "
+        f"{a.seqs * per_seq} pages referenced, {distinct} distinct; {nbytes / 2**20:.0f} "
+        f"MiB moved; median of {a.repeat}\n"
+    )
+    print(
+        table(
+            ["operation", "GB/s", "x reference"],
+            [
+                [
+                    "index_select(out=) of the distinct pages (reference)",
+                    f"{gbps(nbytes, t_ref_g):.2f}",
+                    "1.00",
+                ],
+                [
+                    "snapshot(out=staging) (dedup + gather into a resident buffer)",
+                    f"{gbps(nbytes, t_snap_out):.2f}",
+                    f"{t_ref_g / t_snap_out:.2f}",
+                ],
+                [
+                    "snapshot (dedup + gather into fresh memory)",
+                    f"{gbps(nbytes, t_snap):.2f}",
+                    f"{t_ref_g / t_snap:.2f}",
+                ],
+                [
+                    "index_copy_ of the distinct pages (reference)",
+                    f"{gbps(nbytes, t_ref_s):.2f}",
+                    "1.00",
+                ],
+                [
+                    "restore (allocate + scatter + refcounts)",
+                    f"{gbps(nbytes, t_rest):.2f}",
+                    f"{t_ref_s / t_rest:.2f}",
+                ],
+            ],
+        )
+    )
     print()
-    print(table(["quantity", "value"], [
-        ["bytes stored (distinct pages)", f"{nbytes / 2**20:.0f} MiB"],
-        ["bytes of a per-sequence copy", f"{per_seq_bytes / 2**20:.0f} MiB ({per_seq_bytes / nbytes:.2f}x)"],
-        [f"index of {len(index):,} pages: bytes per page", f"{index.nbytes / len(index):.1f}"],
-        ["index build (inserts of 2048)", f"{t_build:.1f} s"],
-        ["longest_prefix, 32k-token prompt, all 2048 pages hit", f"{t_lp * 1e3:.3f} ms"],
-        ["longest_prefix, 32k-token prompt, miss after 1024", f"{t_lp_half * 1e3:.3f} ms"],
-    ]))
+    print(
+        table(
+            ["quantity", "value"],
+            [
+                ["bytes stored (distinct pages)", f"{nbytes / 2**20:.0f} MiB"],
+                [
+                    "bytes of a per-sequence copy",
+                    f"{per_seq_bytes / 2**20:.0f} MiB ({per_seq_bytes / nbytes:.2f}x)",
+                ],
+                [
+                    f"index of {len(index):,} pages: bytes per page",
+                    f"{index.nbytes / len(index):.1f}",
+                ],
+                ["index build (inserts of 2048)", f"{t_build:.1f} s"],
+                ["longest_prefix, 32k-token prompt, all 2048 pages hit", f"{t_lp * 1e3:.3f} ms"],
+                ["longest_prefix, 32k-token prompt, miss after 1024", f"{t_lp_half * 1e3:.3f} ms"],
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

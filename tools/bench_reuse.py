@@ -38,7 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=str(ROOT / "models/tiny-llama"))
     ap.add_argument("--batch-size", type=int, default=8)
     a = ap.parse_args()
@@ -77,17 +79,43 @@ def main() -> None:
             hot = statistics.median(r.ttft_warm_s for r in reps)
             toks = sum(r.tokens for r in reps)
             computed = toks - sum(r.reused for r in reps)
-            rows.append([
-                name, f"{w.tokens / w.seconds:,.0f}", f"{w.tokens_computed:,}", f"{cold * 1e3:.1f}", f"{hot * 1e3:.1f}",
-                f"{cold / hot:.1f}x", f"{toks:,}", f"{computed:,}", f"{max(r.max_abs_diff for r in reps):.1e}",
-            ])
+            rows.append(
+                [
+                    name,
+                    f"{w.tokens / w.seconds:,.0f}",
+                    f"{w.tokens_computed:,}",
+                    f"{cold * 1e3:.1f}",
+                    f"{hot * 1e3:.1f}",
+                    f"{cold / hot:.1f}x",
+                    f"{toks:,}",
+                    f"{computed:,}",
+                    f"{max(r.max_abs_diff for r in reps):.1e}",
+                ]
+            )
     finally:
         redis_proc.kill()
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\ntiny Llama ({spec.num_layers} layers, {spec.num_kv_heads} kv heads x {spec.head_dim}, {spec.dtype}), page 16; "
-          f"warmup {len(corpus)} prompts, replay {len(requests)} requests\n")
-    print(table(["config", "warmup prompt tok/s", "warmup tokens computed", "TTFT no cache ms", "TTFT cache ms", "speed-up",
-                 "replay prompt tokens", "replay tokens computed (cache)", "max logit diff"], rows))
+    print(
+        f"\ntiny Llama ({spec.num_layers} layers, {spec.num_kv_heads} kv heads x "
+        f"{spec.head_dim}, {spec.dtype}), page 16; "
+        f"warmup {len(corpus)} prompts, replay {len(requests)} requests\n"
+    )
+    print(
+        table(
+            [
+                "config",
+                "warmup prompt tok/s",
+                "warmup tokens computed",
+                "TTFT no cache ms",
+                "TTFT cache ms",
+                "speed-up",
+                "replay prompt tokens",
+                "replay tokens computed (cache)",
+                "max logit diff",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

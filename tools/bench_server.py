@@ -66,9 +66,11 @@ OURS = textwrap.dedent(r"""
     import asyncio, json, statistics, sys, time
     from hurray_store.config import load_config
     from hurray_store.tiers import open_tier
-    url, me, n, size, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    url = sys.argv[1]
+    me, n, size, rounds = (int(x) for x in sys.argv[2:6])
     async def main():
-        cfg = load_config({"tiers": [{"type": "remote", "url": url, "connections": 4, "timeout_s": 60}]}, env={}).tiers[0]
+        remote = {"type": "remote", "url": url, "connections": 4, "timeout_s": 60}
+        cfg = load_config({"tiers": [remote]}, env={}).tiers[0]
         t = open_tier(cfg); await t.open()
         blobs = [bytes([(me * 7 + i) % 251]) * size for i in range(n)]
         dests = [bytearray(size) for _ in range(n)]  # resident, as an engine's buffers are
@@ -87,13 +89,15 @@ OURS = textwrap.dedent(r"""
                 await t.delete_many(keys)  # untimed: keeps the server's memory bounded
         for r in range(rounds):
             t0 = time.perf_counter()
-            got = await asyncio.gather(*(t.get_ranges(k, [(0, size)], [memoryview(d)]) for k, d in zip(keys, dests)))
+            reads = (t.get_ranges(k, [(0, size)], [memoryview(d)]) for k, d in zip(keys, dests))
+            got = await asyncio.gather(*reads)
             gets.append(time.perf_counter() - t0)
             ok = ok and all(g is not None for g in got)
         ok = ok and all(d == b for d, b in zip(dests, blobs))
         await t.delete_many(keys)
         await t.close()
-        print(json.dumps({"put_s": statistics.median(puts), "get_s": statistics.median(gets), "ok": ok}))
+        med = statistics.median
+        print(json.dumps({"put_s": med(puts), "get_s": med(gets), "ok": ok}))
     asyncio.run(main())
 """)
 
@@ -123,7 +127,7 @@ RAW_SERVER = textwrap.dedent(r"""
 
 RAW_CLIENT = textwrap.dedent(r"""
     import json, socket, statistics, sys, time
-    port, me, n, size, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    port, me, n, size, rounds = (int(x) for x in sys.argv[1:6])
     buf = bytearray(n * size); buf[::4096] = b"\1" * len(buf[::4096])
     mv = memoryview(buf)
     s = socket.create_connection(("127.0.0.1", port))
@@ -142,7 +146,8 @@ RAW_CLIENT = textwrap.dedent(r"""
                     pos += s.recv_into(mv[pos:])
             times[op].append(time.perf_counter() - t0)
     s.sendall(b"Q")
-    print(json.dumps({"put_s": statistics.median(times["P"]), "get_s": statistics.median(times["G"])}))
+    med = statistics.median
+    print(json.dumps({"put_s": med(times["P"]), "get_s": med(times["G"])}))
 """)
 
 
@@ -150,14 +155,23 @@ def run_clients(argvs: list[list[str]]) -> list[dict]:
     """Start the client processes, wait until each says it is set up (imports, buffers,
     connections), start them all at once, and collect their JSON reports."""
     procs = [
-        subprocess.Popen([sys.executable, "-c", *a], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+        subprocess.Popen(
+            [sys.executable, "-c", *a],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+        )
         for a in argvs
     ]
     for p in procs:
         assert p.stdout is not None
         line = p.stdout.readline()
         if line.strip() != b"ready":
-            raise RuntimeError(f"a client failed to start: {line!r} {p.stderr.read().decode()[-3000:] if p.stderr else ''}")
+            raise RuntimeError(
+                f"a client failed to start: {line!r} "
+                f"{p.stderr.read().decode()[-3000:] if p.stderr else ''}"
+            )
     for p in procs:
         assert p.stdin is not None
         p.stdin.write(b"go\n")
@@ -178,7 +192,9 @@ def bench_ours(url: str, clients: int, n: int, size: int, rounds: int) -> tuple[
 
 
 def bench_raw(port: int, clients: int, n: int, size: int, rounds: int) -> tuple[float, float]:
-    res = run_clients([[RAW_CLIENT, str(port), str(c), str(n), str(size), str(rounds)] for c in range(clients)])
+    res = run_clients(
+        [[RAW_CLIENT, str(port), str(c), str(n), str(size), str(rounds)] for c in range(clients)]
+    )
     return _aggregate(res, clients * n * size)
 
 
@@ -199,19 +215,40 @@ def bench_lmcache(n: int, size: int, rounds: int) -> tuple[float, float]:
     from hurray_store import KVSpec
 
     port = free_port()
-    srv = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = subprocess.Popen(
+        [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_port(port, srv, "lmcache_server")
         heads, dim, layers = 8, 128, 8
         chunk = size // (2 * layers * heads * dim * 2)
-        spec = KVSpec(model="bench", num_layers=layers, num_kv_heads=heads, head_dim=dim, page_size=16, dtype=torch.float16)
-        lm = LMCacheBackend(spec, chunk, {"remote_url": f"lm://127.0.0.1:{port}", "remote_serde": "naive", "max_local_cpu_size": 4.0})
+        spec = KVSpec(
+            model="bench",
+            num_layers=layers,
+            num_kv_heads=heads,
+            head_dim=dim,
+            page_size=16,
+            dtype=torch.float16,
+        )
+        lm = LMCacheBackend(
+            spec,
+            chunk,
+            {
+                "remote_url": f"lm://127.0.0.1:{port}",
+                "remote_serde": "naive",
+                "max_local_cpu_size": 4.0,
+            },
+        )
         puts, gets = [], []
         for r in range(rounds):
             keys = [CacheEngineKey("bench", 1, 0, r * n + i, torch.float16) for i in range(n)]
             objs = []
             for i in range(n):
-                o = lm.cpu.allocate(torch.Size([2, layers, chunk, heads * dim]), torch.float16, MemoryFormat.KV_2LTD)
+                o = lm.cpu.allocate(
+                    torch.Size([2, layers, chunk, heads * dim]), torch.float16, MemoryFormat.KV_2LTD
+                )
                 o.tensor.fill_(i % 7)
                 objs.append(o)
             t0 = time.perf_counter()
@@ -236,11 +273,18 @@ def bench_lmcache(n: int, size: int, rounds: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--objects", type=int, default=64, help="objects per client process")
     ap.add_argument("--object-mib", type=int, default=4)
     ap.add_argument("--clients", default="1,2,4")
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per client process and phase; the median is kept")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="timed rounds per client process and phase; the median is kept",
+    )
     ap.add_argument("--no-lmcache", action="store_true")
     a = ap.parse_args()
     size = a.object_mib << 20
@@ -249,12 +293,34 @@ def main() -> None:
         port, raw_port = free_port(), free_port()
         cfg = Path(work) / "server.yaml"
         cap = max(counts) * a.objects * size * 2
-        cfg.write_text(json.dumps({
-            "tiers": [{"type": "cpu", "capacity_bytes": cap, "preallocate": True}],
-            "server": {"port": port, "metrics_port": None, "max_inflight_put_bytes": 2 << 30},
-        }))
-        srv = subprocess.Popen([sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(cfg), "--log-level", "warning"], cwd=ROOT)
-        raw = subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(raw_port), str(a.objects), str(size)])
+        cfg.write_text(
+            json.dumps(
+                {
+                    "tiers": [{"type": "cpu", "capacity_bytes": cap, "preallocate": True}],
+                    "server": {
+                        "port": port,
+                        "metrics_port": None,
+                        "max_inflight_put_bytes": 2 << 30,
+                    },
+                }
+            )
+        )
+        srv = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hurray_store.cli",
+                "serve",
+                "--config",
+                str(cfg),
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+        )
+        raw = subprocess.Popen(
+            [sys.executable, "-c", RAW_SERVER, str(raw_port), str(a.objects), str(size)]
+        )
         rows = []
         single: tuple[float, float] | None = None  # ours from 1 client, for the LMCache table
         try:
@@ -267,26 +333,58 @@ def main() -> None:
                 rput, rget = bench_raw(raw_port, c, a.objects, size, a.rounds)
                 if c == 1:
                     single = (put, get)
-                rows.append([f"{c} client process{'es' if c > 1 else ''}", f"{put:.2f}", f"{rput:.2f}", f"{put / rput:.2f}x",
-                             f"{get:.2f}", f"{rget:.2f}", f"{get / rget:.2f}x"])
+                rows.append(
+                    [
+                        f"{c} client process{'es' if c > 1 else ''}",
+                        f"{put:.2f}",
+                        f"{rput:.2f}",
+                        f"{put / rput:.2f}x",
+                        f"{get:.2f}",
+                        f"{rget:.2f}",
+                        f"{get / rget:.2f}x",
+                    ]
+                )
             if not a.no_lmcache and single is None:
                 single = bench_ours(f"hurray://127.0.0.1:{port}", 1, a.objects, size, a.rounds)
         finally:
             srv.send_signal(signal.SIGTERM)
             srv.wait(timeout=60)
             raw.kill()
-        print(f"\n{a.objects} objects of {a.object_mib} MiB per client; GB/s, all clients together\n")
-        print(table(["clients", "put ours", "put raw TCP", "ratio", "get ours", "get raw TCP", "ratio"], rows))
+        print(
+            f"\n{a.objects} objects of {a.object_mib} MiB per client; GB/s, all clients together\n"
+        )
+        print(
+            table(
+                ["clients", "put ours", "put raw TCP", "ratio", "get ours", "get raw TCP", "ratio"],
+                rows,
+            )
+        )
         if not a.no_lmcache:
             assert single is not None
             lput, lget = bench_lmcache(a.objects, size, a.rounds)
             ours_put, ours_get = single
-            print(f"\nbeside LMCache's lmcache_server (lm://), 1 client process, {a.objects} chunks of {a.object_mib} MiB\n")
-            print(table(["path", "put GB/s", "get GB/s"], [
-                ["hurray-store serve, remote tier (the 1-client row)", f"{ours_put:.2f}", f"{ours_get:.2f}"],
-                ["LMCache lmcache_server, RemoteBackend (lm://)", f"{lput:.2f}", f"{lget:.2f}"],
-                ["ratio", f"{ours_put / lput:.1f}x", f"{ours_get / lget:.1f}x"],
-            ]))
+            print(
+                f"\nbeside LMCache's lmcache_server (lm://), 1 client process, {a.objects} "
+                f"chunks of {a.object_mib} MiB\n"
+            )
+            print(
+                table(
+                    ["path", "put GB/s", "get GB/s"],
+                    [
+                        [
+                            "hurray-store serve, remote tier (the 1-client row)",
+                            f"{ours_put:.2f}",
+                            f"{ours_get:.2f}",
+                        ],
+                        [
+                            "LMCache lmcache_server, RemoteBackend (lm://)",
+                            f"{lput:.2f}",
+                            f"{lget:.2f}",
+                        ],
+                        ["ratio", f"{ours_put / lput:.1f}x", f"{ours_get / lget:.1f}x"],
+                    ],
+                )
+            )
 
 
 if __name__ == "__main__":

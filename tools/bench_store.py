@@ -66,7 +66,19 @@ def free_port() -> int:
 def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
         stdout=subprocess.DEVNULL,
     )
     for _ in range(200):
@@ -78,14 +90,20 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
     raise SystemExit("redis-server did not start")
 
 
-def make_batch(spec: KVSpec, seqs: int, tokens: int) -> tuple[PagedKVPool, list[list[int]], list[list[int]], int]:
+def make_batch(
+    spec: KVSpec, seqs: int, tokens: int
+) -> tuple[PagedKVPool, list[list[int]], list[list[int]], int]:
     P = spec.page_size
     per_seq = tokens // P
     shared = per_seq // 2
     distinct = shared + seqs * (per_seq - shared)
     rng = np.random.default_rng(0)
     phys = rng.permutation(distinct * 2)[:distinct].tolist()
-    tables = [phys[:shared] + phys[shared + s * (per_seq - shared) : shared + (s + 1) * (per_seq - shared)] for s in range(seqs)]
+    tables = [
+        phys[:shared]
+        + phys[shared + s * (per_seq - shared) : shared + (s + 1) * (per_seq - shared)]
+        for s in range(seqs)
+    ]
     toks = [list(range(shared * P)) + [10_000 + s] * ((per_seq - shared) * P) for s in range(seqs)]
     pool = PagedKVPool(spec, distinct * 2)
     for t in pool.layers:
@@ -100,7 +118,14 @@ def dir_bytes(path: Path) -> int:
 # ---------------------------------------------------------------------- ours
 
 
-async def ours(cfg: dict[str, Any], pool: PagedKVPool, toks: list[list[int]], tables: list[list[int]], reopen: bool, repeat: int) -> tuple[float, float, TieredStore]:
+async def ours(
+    cfg: dict[str, Any],
+    pool: PagedKVPool,
+    toks: list[list[int]],
+    tables: list[list[int]],
+    reopen: bool,
+    repeat: int,
+) -> tuple[float, float, TieredStore]:
     """Median put and retrieve seconds of the batch. Each round stores it under other
     tokens (a distinct segment); a first round warms the store's resident buffers, as
     in a serving process (the references reuse their buffers too)."""
@@ -127,7 +152,9 @@ async def ours(cfg: dict[str, Any], pool: PagedKVPool, toks: list[list[int]], ta
         dt = time.perf_counter() - t0
         assert got.num_tokens == [len(t) for t in rtoks], got.num_tokens
         s = len(toks) // 2
-        assert torch.equal(dst.layers[0][:, got.block_tables[s][-1]], pool.layers[0][:, tables[s][-1]])
+        assert torch.equal(
+            dst.layers[0][:, got.block_tables[s][-1]], pool.layers[0][:, tables[s][-1]]
+        )
         dst.free([p for t in got.block_tables for p in t])
         if r:
             gets.append(dt)
@@ -240,10 +267,17 @@ class LMCacheBackend:
         from lmcache.v1.storage_backend import CreateStorageBackends
 
         self.spec, self.chunk = spec, chunk
-        cfg = LMCacheEngineConfig.from_dict({"chunk_size": chunk, "local_cpu": False, "max_local_cpu_size": 3.0, **extra})
+        cfg = LMCacheEngineConfig.from_dict(
+            {"chunk_size": chunk, "local_cpu": False, "max_local_cpu_size": 3.0, **extra}
+        )
         md = LMCacheMetadata(
-            model_name="bench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-            kv_dtype=spec.dtype, kv_shape=(spec.num_layers, 2, chunk, spec.num_kv_heads, spec.head_dim),
+            model_name="bench",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=spec.dtype,
+            kv_shape=(spec.num_layers, 2, chunk, spec.num_kv_heads, spec.head_dim),
         )
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -251,7 +285,9 @@ class LMCacheBackend:
         self.cpu = backends["LocalCPUBackend"]
         self.backend = next(v for k, v in backends.items() if k != "LocalCPUBackend")
 
-    def chunks(self, toks: list[list[int]], tables: list[list[int]]) -> list[tuple[Any, list[int], int]]:
+    def chunks(
+        self, toks: list[list[int]], tables: list[list[int]]
+    ) -> list[tuple[Any, list[int], int]]:
         """(key, pool pages, tokens) per distinct chunk; keys chain over the prefix's
         tokens as LMCache's token database does, so shared chunks get equal keys."""
         from lmcache.utils import CacheEngineKey
@@ -266,7 +302,13 @@ class LMCacheBackend:
                 prev = hash((prev, tuple(tk[c : c + n])))
                 if prev not in seen:
                     seen.add(prev)
-                    out.append((CacheEngineKey("bench", 1, 0, prev, self.spec.dtype), tables[s][c // P : -(-(c + n) // P)], n))
+                    out.append(
+                        (
+                            CacheEngineKey("bench", 1, 0, prev, self.spec.dtype),
+                            tables[s][c // P : -(-(c + n) // P)],
+                            n,
+                        )
+                    )
         return out
 
     def put(self, pool: PagedKVPool, chunks: list[tuple[Any, list[int], int]]) -> float:
@@ -280,11 +322,15 @@ class LMCacheBackend:
         t0 = time.perf_counter()
         objs = []
         for _, pages, n in chunks:
-            o = self.cpu.allocate(torch.Size([2, spec.num_layers, n, hd]), spec.dtype, MemoryFormat.KV_2LTD)
+            o = self.cpu.allocate(
+                torch.Size([2, spec.num_layers, n, hd]), spec.dtype, MemoryFormat.KV_2LTD
+            )
             idx = torch.tensor(pages)
             for li in range(spec.num_layers):
                 for r in range(2):
-                    o.tensor[r, li].copy_(pool.layers[li][r].index_select(0, idx).reshape(-1, hd)[:n])
+                    o.tensor[r, li].copy_(
+                        pool.layers[li][r].index_select(0, idx).reshape(-1, hd)[:n]
+                    )
             objs.append(o)
         keys = [k for k, _, _ in chunks]
         self.backend.batched_submit_put_task(keys, objs)
@@ -295,7 +341,9 @@ class LMCacheBackend:
             o.ref_count_down()
         return dt
 
-    def get(self, chunks: list[tuple[Any, list[int], int]], dst: PagedKVPool, src: PagedKVPool) -> float:
+    def get(
+        self, chunks: list[tuple[Any, list[int], int]], dst: PagedKVPool, src: PagedKVPool
+    ) -> float:
         """Time of load + scatter of each chunk's tokens into pages of ``dst``."""
         spec = self.spec
         P = spec.page_size
@@ -311,7 +359,11 @@ class LMCacheBackend:
             full = (n // P) * P
             for li in range(spec.num_layers):
                 for r in range(2):
-                    dst.layers[li][r].index_copy_(0, idx[: n // P], g.tensor[r, li, :full].view(-1, P, spec.num_kv_heads, spec.head_dim))
+                    dst.layers[li][r].index_copy_(
+                        0,
+                        idx[: n // P],
+                        g.tensor[r, li, :full].view(-1, P, spec.num_kv_heads, spec.head_dim),
+                    )
             g.ref_count_down()
         dt = time.perf_counter() - t0
         k, pages, n = chunks[-1]
@@ -335,13 +387,20 @@ class LMCacheBackend:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3, help="measured rounds per path (median)")
     ap.add_argument("--no-lmcache", action="store_true")
-    ap.add_argument("--restart-objects", type=int, default=100_000, help="objects for the restart measurement (0: skip)")
+    ap.add_argument(
+        "--restart-objects",
+        type=int,
+        default=100_000,
+        help="objects for the restart measurement (0: skip)",
+    )
     a = ap.parse_args()
     R = a.repeat
     spec = KVSpec("bench", a.layers, 8, 128, 16, torch.float16)
@@ -351,15 +410,30 @@ def main() -> None:
     redis_proc, port = start_redis(work)
     rows: list[list[object]] = []
 
-    def row(name: str, t_put: float, t_get: float, ref_put: float, ref_get: float, ref: str) -> None:
-        rows.append([name, f"{gbps(nbytes, t_put):.2f}", f"{gbps(nbytes, t_get):.2f}", ref,
-                     f"{gbps(nbytes, ref_put):.2f}", f"{gbps(nbytes, ref_get):.2f}",
-                     f"{ref_put / t_put:.2f}", f"{ref_get / t_get:.2f}"])
+    def row(
+        name: str, t_put: float, t_get: float, ref_put: float, ref_get: float, ref: str
+    ) -> None:
+        rows.append(
+            [
+                name,
+                f"{gbps(nbytes, t_put):.2f}",
+                f"{gbps(nbytes, t_get):.2f}",
+                ref,
+                f"{gbps(nbytes, ref_put):.2f}",
+                f"{gbps(nbytes, ref_get):.2f}",
+                f"{ref_put / t_put:.2f}",
+                f"{ref_get / t_get:.2f}",
+            ]
+        )
 
     try:
         big = 1 << 36
         # cpu
-        cpu_cfg = {"tiers": [{"type": "cpu", "capacity_bytes": int((R + 1.5) * nbytes), "preallocate": True}]}
+        cpu_cfg = {
+            "tiers": [
+                {"type": "cpu", "capacity_bytes": int((R + 1.5) * nbytes), "preallocate": True}
+            ]
+        }
         p, g, store = asyncio.run(ours(cpu_cfg, pool, toks, tables, False, R))
         objs = asyncio.run(segment_objects(store))
         rp, rg = ref_memcpy(objs, R)
@@ -368,14 +442,20 @@ def main() -> None:
         # disk, with and without fsync
         for fs in (False, True):
             d = work / f"disk-{fs}"
-            cfg = {"tiers": [{"type": "disk", "path": str(d), "capacity_bytes": big, "fsync": fs}], "policy": {"promote_on_hit": False}}
+            cfg = {
+                "tiers": [{"type": "disk", "path": str(d), "capacity_bytes": big, "fsync": fs}],
+                "policy": {"promote_on_hit": False},
+            }
             p, g, store = asyncio.run(ours(cfg, pool, toks, tables, True, R))
             rp, rg = ref_files(objs, work / f"ref-{fs}", fs, R)
             row(f"disk tier, fsync={str(fs).lower()}", p, g, rp, rg, "file write+read")
             shutil.rmtree(d)
             shutil.rmtree(work / f"ref-{fs}")
         # redis
-        cfg = {"tiers": [{"type": "redis", "url": f"redis://127.0.0.1:{port}/0"}], "policy": {"promote_on_hit": False}}
+        cfg = {
+            "tiers": [{"type": "redis", "url": f"redis://127.0.0.1:{port}/0"}],
+            "policy": {"promote_on_hit": False},
+        }
         p, g, store = asyncio.run(ours(cfg, pool, toks, tables, True, R))
         subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
         rp, rg = asyncio.run(ref_redis_async(objs, port, R))
@@ -393,8 +473,16 @@ def main() -> None:
             for t in dst.layers:
                 t.zero_()
             for name, extra, key in (
-                ("disk", {"local_disk": f"file://{work}/lmc-disk/", "max_local_disk_size": 16.0}, "disk tier, fsync=false"),
-                ("redis", {"remote_url": f"redis://127.0.0.1:{port}", "remote_serde": "naive"}, "redis tier"),
+                (
+                    "disk",
+                    {"local_disk": f"file://{work}/lmc-disk/", "max_local_disk_size": 16.0},
+                    "disk tier, fsync=false",
+                ),
+                (
+                    "redis",
+                    {"remote_url": f"redis://127.0.0.1:{port}", "remote_serde": "naive"},
+                    "redis tier",
+                ),
             ):
                 lm = LMCacheBackend(spec, 256, extra)
                 chunks = lm.chunks(toks, tables)
@@ -403,8 +491,17 @@ def main() -> None:
                 lg = lm.get(chunks, dst, pool)
                 lm.close()
                 o = ours_by[key]
-                lm_rows.append([name, f"{gbps(lm_bytes, lp):.2f}", f"{gbps(lm_bytes, lg):.2f}", o[1], o[2],
-                                f"{float(o[1]) / gbps(lm_bytes, lp):.2f}", f"{float(o[2]) / gbps(lm_bytes, lg):.2f}"])
+                lm_rows.append(
+                    [
+                        name,
+                        f"{gbps(lm_bytes, lp):.2f}",
+                        f"{gbps(lm_bytes, lg):.2f}",
+                        o[1],
+                        o[2],
+                        f"{float(o[1]) / gbps(lm_bytes, lp):.2f}",
+                        f"{float(o[2]) / gbps(lm_bytes, lg):.2f}",
+                    ]
+                )
                 subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
 
         # shared-prefix workload: bytes stored
@@ -416,15 +513,53 @@ def main() -> None:
         redis_proc.kill()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\n{a.layers} layers, {a.seqs} seqs x {a.tokens} tokens, fp16 8x128, page 16: "
-          f"{distinct} distinct pages, {nbytes / 2**20:.0f} MiB; GB/s of distinct page bytes\n")
-    print(table(["tier", "put GB/s", "retrieve GB/s", "reference", "ref put", "ref get", "put x ref", "retrieve x ref"], rows))
+    print(
+        f"\n{a.layers} layers, {a.seqs} seqs x {a.tokens} tokens, fp16 8x128, page 16: "
+        f"{distinct} distinct pages, {nbytes / 2**20:.0f} MiB; GB/s of distinct page bytes\n"
+    )
+    print(
+        table(
+            [
+                "tier",
+                "put GB/s",
+                "retrieve GB/s",
+                "reference",
+                "ref put",
+                "ref get",
+                "put x ref",
+                "retrieve x ref",
+            ],
+            rows,
+        )
+    )
     if lm_rows:
-        print("\nLMCache 0.5.6's own backend on the same KV: 256-token chunks, each distinct chunk once; put = gather")
-        print("out of the paged pool + submit until stored, retrieve = load + scatter into a paged pool (what its engine")
+        print(
+            "\nLMCache 0.5.6's own backend on the same KV: 256-token chunks, each distinct "
+            "chunk once; put = gather"
+        )
+        print(
+            "out of the paged pool + submit until stored, retrieve = load + scatter into a "
+            "paged pool (what its engine"
+        )
         print("and connector do around the backend); ours from the table above\n")
-        print(table(["tier", "LMCache put", "LMCache get", "ours put", "ours retrieve", "put x LMCache", "retrieve x LMCache"], lm_rows))
-    print("\nShared-prefix workload: 64 requests, 1500-token system prompt + distinct 500-token tails\n")
+        print(
+            table(
+                [
+                    "tier",
+                    "LMCache put",
+                    "LMCache get",
+                    "ours put",
+                    "ours retrieve",
+                    "put x LMCache",
+                    "retrieve x LMCache",
+                ],
+                lm_rows,
+            )
+        )
+    print(
+        "\nShared-prefix workload: 64 requests, 1500-token system prompt + distinct "
+        "500-token tails\n"
+    )
     print(table(["store", "bytes stored", "x distinct pages"], wl))
     print("\nRead amplification: one sequence of a 32-sequence segment, from disk\n")
     print(table(["quantity", "value"], amp))
@@ -461,14 +596,26 @@ def shared_prefix_workload(spec: KVSpec, work: Path, lmcache: bool) -> list[list
     ours_bytes = asyncio.run(run())
     rows: list[list[object]] = [
         ["distinct full pages (reference)", f"{distinct_bytes / 2**20:.1f} MiB", "1.00"],
-        ["hurray_store disk tier (objects + manifests)", f"{ours_bytes / 2**20:.1f} MiB", f"{ours_bytes / distinct_bytes:.3f}"],
+        [
+            "hurray_store disk tier (objects + manifests)",
+            f"{ours_bytes / 2**20:.1f} MiB",
+            f"{ours_bytes / distinct_bytes:.3f}",
+        ],
     ]
     if lmcache:
-        lm = LMCacheBackend(spec, 256, {"local_disk": f"file://{work}/wl-lmc/", "max_local_disk_size": 16.0})
+        lm = LMCacheBackend(
+            spec, 256, {"local_disk": f"file://{work}/wl-lmc/", "max_local_disk_size": 16.0}
+        )
         lm.put(pool, lm.chunks(toks, tables))
         lm.close()
         lb = dir_bytes(work / "wl-lmc")
-        rows.append(["LMCache LocalDiskBackend (256-token chunks)", f"{lb / 2**20:.1f} MiB", f"{lb / distinct_bytes:.3f}"])
+        rows.append(
+            [
+                "LMCache LocalDiskBackend (256-token chunks)",
+                f"{lb / 2**20:.1f} MiB",
+                f"{lb / distinct_bytes:.3f}",
+            ]
+        )
     return rows
 
 
@@ -505,7 +652,10 @@ async def restart_scan(work: Path, objects: int) -> list[list[object]]:
 async def read_amplification(spec: KVSpec, work: Path) -> list[list[object]]:
     pool, toks, tables, _ = make_batch(spec, 32, 2048)
     d = work / "amp"
-    cfg = {"tiers": [{"type": "disk", "path": str(d), "capacity_bytes": 1 << 36}], "policy": {"promote_on_hit": False}}
+    cfg = {
+        "tiers": [{"type": "disk", "path": str(d), "capacity_bytes": 1 << 36}],
+        "policy": {"promote_on_hit": False},
+    }
     async with await open_store(cfg) as store:
         r = await store.put(pool, toks, tables)
         assert r.segments == 1

@@ -26,15 +26,67 @@ SYSTEMS = [
 ]
 TOPICS = ["shipping", "storage", "mechanics", "contracts"]
 WORDS = {
-    "shipping": ["pallet", "carrier", "customs", "invoice", "freight", "depot", "route", "manifest", "tariff", "warehouse", "container", "transit"],
-    "storage": ["bucket", "replica", "snapshot", "quota", "region", "object", "lifecycle", "encryption", "bandwidth", "retention", "volume"],
-    "mechanics": ["force", "mass", "velocity", "momentum", "energy", "friction", "torque", "acceleration", "spring", "pendulum", "collision"],
-    "contracts": ["clause", "party", "liability", "term", "notice", "breach", "remedy", "warranty", "indemnity", "jurisdiction", "assignment"],
+    "shipping": [
+        "pallet",
+        "carrier",
+        "customs",
+        "invoice",
+        "freight",
+        "depot",
+        "route",
+        "manifest",
+        "tariff",
+        "warehouse",
+        "container",
+        "transit",
+    ],
+    "storage": [
+        "bucket",
+        "replica",
+        "snapshot",
+        "quota",
+        "region",
+        "object",
+        "lifecycle",
+        "encryption",
+        "bandwidth",
+        "retention",
+        "volume",
+    ],
+    "mechanics": [
+        "force",
+        "mass",
+        "velocity",
+        "momentum",
+        "energy",
+        "friction",
+        "torque",
+        "acceleration",
+        "spring",
+        "pendulum",
+        "collision",
+    ],
+    "contracts": [
+        "clause",
+        "party",
+        "liability",
+        "term",
+        "notice",
+        "breach",
+        "remedy",
+        "warranty",
+        "indemnity",
+        "jurisdiction",
+        "assignment",
+    ],
 }
 QUESTIONS = [
-    "What does section {n} require?", "Summarize section {n} in two sentences.",
-    "Which terms in section {n} matter most, and why?", "Is there an exception in section {n}?",
-    "How would you explain section {n} to a new colleague?", "What is missing from section {n}?",
+    "What does section {n} require?",
+    "Summarize section {n} in two sentences.",
+    "Which terms in section {n} matter most, and why?",
+    "Is there an exception in section {n}?",
+    "How would you explain section {n} to a new colleague?",
+    "What is missing from section {n}?",
 ]
 
 
@@ -45,8 +97,10 @@ def document(topic: str, rng: random.Random) -> str:
         sentences = []
         for _ in range(4):
             picks = rng.sample(w, 6)
-            sentences.append(f"The {picks[0]} and the {picks[1]} set the {picks[2]} for each {picks[3]}, "
-                             f"unless the {picks[4]} changes the {picks[5]}.")
+            sentences.append(
+                f"The {picks[0]} and the {picks[1]} set the {picks[2]} for each {picks[3]}, "
+                f"unless the {picks[4]} changes the {picks[5]}."
+            )
         sections.append(f"Section {n}. " + " ".join(sentences))
     return f"Document: {topic} handbook.\n" + "\n".join(sections)
 
@@ -61,7 +115,9 @@ def main() -> None:
         q = r.choice(QUESTIONS).format(n=r.randint(1, 4))
         if r.random() < 0.25:  # no document: the system prompt alone is shared
             return f"{SYSTEMS[s]}\n\nQuestion: {q} (ticket {r.randint(1000, 9999)})"
-        return f"{SYSTEMS[s]}\n\n{docs[TOPICS[s]]}\n\nQuestion: {q} (ticket {r.randint(1000, 9999)})"
+        return (
+            f"{SYSTEMS[s]}\n\n{docs[TOPICS[s]]}\n\nQuestion: {q} (ticket {r.randint(1000, 9999)})"
+        )
 
     with open(out / "sample_prompts.jsonl", "w") as f:
         for i in range(200):

@@ -89,28 +89,62 @@ async def _pin(store: TieredStore, keys: list[str], pin: bool) -> None:
     (store.pin_objects if pin else store.unpin_objects)(keys)
 
 
-def layout_fingerprint(num_layers: int, num_kv_heads: int, head_size: int, chunk_size: int, dtype: torch.dtype, use_mla: bool, page_size: int) -> bytes:
+def layout_fingerprint(
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    chunk_size: int,
+    dtype: torch.dtype,
+    use_mla: bool,
+    page_size: int,
+) -> bytes:
     """32 bytes that change with anything that changes what a chunk's bytes mean."""
-    text = f"hurray_store/lmcache-layout/v1|{num_layers}|{num_kv_heads}|{head_size}|{chunk_size}|{dtype}|{int(use_mla)}|{page_size}"
+    fields = (num_layers, num_kv_heads, head_size, chunk_size, dtype, int(use_mla), page_size)
+    text = "|".join(["hurray_store/lmcache-layout/v1", *map(str, fields)])
     return hashlib.sha256(text.encode()).digest()
 
 
 class HurrayStoragePlugin(StoragePluginInterface):
     """LMCache storage plugin over a hurray_store TieredStore (its own event loop thread)."""
 
-    def __init__(self, dst_device: str = "cpu", config: Any = None, metadata: Any = None, local_cpu_backend: Any = None, loop: Any = None) -> None:
-        super().__init__(dst_device=dst_device, config=config, metadata=metadata, local_cpu_backend=local_cpu_backend, loop=loop)
+    def __init__(
+        self,
+        dst_device: str = "cpu",
+        config: Any = None,
+        metadata: Any = None,
+        local_cpu_backend: Any = None,
+        loop: Any = None,
+    ) -> None:
+        super().__init__(
+            dst_device=dst_device,
+            config=config,
+            metadata=metadata,
+            local_cpu_backend=local_cpu_backend,
+            loop=loop,
+        )
         extra = dict(getattr(config, "extra_config", None) or {})
         name = self._plugin_name(extra)
         path = extra.get(f"storage_plugin.{name}.config")
         if not path:
-            raise ValueError(f'storage plugin {name!r}: set extra_config["storage_plugin.{name}.config"] to a hurray_store YAML')
+            raise ValueError(
+                f"storage plugin {name!r}: set "
+                f'extra_config["storage_plugin.{name}.config"] to a hurray_store YAML'
+            )
         self.page_size = int(extra.get(f"storage_plugin.{name}.page_size", 16))
-        num_layers, _, self.chunk_size, self.num_kv_heads, self.head_size = (int(x) for x in metadata.kv_shape)
+        num_layers, _, self.chunk_size, self.num_kv_heads, self.head_size = (
+            int(x) for x in metadata.kv_shape
+        )
         self.num_layers = num_layers
         self.dtype = metadata.kv_dtype
-        self.fingerprint = layout_fingerprint(num_layers, self.num_kv_heads, self.head_size, self.chunk_size, self.dtype,
-                                              bool(getattr(metadata, "use_mla", False)), self.page_size)
+        self.fingerprint = layout_fingerprint(
+            num_layers,
+            self.num_kv_heads,
+            self.head_size,
+            self.chunk_size,
+            self.dtype,
+            bool(getattr(metadata, "use_mla", False)),
+            self.page_size,
+        )
         self._runner = StoreThread(path, "hurray-store-plugin")
         self.store: TieredStore = self._runner.store
         self._pending: dict[CacheEngineKey, Future[None]] = {}
@@ -121,7 +155,11 @@ class HurrayStoragePlugin(StoragePluginInterface):
     @staticmethod
     def _plugin_name(extra: dict[str, Any]) -> str:
         for k, v in extra.items():
-            if k.startswith("storage_plugin.") and k.endswith(".class_name") and v == HurrayStoragePlugin.__name__:
+            if (
+                k.startswith("storage_plugin.")
+                and k.endswith(".class_name")
+                and v == HurrayStoragePlugin.__name__
+            ):
                 return k[len("storage_plugin.") : -len(".class_name")]
         return "hurray"
 
@@ -135,7 +173,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     def _base(self, key: CacheEngineKey) -> str:
         dtype = str(key.dtype).removeprefix("torch.")
-        return f"lmc/{self.fingerprint[:8].hex()}/{key.model_name}@{key.world_size}@{key.worker_id}@{key.chunk_hash & (2**64 - 1):016x}@{dtype}"
+        who = f"{key.model_name}@{key.world_size}@{key.worker_id}"
+        return f"lmc/{self.fingerprint[:8].hex()}/{who}@{key.chunk_hash & (2**64 - 1):016x}@{dtype}"
 
     def _record_key(self, key: CacheEngineKey) -> str:
         return self._base(key) + "/r"
@@ -148,8 +187,16 @@ class HurrayStoragePlugin(StoragePluginInterface):
     def _encode(self, obj: MemoryObj) -> tuple[int, list[Any]]:
         t = obj.tensor
         assert t is not None
-        if t.dim() != 4 or t.shape[0] != 2 or t.shape[1] != self.num_layers or t.shape[3] != self.num_kv_heads * self.head_size:
-            raise ValueError(f"expected a KV_2LTD chunk [2, {self.num_layers}, tokens, {self.num_kv_heads * self.head_size}], got {tuple(t.shape)}")
+        if (
+            t.dim() != 4
+            or t.shape[0] != 2
+            or t.shape[1] != self.num_layers
+            or t.shape[3] != self.num_kv_heads * self.head_size
+        ):
+            raise ValueError(
+                f"expected a KV_2LTD chunk [2, {self.num_layers}, tokens, "
+                f"{self.num_kv_heads * self.head_size}], got {tuple(t.shape)}"
+            )
         n = int(t.shape[2])
         P = self.page_size
         pages = -(-n // P)
@@ -158,7 +205,11 @@ class HurrayStoragePlugin(StoragePluginInterface):
             kv = torch.zeros((2, pages * P, self.num_kv_heads, self.head_size), dtype=t.dtype)
             kv[:, :n] = t[:, li].reshape(2, n, self.num_kv_heads, self.head_size)
             kv = kv.view(2, pages, P, self.num_kv_heads, self.head_size)
-            layers.append(encode_layer_buffers(LayerKV(li, kv[0], kv[1], torch.arange(pages), torch.tensor([0, pages]))))
+            layers.append(
+                encode_layer_buffers(
+                    LayerKV(li, kv[0], kv[1], torch.arange(pages), torch.tensor([0, pages]))
+                )
+            )
         return n, layers
 
     def _token_bytes(self, n: int) -> int:
@@ -171,8 +222,16 @@ class HurrayStoragePlugin(StoragePluginInterface):
         for enc, v in zip(layers, views, strict=True):
             # Buffers: key descriptor, key pool, ..., value descriptor, value pool, ...
             kpool, vpool = v[1], v[5]
-            body.append(_LAYER.pack(enc.nbytes, checksum(*v), enc.key_pool_offset, enc.value_pool_offset,
-                                    checksum(kpool[:nb]), checksum(vpool[:nb])))
+            body.append(
+                _LAYER.pack(
+                    enc.nbytes,
+                    checksum(*v),
+                    enc.key_pool_offset,
+                    enc.value_pool_offset,
+                    checksum(kpool[:nb]),
+                    checksum(vpool[:nb]),
+                )
+            )
         rec = b"".join(body)
         # One group per chunk: the layers together (one Redis pipeline, or a thread
         # each on disk), then the record, the commit point; evicted together.
@@ -233,7 +292,9 @@ class HurrayStoragePlugin(StoragePluginInterface):
         rk = self._record_key(key)
         # The books first (no trip to the store's loop); a cache server shared with
         # other engines is asked when they say no, as LMCache's remote backend asks.
-        ok = self.store.has_object(rk) or (self.store.shared and bool(self._call(self.store.contains_object(rk))))
+        ok = self.store.has_object(rk) or (
+            self.store.shared and bool(self._call(self.store.contains_object(rk)))
+        )
         if ok and pin:
             self.pin(key)
         return ok
@@ -261,22 +322,35 @@ class HurrayStoragePlugin(StoragePluginInterface):
             for li, (size, _, kpo, vpo, _, _) in enumerate(layers):
                 if kpo + nb > size or vpo + nb > size:
                     raise FormatError(f"layer {li}: pool offsets outside the object")
-            out = self.local_cpu_backend.allocate(torch.Size([2, nl, n, self.num_kv_heads * self.head_size]), self.dtype, MemoryFormat.KV_2LTD)
+            out = self.local_cpu_backend.allocate(
+                torch.Size([2, nl, n, self.num_kv_heads * self.head_size]),
+                self.dtype,
+                MemoryFormat.KV_2LTD,
+            )
             if out is None:
                 log.warning("hurray plugin: LMCache's CPU buffer is full; %s is a miss", key)
                 return None
             try:
                 # The chunk's tokens of each pool, read straight into LMCache's buffer
                 # (pages are stored in order, so they are one byte range per pool).
-                dst = [(host_view(out.tensor[0, li]), host_view(out.tensor[1, li])) for li in range(nl)]
-                oks = await asyncio.gather(*(
-                    self.store.read_object_into(self._layer_key(key, li), [(kpo, nb), (vpo, nb)], list(dst[li]))
-                    for li, (_, _, kpo, vpo, _, _) in enumerate(layers)
-                ))
+                dst = [
+                    (host_view(out.tensor[0, li]), host_view(out.tensor[1, li])) for li in range(nl)
+                ]
+                oks = await asyncio.gather(
+                    *(
+                        self.store.read_object_into(
+                            self._layer_key(key, li), [(kpo, nb), (vpo, nb)], list(dst[li])
+                        )
+                        for li, (_, _, kpo, vpo, _, _) in enumerate(layers)
+                    )
+                )
                 for li, ok in enumerate(oks):
                     if not ok:
                         raise FormatError(f"layer {li}: missing")
-                    if checksum(dst[li][0]) != layers[li][4] or checksum(dst[li][1]) != layers[li][5]:
+                    if (
+                        checksum(dst[li][0]) != layers[li][4]
+                        or checksum(dst[li][1]) != layers[li][5]
+                    ):
                         raise FormatError(f"layer {li}: its bytes differ from the record")
             except BaseException:
                 out.ref_count_down()
@@ -290,17 +364,23 @@ class HurrayStoragePlugin(StoragePluginInterface):
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         return self._call(self._get(key))
 
-    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
+    async def batched_async_contains(
+        self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
+    ) -> int:
         n = 0
         for key in keys:
-            if not await asyncio.wrap_future(self._runner.submit(self.store.contains_object(self._record_key(key)))):
+            if not await asyncio.wrap_future(
+                self._runner.submit(self.store.contains_object(self._record_key(key)))
+            ):
                 break
             if pin:
                 self.pin(key)
             n += 1
         return n
 
-    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None) -> list[MemoryObj]:
+    async def batched_get_non_blocking(
+        self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
+    ) -> list[MemoryObj]:
         out = []
         for key in keys:
             obj = await asyncio.wrap_future(self._runner.submit(self._get(key)))
@@ -315,14 +395,32 @@ class HurrayStoragePlugin(StoragePluginInterface):
         if not self._call(self.store.contains_object(self._record_key(key))):
             return False
         self._pinned.add(key)
-        self._call(_pin(self.store, [self._record_key(key), *(self._layer_key(key, li) for li in range(self.num_layers))], True))
+        self._call(
+            _pin(
+                self.store,
+                [
+                    self._record_key(key),
+                    *(self._layer_key(key, li) for li in range(self.num_layers)),
+                ],
+                True,
+            )
+        )
         return True
 
     def unpin(self, key: CacheEngineKey) -> bool:
         if key not in self._pinned:
             return False
         self._pinned.discard(key)
-        self._call(_pin(self.store, [self._record_key(key), *(self._layer_key(key, li) for li in range(self.num_layers))], False))
+        self._call(
+            _pin(
+                self.store,
+                [
+                    self._record_key(key),
+                    *(self._layer_key(key, li) for li in range(self.num_layers)),
+                ],
+                False,
+            )
+        )
         return True
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
@@ -401,7 +499,11 @@ class HurrayL2Adapter(L2AdapterInterface):
     """LMCache L2 adapter over a hurray_store TieredStore (its own event loop thread)."""
 
     def __init__(self, config: HurrayL2AdapterConfig | dict, l1_memory_desc: Any = None) -> None:
-        cfg = config if isinstance(config, HurrayL2AdapterConfig) else HurrayL2AdapterConfig.from_dict(config)
+        cfg = (
+            config
+            if isinstance(config, HurrayL2AdapterConfig)
+            else HurrayL2AdapterConfig.from_dict(config)
+        )
         super().__init__(max_capacity_bytes=int(cfg.max_capacity_gb * (1 << 30)))
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
@@ -420,7 +522,8 @@ class HurrayL2Adapter(L2AdapterInterface):
     @staticmethod
     def _key(key: Any) -> str:
         salt = getattr(key, "cache_salt", "")
-        return f"l2/{key.model_name}@{key.kv_rank}@{getattr(key, 'object_group_id', 0)}@{bytes(key.chunk_hash).hex()}@{salt}"
+        group = getattr(key, "object_group_id", 0)
+        return f"l2/{key.model_name}@{key.kv_rank}@{group}@{bytes(key.chunk_hash).hex()}@{salt}"
 
     def _task(self) -> L2TaskId:
         with self._lock:
@@ -480,7 +583,9 @@ class HurrayL2Adapter(L2AdapterInterface):
 
     # ------------------------------------------------------------------ lookup and lock
 
-    def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any = None) -> L2TaskId:
+    def submit_lookup_and_lock_task(
+        self, keys: list[Any], group_layout_descs: Any = None
+    ) -> L2TaskId:
         tid = self._task()
         self._submit(self._lookup(tid, list(keys)))
         return tid
@@ -538,7 +643,9 @@ class HurrayL2Adapter(L2AdapterInterface):
                 magic, version, size, csum = _L2_RECORD.unpack(rec)
                 dst = memoryview(obj.byte_array).cast("B")
                 if magic != b"HSL2" or version != 1 or size != len(dst):
-                    raise FormatError(f"L2 record: {size} bytes recorded, the load buffer holds {len(dst)}")
+                    raise FormatError(
+                        f"L2 record: {size} bytes recorded, the load buffer holds {len(dst)}"
+                    )
                 got = await self.store.get_object(k)
                 data = None if got is None else host_view(got)
                 if data is None or len(data) != size or checksum(data) != csum:
@@ -572,7 +679,9 @@ class HurrayL2Adapter(L2AdapterInterface):
                 await self.store.delete_object(k + "/r")  # its group: the object too
                 await self.store.delete_object(k)  # stored before groups kept their members
                 gone.append(key)
-                sizes.append(_L2_RECORD.unpack(host_view(raw))[2] if len(raw) == _L2_RECORD.size else 0)
+                sizes.append(
+                    _L2_RECORD.unpack(host_view(raw))[2] if len(raw) == _L2_RECORD.size else 0
+                )
             return gone, sizes
 
         gone, sizes = self._runner.call(drop())
@@ -581,7 +690,12 @@ class HurrayL2Adapter(L2AdapterInterface):
 
     def report_status(self) -> dict:
         st = self.store.stats()
-        return {"is_healthy": True, "type": "HurrayL2Adapter", "tiers": st["tiers"], "locked_key_count": len(self._locks)}
+        return {
+            "is_healthy": True,
+            "type": "HurrayL2Adapter",
+            "tiers": st["tiers"],
+            "locked_key_count": len(self._locks),
+        }
 
     def close(self) -> None:
         try:

@@ -35,7 +35,13 @@ from hurray_store.paging import PagedKVPool, allocate_shared, release_shared
 from hurray_store.spec import KVSpec
 
 
-def run_model(model: Any, input_ids: torch.Tensor, *, cache: Any = None, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+def run_model(
+    model: Any,
+    input_ids: torch.Tensor,
+    *,
+    cache: Any = None,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Any]:
     """One forward pass continuing from ``cache``; returns (logits, the new cache).
     transformers 5 renamed ``past_key_values`` to ``cache``: this takes whichever the
     installed version's model accepts."""
@@ -58,14 +64,26 @@ def model_id(model: Any) -> str:
     return p or str(model.config.model_type)
 
 
-def spec_for_model(model: Any, *, page_size: int = 16, revision: str = "", tp_rank: int = 0, tp_size: int = 1) -> KVSpec:
+def spec_for_model(
+    model: Any, *, page_size: int = 16, revision: str = "", tp_rank: int = 0, tp_size: int = 1
+) -> KVSpec:
     """The KVSpec of ``model``'s cache, in the dtype the model runs in."""
     cfg = model.config
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     dtype = next(model.parameters()).dtype
-    return KVSpec(model_id(model), int(cfg.num_hidden_layers), kv_heads, head_dim, page_size, dtype, revision, tp_rank, tp_size)
+    return KVSpec(
+        model_id(model),
+        int(cfg.num_hidden_layers),
+        kv_heads,
+        head_dim,
+        page_size,
+        dtype,
+        revision,
+        tp_rank,
+        tp_size,
+    )
 
 
 def _cache_layers(past: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -74,7 +92,9 @@ def _cache_layers(past: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(lay.keys, lay.values) for lay in past.layers]
     if isinstance(past, tuple | list):
         return [(k, v) for k, v in past]
-    raise TypeError(f"expected a transformers cache or a tuple of (keys, values), got {type(past).__name__}")
+    raise TypeError(
+        f"expected a transformers cache or a tuple of (keys, values), got {type(past).__name__}"
+    )
 
 
 def to_paged(
@@ -95,7 +115,10 @@ def to_paged(
         raise PagingError(f"the cache has {len(layers)} layers, the pool {spec.num_layers}")
     k0 = layers[0][0]
     if k0.dim() != 4 or k0.shape[1] != spec.num_kv_heads or k0.shape[3] != spec.head_dim:
-        raise PagingError(f"cache keys must be [batch, {spec.num_kv_heads}, tokens, {spec.head_dim}], got {tuple(k0.shape)}")
+        raise PagingError(
+            f"cache keys must be [batch, {spec.num_kv_heads}, tokens, {spec.head_dim}], "
+            f"got {tuple(k0.shape)}"
+        )
     B, T = int(k0.shape[0]), int(k0.shape[2])
     if len(seq_lens) != B:
         raise PagingError(f"the cache holds {B} sequences, {len(seq_lens)} seq_lens given")
@@ -105,7 +128,9 @@ def to_paged(
         if not 0 <= n <= T:
             raise PagingError(f"sequence {b}: seq_len {n} outside [0, {T}] cached tokens")
         if token_ids is not None and len(token_ids[b]) < n:
-            raise PagingError(f"sequence {b}: {n} tokens cached but {len(token_ids[b])} token ids given")
+            raise PagingError(
+                f"sequence {b}: {n} tokens cached but {len(token_ids[b])} token ids given"
+            )
     # Plan pages: equal full-page prefixes (with token ids) map to one page.
     owner: dict[tuple[int, ...], int] = {}
     local: list[list[int]] = []
@@ -151,7 +176,13 @@ def to_paged(
     return [[new_ids[j] for j in row] for row in local]
 
 
-def from_paged(pool: PagedKVPool, block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, device: Any = None) -> DynamicCache:
+def from_paged(
+    pool: PagedKVPool,
+    block_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    *,
+    device: Any = None,
+) -> DynamicCache:
     """A transformers cache holding each sequence's first ``seq_lens[b]`` tokens from
     its pages, for ``model(..., past_key_values=cache)`` or ``generate`` to continue.
     Sequences must have equal lengths (see the module docstring)."""
@@ -168,13 +199,20 @@ def from_paged(pool: PagedKVPool, block_tables: Sequence[Sequence[int]], seq_len
     pages = -(-n // P)
     for b, t in enumerate(block_tables):
         if len(t) < pages:
-            raise PagingError(f"sequence {b}: {n} tokens need {pages} pages, its block table has {len(t)}")
-    idx = torch.tensor([list(t[:pages]) for t in block_tables], dtype=torch.long, device=pool.device)
+            raise PagingError(
+                f"sequence {b}: {n} tokens need {pages} pages, its block table has {len(t)}"
+            )
+    idx = torch.tensor(
+        [list(t[:pages]) for t in block_tables], dtype=torch.long, device=pool.device
+    )
     cache = DynamicCache()
     for li in range(spec.num_layers):
         kv = pool.layers[li]
         k, v = (
-            kv[r][idx].reshape(len(seq_lens), pages * P, spec.num_kv_heads, spec.head_dim)[:, :n].transpose(1, 2).contiguous()
+            kv[r][idx]
+            .reshape(len(seq_lens), pages * P, spec.num_kv_heads, spec.head_dim)[:, :n]
+            .transpose(1, 2)
+            .contiguous()
             for r in (0, 1)
         )
         if device is not None:
@@ -183,7 +221,14 @@ def from_paged(pool: PagedKVPool, block_tables: Sequence[Sequence[int]], seq_len
     return cache
 
 
-async def prefill_with_cache(model: Any, store: Any, pool: PagedKVPool, token_ids: Sequence[int], *, store_result: bool = True) -> tuple[torch.Tensor, Any, int]:
+async def prefill_with_cache(
+    model: Any,
+    store: Any,
+    pool: PagedKVPool,
+    token_ids: Sequence[int],
+    *,
+    store_result: bool = True,
+) -> tuple[torch.Tensor, Any, int]:
     """Prefill one prompt on top of whatever full pages of it the store holds.
 
     Returns ``(logits, cache, tokens_reused)``: ``logits`` ``[1, len(token_ids) -
@@ -208,7 +253,9 @@ async def prefill_with_cache(model: Any, store: Any, pool: PagedKVPool, token_id
                 past = from_paged(pool, got.block_tables, [n], device=model.device)
             finally:
                 pool.free(got.block_tables[0])
-    logits, cache = run_model(model, torch.tensor([list(token_ids[n:])], dtype=torch.long), cache=past)
+    logits, cache = run_model(
+        model, torch.tensor([list(token_ids[n:])], dtype=torch.long), cache=past
+    )
     if store_result and n // P < L // P:
         tables = to_paged(cache, pool, [L], token_ids=[list(token_ids)])
         try:

@@ -100,7 +100,9 @@ class LayerKV:
 
     def __post_init__(self) -> None:
         if not 0 <= self.layer_index < UINT32_MAX:
-            raise ValueError(f"layer_index must be in [0, {UINT32_MAX - 1}], got {self.layer_index}")
+            raise ValueError(
+                f"layer_index must be in [0, {UINT32_MAX - 1}], got {self.layer_index}"
+            )
         if self.keys.dim() != 4:
             raise ValueError(
                 "keys must be [num_pages, page_size, num_kv_heads, head_dim], "
@@ -113,7 +115,9 @@ class LayerKV:
             )
         for name, t in (("block_table", self.block_table), ("seq_ptr", self.seq_ptr)):
             if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
-                raise ValueError(f"{name} must be a flat integer tensor, got {t.dtype} {tuple(t.shape)}")
+                raise ValueError(
+                    f"{name} must be a flat integer tensor, got {t.dtype} {tuple(t.shape)}"
+                )
         if self.seq_ptr.numel() < 1:
             raise ValueError("seq_ptr needs num_seqs + 1 >= 1 entries (an empty batch is [0])")
         if self.page_size < 1:
@@ -188,7 +192,9 @@ def validate_index(bt: np.ndarray, sp: np.ndarray, num_pages: int, num_seqs: int
     Vectorized; aliasing is not checked (it is legal).
     """
     if sp.shape[0] != num_seqs + 1:
-        raise errors.SeqPtrError(f"seq_ptr must have num_seqs + 1 = {num_seqs + 1} entries, got {sp.shape[0]}")
+        raise errors.SeqPtrError(
+            f"seq_ptr must have num_seqs + 1 = {num_seqs + 1} entries, got {sp.shape[0]}"
+        )
     if int(sp[0]) != 0:
         raise errors.SeqPtrError(f"seq_ptr[0] must be 0, got {int(sp[0])}")
     if num_seqs > 0:
@@ -197,7 +203,8 @@ def validate_index(bt: np.ndarray, sp: np.ndarray, num_pages: int, num_seqs: int
         if bad.size:
             s = int(bad[0])
             raise errors.SeqPtrError(
-                f"seq_ptr must be non-decreasing: seq_ptr[{s}] = {int(sp[s])} > seq_ptr[{s + 1}] = {int(sp[s + 1])}"
+                f"seq_ptr must be non-decreasing: seq_ptr[{s}] = {int(sp[s])} > "
+                f"seq_ptr[{s + 1}] = {int(sp[s + 1])}"
             )
     if int(sp[-1]) != bt.shape[0]:
         raise errors.SeqPtrError(
@@ -284,7 +291,9 @@ def _descriptor(
 ) -> bytes:
     """Descriptor bytes for one role, exactly as pyhurray writes them."""
     if all(sizes):
-        tmpl, nbuf = _template(hdtype_name, heads, dim, page_size, role, layer, index_type, scale_dtype_name)
+        tmpl, nbuf = _template(
+            hdtype_name, heads, dim, page_size, role, layer, index_type, scale_dtype_name
+        )
         out = bytearray(tmpl)
         struct.pack_into("<Q", out, _OFF_SHAPE0, table_len * page_size)
         struct.pack_into("<Q", out, _OFF_NUM_PAGES, num_pages)
@@ -414,7 +423,9 @@ def plan_layer(
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if dtype not in _TORCH_TO_HURRAY:
-        raise errors.DtypeError(f"layer dtype must be one of {[str(d) for d in _TORCH_TO_HURRAY]}, got {dtype}")
+        raise errors.DtypeError(
+            f"layer dtype must be one of {[str(d) for d in _TORCH_TO_HURRAY]}, got {dtype}"
+        )
     if quantization == "int8" and (page_size < 2 or page_size & (page_size - 1)):
         # Hurray's per-block-affine scheme needs block_size (= page_size) a power of two.
         raise errors.QuantizationError(
@@ -492,8 +503,15 @@ def encode_layer_buffers(layer: LayerKV, *, quantization: str | None = None) -> 
         )
     num_pages, page_size, heads, dim = (int(s) for s in layer.keys.shape)
     plan = plan_layer(
-        layer.layer_index, layer.block_table, layer.seq_ptr, num_pages=num_pages, page_size=page_size,
-        heads=heads, dim=dim, dtype=layer.dtype, quantization=quantization,
+        layer.layer_index,
+        layer.block_table,
+        layer.seq_ptr,
+        num_pages=num_pages,
+        page_size=page_size,
+        heads=heads,
+        dim=dim,
+        dtype=layer.dtype,
+        quantization=quantization,
     )
     data: dict[tuple[str, str], memoryview] = {}
     for role, src in (("key", layer.keys), ("value", layer.values)):
@@ -556,7 +574,9 @@ def _decode_descriptor(mv: memoryview, off: int, what: str) -> tuple[hurray.Desc
         )
     head = bytes(mv[off : off + FIXED_HEADER_LEN])
     if head[:4] != MAGIC:
-        raise errors.DescriptorError(f"{what}: expected magic {MAGIC!r} at offset {off}, got {head[:4]!r}")
+        raise errors.DescriptorError(
+            f"{what}: expected magic {MAGIC!r} at offset {off}, got {head[:4]!r}"
+        )
     if head[4] > READER_VERSION_MAJOR:
         raise errors.VersionError(
             f"{what}: format version {head[4]}.{head[5]} is newer than this reader "
@@ -564,7 +584,9 @@ def _decode_descriptor(mv: memoryview, off: int, what: str) -> tuple[hurray.Desc
         )
     (dlen,) = struct.unpack_from("<I", head, 6)
     if dlen < FIXED_HEADER_LEN:
-        raise errors.DescriptorError(f"{what}: descriptor_length must be >= {FIXED_HEADER_LEN}, got {dlen}")
+        raise errors.DescriptorError(
+            f"{what}: descriptor_length must be >= {FIXED_HEADER_LEN}, got {dlen}"
+        )
     if dlen > n - off:
         raise errors.TruncatedError(
             f"{what}: descriptor declares {dlen} bytes, only {n - off} remain at offset {off}"
@@ -574,11 +596,18 @@ def _decode_descriptor(mv: memoryview, off: int, what: str) -> tuple[hurray.Desc
     (flags,) = struct.unpack_from("<I", head, 10)
     layout_tag, rank = head[15], struct.unpack_from("<I", head, 16)[0]
     if layout_tag != BLOCK_PAGED_TAG:
-        raise errors.LayoutError(f"{what}: expected layout tag 0x0A (block-paged), got {layout_tag:#04x}")
+        raise errors.LayoutError(
+            f"{what}: expected layout tag 0x0A (block-paged), got {layout_tag:#04x}"
+        )
     if rank != 3:
-        raise errors.RankError(f"{what}: block-paged tensors must be rank 3 [total_tokens, heads, head_dim], got rank {rank}")
+        raise errors.RankError(
+            f"{what}: block-paged tensors must be rank 3 [total_tokens, heads, head_dim], "
+            f"got rank {rank}"
+        )
     if flags & 0x2:
-        raise errors.ShardError(f"{what}: a block-paged descriptor must not carry a shard (HAS_SHARD is set)")
+        raise errors.ShardError(
+            f"{what}: a block-paged descriptor must not carry a shard (HAS_SHARD is set)"
+        )
     if dlen >= _OFF_PAGED_AXIS + 4:
         # Kept even when permissive: a LayerKV has nowhere to put another paged axis.
         (paged_axis,) = struct.unpack_from("<I", mv, off + _OFF_PAGED_AXIS)
@@ -607,9 +636,13 @@ def _parse_tensor(mv: memoryview, off: int, what: str) -> ParsedTensor:
     if any(s is None for s in d.shape):
         raise errors.RankError(f"{what}: dynamic dimensions are not allowed, got shape {d.shape}")
     if d.extension_type is not None:
-        raise errors.DtypeError(f"{what}: extension element types are not KV data, got {d.extension_type!r}")
+        raise errors.DtypeError(
+            f"{what}: extension element types are not KV data, got {d.extension_type!r}"
+        )
     if d.byte_offset != 0:
-        raise errors.DescriptorError(f"{what}: byte_offset must be 0 for block-paged, got {d.byte_offset}")
+        raise errors.DescriptorError(
+            f"{what}: byte_offset must be 0 for block-paged, got {d.byte_offset}"
+        )
     if lay.page_size < 1:
         raise errors.DescriptorError(f"{what}: page_size must be >= 1, got {lay.page_size}")
     if d.shape[1] < 1 or d.shape[2] < 1:
@@ -621,13 +654,16 @@ def _parse_tensor(mv: memoryview, off: int, what: str) -> ParsedTensor:
     if q is None:
         if dname not in _HURRAY_TO_TORCH:
             raise errors.DtypeError(
-                f"{what}: expected float16, bfloat16 or float32 (or int8 with quantization), got {dname}"
+                f"{what}: expected float16, bfloat16 or float32 (or int8 with "
+                f"quantization), got {dname}"
             )
     else:
         try:
             lay.validate_quantization_compatibility(q)
         except hurray.InvalidDescriptorError as e:
-            raise errors.QuantizationError(f"{what}: quantization breaks the block-paged rules: {e}") from e
+            raise errors.QuantizationError(
+                f"{what}: quantization breaks the block-paged rules: {e}"
+            ) from e
         if not isinstance(q, hurray.PerBlockAffine):
             raise errors.UnsupportedQuantizationError(
                 f"{what}: only per-block-affine int8 (one scale per page slot) is dequantized "
@@ -639,11 +675,17 @@ def _parse_tensor(mv: memoryview, off: int, what: str) -> ParsedTensor:
                 f"({lay.page_size}), got axis {q.axis}, block_size {q.block_size}"
             )
         if q.scale_buffer_index != 3:
-            raise errors.QuantizationError(f"{what}: scales must be buffer 3, got {q.scale_buffer_index}")
+            raise errors.QuantizationError(
+                f"{what}: scales must be buffer 3, got {q.scale_buffer_index}"
+            )
         if q.zero_point_buffer_index is not None:
-            raise errors.UnsupportedQuantizationError(f"{what}: asymmetric (zero-point) schemes are not supported")
+            raise errors.UnsupportedQuantizationError(
+                f"{what}: asymmetric (zero-point) schemes are not supported"
+            )
         if dname != "int8":
-            raise errors.UnsupportedQuantizationError(f"{what}: quantized data must be int8, got {dname}")
+            raise errors.UnsupportedQuantizationError(
+                f"{what}: quantized data must be int8, got {dname}"
+            )
         scale_name = q.scale_type.name
         if scale_name not in _HURRAY_TO_TORCH:
             raise errors.UnsupportedQuantizationError(
@@ -658,11 +700,14 @@ def _parse_tensor(mv: memoryview, off: int, what: str) -> ParsedTensor:
     total_tokens, heads, dim = (int(s) for s in d.shape)
     page_size, num_pages, num_seqs = int(lay.page_size), int(lay.num_pages), int(lay.num_seqs)
     if sizes[1] % width:
-        raise errors.BufferSizeError(f"{what}: block_table size {sizes[1]} is not a multiple of {width}")
+        raise errors.BufferSizeError(
+            f"{what}: block_table size {sizes[1]} is not a multiple of {width}"
+        )
     table_len = sizes[1] // width
     if total_tokens != table_len * page_size:
         raise errors.BufferSizeError(
-            f"{what}: shape[0] must be len(block_table) * page_size = {table_len * page_size}, got {total_tokens}"
+            f"{what}: shape[0] must be len(block_table) * page_size = "
+            f"{table_len * page_size}, got {total_tokens}"
         )
     if sizes[2] != (num_seqs + 1) * width:
         raise errors.BufferSizeError(
@@ -673,7 +718,8 @@ def _parse_tensor(mv: memoryview, off: int, what: str) -> ParsedTensor:
     pool_expected = num_pages * page_size * heads * dim * elem
     if sizes[0] != pool_expected:
         raise errors.BufferSizeError(
-            f"{what}: page_pool must be num_pages*page_size*heads*head_dim*{elem} = {pool_expected} bytes, got {sizes[0]}"
+            f"{what}: page_pool must be num_pages*page_size*heads*head_dim*{elem} = "
+            f"{pool_expected} bytes, got {sizes[0]}"
         )
     if scale_name is not None:
         sc_expected = num_pages * page_size * _elem_size(scale_name)
@@ -714,10 +760,13 @@ def _check_pair(k: ParsedTensor, v: ParsedTensor, mv: memoryview) -> None:
         raise errors.RoleError(f"the second tensor must have kv_role value, got {vl.kv_role}")
     if kl.layer_index != vl.layer_index:
         raise errors.LayerMismatchError(
-            f"key and value must name one layer, got key layer {kl.layer_index}, value layer {vl.layer_index}"
+            f"key and value must name one layer, got key layer {kl.layer_index}, value "
+            f"layer {vl.layer_index}"
         )
     if kl.layer_index is None or kl.layer_index == UINT32_MAX:
-        raise errors.LayerMismatchError("layer_index must name a layer, got 0xFFFFFFFF (not layer-scoped)")
+        raise errors.LayerMismatchError(
+            "layer_index must name a layer, got 0xFFFFFFFF (not layer-scoped)"
+        )
     for f in ("page_size", "num_pages", "num_seqs", "block_table_index_type"):
         a, b = getattr(kl, f), getattr(vl, f)
         if a != b:
@@ -738,7 +787,9 @@ def _check_pair(k: ParsedTensor, v: ParsedTensor, mv: memoryview) -> None:
             raise errors.PagingMismatchError(f"key and value {name} buffers differ")
 
 
-def parse_layer(data: bytes | bytearray | memoryview, *, permissive: bool = False) -> tuple[ParsedTensor, ParsedTensor]:
+def parse_layer(
+    data: bytes | bytearray | memoryview, *, permissive: bool = False
+) -> tuple[ParsedTensor, ParsedTensor]:
     """Parse and check the two descriptors of a layer object without touching its pages.
 
     Raises a ``FormatError`` subclass for anything that is not a well-formed layer object;
@@ -770,7 +821,9 @@ def parse_layer(data: bytes | bytearray | memoryview, *, permissive: bool = Fals
 
 def _index_array(mv: memoryview, p: ParsedTensor, i: int) -> np.ndarray:
     idx = _INDEX_NP[p.index_type]
-    return np.frombuffer(mv, dtype=idx, count=p.buffer_sizes[i] // idx.itemsize, offset=p.buffer_offsets[i])
+    return np.frombuffer(
+        mv, dtype=idx, count=p.buffer_sizes[i] // idx.itemsize, offset=p.buffer_offsets[i]
+    )
 
 
 def _view(mv: memoryview, off: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -780,7 +833,9 @@ def _view(mv: memoryview, off: int, nbytes: int, dtype: torch.dtype) -> torch.Te
     with warnings.catch_warnings():
         # torch warns when it wraps an immutable buffer (bytes). Decoded layers over
         # immutable input are read-only by contract (decode_layer says so): noise here.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="The given buffer is not writable", category=UserWarning
+        )
         return torch.frombuffer(mv, dtype=dtype, count=nbytes // esz, offset=off)
 
 
@@ -789,16 +844,23 @@ def _pool(mv: memoryview, p: ParsedTensor, dtype: torch.dtype | None) -> torch.T
     _, heads, dim = (int(s) for s in p.descriptor.shape)
     shape = (int(lay.num_pages), int(lay.page_size), heads, dim)
     if p.scale_dtype_name is None:
-        t = _view(mv, p.buffer_offsets[0], p.buffer_sizes[0], _HURRAY_TO_TORCH[p.dtype_name]).view(shape)
+        t = _view(mv, p.buffer_offsets[0], p.buffer_sizes[0], _HURRAY_TO_TORCH[p.dtype_name]).view(
+            shape
+        )
         return t if dtype is None or dtype == t.dtype else t.to(dtype)
-    q = _view(mv, p.buffer_offsets[0], p.buffer_sizes[0], torch.int8).view(shape[0] * shape[1], heads * dim)
+    q = _view(mv, p.buffer_offsets[0], p.buffer_sizes[0], torch.int8).view(
+        shape[0] * shape[1], heads * dim
+    )
     sc = _view(mv, p.buffer_offsets[3], p.buffer_sizes[3], _HURRAY_TO_TORCH[p.scale_dtype_name])
     out_dtype = dtype or _HURRAY_TO_TORCH[p.scale_dtype_name]
     return (q.float() * sc.float()[:, None]).to(out_dtype).view(shape)
 
 
 def decode_layer(
-    data: bytes | bytearray | memoryview, *, permissive: bool = False, dtype: torch.dtype | None = None
+    data: bytes | bytearray | memoryview,
+    *,
+    permissive: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> LayerKV:
     """Decode one layer object, validating before trusting.
 

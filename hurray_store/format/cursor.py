@@ -16,8 +16,13 @@ _STRUCTS: dict[str, struct.Struct] = {}
 class Cursor:
     __slots__ = ("mv", "pos", "stop", "fail")
 
-    def __init__(self, data: bytes | bytearray | memoryview, fail: Callable[[str], Exception], pos: int = 0,
-                 stop: int | None = None) -> None:
+    def __init__(
+        self,
+        data: bytes | bytearray | memoryview,
+        fail: Callable[[str], Exception],
+        pos: int = 0,
+        stop: int | None = None,
+    ) -> None:
         """``fail(message)``: the exception a reader raises for bytes that run short
         or do not parse; ``[pos, stop)``: the bytes this cursor may read."""
         self.mv = memoryview(data).cast("B")
@@ -31,7 +36,9 @@ class Cursor:
 
     def take(self, n: int) -> memoryview:
         if n < 0 or n > self.stop - self.pos:
-            raise self.fail(f"field of {n} bytes at offset {self.pos}, only {self.stop - self.pos} remain")
+            raise self.fail(
+                f"field of {n} bytes at offset {self.pos}, only {self.stop - self.pos} remain"
+            )
         out = self.mv[self.pos : self.pos + n]
         self.pos += n
         return out
@@ -58,7 +65,9 @@ class Cursor:
         """A repeat count, refused when even minimal items could not fit what remains."""
         (n,) = self.unpack(fmt)
         if n * min_item_bytes > self.stop - self.pos:
-            raise self.fail(f"{n} items need at least {n * min_item_bytes} bytes, {self.stop - self.pos} remain")
+            raise self.fail(
+                f"{n} items need at least {n * min_item_bytes} bytes, {self.stop - self.pos} remain"
+            )
         return int(n)
 
     def array(self, dtype: str, n: int) -> np.ndarray:

@@ -56,7 +56,9 @@ def checksum(*buffers: bytes | bytearray | memoryview) -> int:
     return h.intdigest()
 
 
-def page_checksum(page: bytes | bytearray | memoryview, scales: bytes | bytearray | memoryview | None = None) -> int:
+def page_checksum(
+    page: bytes | bytearray | memoryview, scales: bytes | bytearray | memoryview | None = None
+) -> int:
     """The checksum of one stored page of one role: xxh3-64 over its bytes, then its
     scales when quantized. The one definition: writers, readers, the server's commit
     and ``Manifest.verify_object`` all use it."""
@@ -68,7 +70,11 @@ def page_checksum(page: bytes | bytearray | memoryview, scales: bytes | bytearra
     return h.intdigest()
 
 
-def object_checksum(fixed: Sequence[bytes | bytearray | memoryview], key_sums: Sequence[int], value_sums: Sequence[int]) -> int:
+def object_checksum(
+    fixed: Sequence[bytes | bytearray | memoryview],
+    key_sums: Sequence[int],
+    value_sums: Sequence[int],
+) -> int:
     """A layer object's checksum, without a second pass over its pages: xxh3-64 over
     the object's bytes outside its pools and scales (descriptors, index buffers; in
     stream order), then the key page checksums, then the value page checksums (u64 LE).
@@ -126,8 +132,18 @@ class Manifest:
         covers besides the page checksums."""
         lay = self.layers[layer_pos]
         taken = sorted(
-            [(lay.key_pool_offset, self.num_pages * self.page_bytes), (lay.value_pool_offset, self.num_pages * self.page_bytes)]
-            + ([(lay.key_scales_offset, self.num_pages * self.scale_bytes), (lay.value_scales_offset, self.num_pages * self.scale_bytes)] if self.scale_bytes else [])
+            [
+                (lay.key_pool_offset, self.num_pages * self.page_bytes),
+                (lay.value_pool_offset, self.num_pages * self.page_bytes),
+            ]
+            + (
+                [
+                    (lay.key_scales_offset, self.num_pages * self.scale_bytes),
+                    (lay.value_scales_offset, self.num_pages * self.scale_bytes),
+                ]
+                if self.scale_bytes
+                else []
+            )
         )
         out, pos = [], 0
         for off, ln in taken:
@@ -159,14 +175,19 @@ class Manifest:
         lay = self.layers[layer_pos]
         mv = memoryview(data).cast("B")
         if mv.nbytes != lay.object_size:
-            return f"layer {lay.layer_index}: {mv.nbytes} bytes, the manifest says {lay.object_size}"
+            return (
+                f"layer {lay.layer_index}: {mv.nbytes} bytes, the manifest says {lay.object_size}"
+            )
         for role, sums in (("key", lay.key_page_checksums), ("value", lay.value_page_checksums)):
             for p in range(self.num_pages):
                 parts = [mv[o : o + n] for o, n in self.page_range(layer_pos, role, p)]
                 if page_checksum(*parts) != sums[p]:
                     return f"layer {lay.layer_index}: {role} page {p} checksum differs"
         fixed = [mv[o : o + n] for o, n in self.fixed_ranges(layer_pos)]
-        if object_checksum(fixed, lay.key_page_checksums, lay.value_page_checksums) != lay.object_checksum:
+        if (
+            object_checksum(fixed, lay.key_page_checksums, lay.value_page_checksums)
+            != lay.object_checksum
+        ):
             return f"layer {lay.layer_index}: object checksum differs"
         return None
 
@@ -178,10 +199,18 @@ class Manifest:
         n = _HEADER.size + 8 + 2 + len(self.fingerprint) + 2 + len(self.segment_id) + 29 + 4
         for s in self.sequences:
             hl = len(s.page_hashes[0]) if s.page_hashes else 0
-            n += 24 + 4 * len(s.token_ids) + 5 + hl * len(s.page_hashes) + 4 + 4 * len(s.block_table)
+            n += (
+                24 + 4 * len(s.token_ids) + 5 + hl * len(s.page_hashes) + 4 + 4 * len(s.block_table)
+            )
         n += 4
         for lay in self.layers:
-            n += 4 + 2 + len(lay.key.encode()) + 48 + 8 * (len(lay.key_page_checksums) + len(lay.value_page_checksums))
+            n += (
+                4
+                + 2
+                + len(lay.key.encode())
+                + 48
+                + 8 * (len(lay.key_page_checksums) + len(lay.value_page_checksums))
+            )
         return n
 
     def to_bytes(self) -> bytes:
@@ -190,7 +219,16 @@ class Manifest:
         put = parts.append
         put(_short_bytes(self.fingerprint))
         put(_short_bytes(self.segment_id))
-        put(struct.pack("<BIQQQ", _QUANT_CODES[self.quantization], self.page_size, self.num_pages, self.page_bytes, self.scale_bytes))
+        put(
+            struct.pack(
+                "<BIQQQ",
+                _QUANT_CODES[self.quantization],
+                self.page_size,
+                self.num_pages,
+                self.page_bytes,
+                self.scale_bytes,
+            )
+        )
         put(struct.pack("<I", len(self.sequences)))
         for s in self.sequences:
             put(struct.pack("<QQQ", s.first_page, s.seq_len, len(s.token_ids)))
@@ -223,27 +261,54 @@ class Manifest:
 
     def validate(self) -> None:
         """The manifest's own invariants; ``from_bytes`` and ``to_bytes`` both enforce them."""
-        _need(self.quantization in _QUANT_CODES, f"quantization must be one of {list(_QUANT_CODES)}, got {self.quantization!r}")
+        _need(
+            self.quantization in _QUANT_CODES,
+            f"quantization must be one of {list(_QUANT_CODES)}, got {self.quantization!r}",
+        )
         _need(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
         _need(self.page_bytes >= 1, f"page_bytes must be >= 1, got {self.page_bytes}")
-        _need((self.scale_bytes > 0) == (self.quantization is not None), "scale_bytes must be > 0 exactly when quantized")
-        _need(len(self.fingerprint) <= 0xFFFF and len(self.segment_id) <= 0xFFFF, "fingerprint and segment_id are at most 65535 bytes")
+        _need(
+            (self.scale_bytes > 0) == (self.quantization is not None),
+            "scale_bytes must be > 0 exactly when quantized",
+        )
+        _need(
+            len(self.fingerprint) <= 0xFFFF and len(self.segment_id) <= 0xFFFF,
+            "fingerprint and segment_id are at most 65535 bytes",
+        )
         for i, s in enumerate(self.sequences):
             what = f"sequence {i}"
-            _need(len(s.token_ids) == s.seq_len, f"{what}: expected seq_len = {s.seq_len} token ids, got {len(s.token_ids)}")
+            _need(
+                len(s.token_ids) == s.seq_len,
+                f"{what}: expected seq_len = {s.seq_len} token ids, got {len(s.token_ids)}",
+            )
             pages_total = -(-s.seq_len // self.page_size)
             _need(
                 s.first_page + len(s.block_table) <= pages_total,
                 f"{what}: stores pages [{s.first_page}, {s.first_page + len(s.block_table)}) "
                 f"but {s.seq_len} tokens fill only {pages_total} pages",
             )
-            full_stored = max(0, min(len(s.block_table), s.seq_len // self.page_size - s.first_page))
-            _need(len(s.page_hashes) == full_stored, f"{what}: expected {full_stored} page hashes (one per stored full page), got {len(s.page_hashes)}")
+            full_stored = max(
+                0, min(len(s.block_table), s.seq_len // self.page_size - s.first_page)
+            )
+            _need(
+                len(s.page_hashes) == full_stored,
+                f"{what}: expected {full_stored} page hashes (one per stored full page), "
+                f"got {len(s.page_hashes)}",
+            )
             if s.page_hashes:
                 hl = len(s.page_hashes[0])
-                _need(16 <= hl <= MAX_HASH_LEN and all(len(h) == hl for h in s.page_hashes), f"{what}: page hashes must share one length in [16, {MAX_HASH_LEN}]")
-            _need(all(0 <= p < self.num_pages for p in s.block_table), f"{what}: block table entries must be in [0, {self.num_pages})")
-            _need(all(0 <= t <= 0xFFFFFFFF for t in s.token_ids), f"{what}: token ids must be in [0, 2**32)")
+                _need(
+                    16 <= hl <= MAX_HASH_LEN and all(len(h) == hl for h in s.page_hashes),
+                    f"{what}: page hashes must share one length in [16, {MAX_HASH_LEN}]",
+                )
+            _need(
+                all(0 <= p < self.num_pages for p in s.block_table),
+                f"{what}: block table entries must be in [0, {self.num_pages})",
+            )
+            _need(
+                all(0 <= t <= 0xFFFFFFFF for t in s.token_ids),
+                f"{what}: token ids must be in [0, 2**32)",
+            )
         seen = set()
         for lay in self.layers:
             what = f"layer {lay.layer_index}"
@@ -255,12 +320,26 @@ class Manifest:
                 f"{len(lay.key_page_checksums)} key and {len(lay.value_page_checksums)} value",
             )
             span = self.num_pages * self.page_bytes
-            for name, off in (("key_pool_offset", lay.key_pool_offset), ("value_pool_offset", lay.value_pool_offset)):
-                _need(off + span <= lay.object_size, f"{what}: {name} {off} + {span} page bytes exceed object_size {lay.object_size}")
+            for name, off in (
+                ("key_pool_offset", lay.key_pool_offset),
+                ("value_pool_offset", lay.value_pool_offset),
+            ):
+                _need(
+                    off + span <= lay.object_size,
+                    f"{what}: {name} {off} + {span} page bytes exceed object_size "
+                    f"{lay.object_size}",
+                )
             if self.scale_bytes:
                 sspan = self.num_pages * self.scale_bytes
-                for name, off in (("key_scales_offset", lay.key_scales_offset), ("value_scales_offset", lay.value_scales_offset)):
-                    _need(off + sspan <= lay.object_size, f"{what}: {name} {off} + {sspan} bytes exceed object_size {lay.object_size}")
+                for name, off in (
+                    ("key_scales_offset", lay.key_scales_offset),
+                    ("value_scales_offset", lay.value_scales_offset),
+                ):
+                    _need(
+                        off + sspan <= lay.object_size,
+                        f"{what}: {name} {off} + {sspan} bytes exceed object_size "
+                        f"{lay.object_size}",
+                    )
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> Manifest:
@@ -269,23 +348,32 @@ class Manifest:
         if mv.ndim != 1 or mv.itemsize != 1:
             mv = mv.cast("B")
         if len(mv) < _HEADER.size + 8:
-            raise errors.TruncatedError(f"manifest: expected at least {_HEADER.size + 8} bytes, got {len(mv)}")
+            raise errors.TruncatedError(
+                f"manifest: expected at least {_HEADER.size + 8} bytes, got {len(mv)}"
+            )
         magic, version, flags, body_len = _HEADER.unpack_from(mv, 0)
         if magic != MANIFEST_MAGIC:
-            raise errors.ManifestError(f"manifest: expected magic {MANIFEST_MAGIC!r}, got {bytes(magic)!r}")
+            raise errors.ManifestError(
+                f"manifest: expected magic {MANIFEST_MAGIC!r}, got {bytes(magic)!r}"
+            )
         if version != MANIFEST_VERSION:
-            raise errors.VersionError(f"manifest: expected version {MANIFEST_VERSION}, got {version}")
+            raise errors.VersionError(
+                f"manifest: expected version {MANIFEST_VERSION}, got {version}"
+            )
         if flags != 0:
             raise errors.ManifestError(f"manifest: reserved flags must be 0, got {flags:#x}")
         if body_len != len(mv) - _HEADER.size - 8:
             raise errors.TruncatedError(
-                f"manifest: header declares a {body_len}-byte body, {len(mv) - _HEADER.size - 8} bytes are present"
+                f"manifest: header declares a {body_len}-byte body, "
+                f"{len(mv) - _HEADER.size - 8} bytes are present"
             )
         end = _HEADER.size + body_len
         (stored,) = struct.unpack_from("<Q", mv, end)
         actual = checksum(mv[:end])
         if stored != actual:
-            raise errors.ChecksumError(f"manifest: checksum {stored:#018x} recorded, {actual:#018x} computed")
+            raise errors.ChecksumError(
+                f"manifest: checksum {stored:#018x} recorded, {actual:#018x} computed"
+            )
         r = Cursor(mv, lambda m: errors.TruncatedError(f"manifest: {m}"), _HEADER.size, end)
         try:
             fingerprint = r.short_bytes()
@@ -302,7 +390,11 @@ class Manifest:
                 hashes = tuple(bytes(raw[i * hlen : (i + 1) * hlen]) for i in range(n_hash))
                 (n_pages,) = r.unpack("<I")
                 bt = r.array("<u4", n_pages)
-                seqs.append(ManifestSeq(tuple(tokens.tolist()), first_page, seq_len, hashes, tuple(bt.tolist())))
+                seqs.append(
+                    ManifestSeq(
+                        tuple(tokens.tolist()), first_page, seq_len, hashes, tuple(bt.tolist())
+                    )
+                )
             layers = []
             for _ in range(r.count("<I", 4 + 2 + 48)):
                 (layer_index,) = r.unpack("<I")
@@ -310,9 +402,24 @@ class Manifest:
                 size, csum, kpo, vpo, kso, vso = r.unpack("<QQQQQQ")
                 kc = r.array("<u8", num_pages)
                 vc = r.array("<u8", num_pages)
-                layers.append(ManifestLayer(layer_index, key, size, csum, kpo, vpo, kso, vso, tuple(kc.tolist()), tuple(vc.tolist())))
+                layers.append(
+                    ManifestLayer(
+                        layer_index,
+                        key,
+                        size,
+                        csum,
+                        kpo,
+                        vpo,
+                        kso,
+                        vso,
+                        tuple(kc.tolist()),
+                        tuple(vc.tolist()),
+                    )
+                )
             if r.pos != end:
-                raise errors.ManifestError(f"manifest: {end - r.pos} unparsed bytes at the end of the body")
+                raise errors.ManifestError(
+                    f"manifest: {end - r.pos} unparsed bytes at the end of the body"
+                )
         except UnicodeDecodeError as e:
             raise errors.ManifestError(f"manifest: object key is not UTF-8: {e}") from e
         m = cls(
@@ -337,7 +444,3 @@ def _need(cond: bool, msg: str) -> None:
 
 def _short_bytes(b: bytes) -> bytes:
     return struct.pack("<H", len(b)) + b
-
-
-
-

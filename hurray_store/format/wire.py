@@ -62,9 +62,18 @@ def parse_blob_descriptor(data: bytes | bytearray | memoryview) -> tuple[int, in
     if used > mv.nbytes:
         raise FormatError(f"descriptor declares {used} bytes, {mv.nbytes} present")
     if str(d.dtype) != "uint8" or d.ndim != 1 or type(d.layout).__name__ != "RowMajorLayout":
-        raise FormatError(f"this server stores objects as uint8 rank-1 row-major tensors, got {d!r}")
-    if d.buffer_count != 1 or d.byte_offset != 0 or d.shard is not None or d.quantization is not None:
-        raise FormatError("an object tensor has one buffer, byte_offset 0, no shard and no quantization")
+        raise FormatError(
+            f"this server stores objects as uint8 rank-1 row-major tensors, got {d!r}"
+        )
+    if (
+        d.buffer_count != 1
+        or d.byte_offset != 0
+        or d.shard is not None
+        or d.quantization is not None
+    ):
+        raise FormatError(
+            "an object tensor has one buffer, byte_offset 0, no shard and no quantization"
+        )
     if d.device.kind != "cpu":
         raise FormatError(f"objects travel in CPU memory, got device {d.device.kind}")
     n = int(d.shape[0])

@@ -60,19 +60,30 @@ class ServedStore:
         got = self._cascade.reserve([nbytes])
         return got[0] if got else None
 
-    async def put_key(self, k: ServedKey, data: Sequence[Buffer], release: Callable[[], None] | None = None,
-                      reserved: Reservation | None = None) -> bool:
+    async def put_key(
+        self,
+        k: ServedKey,
+        data: Sequence[Buffer],
+        release: Callable[[], None] | None = None,
+        reserved: Reservation | None = None,
+    ) -> bool:
         """Store one object-level object (a group of its own); ``release()`` runs once no
         tier write needs ``data``. ``reserved``: ``data`` lies there, and the top tier
         publishes it without a copy."""
         if k.segment is not None:
             if release is not None:
                 release()
-            raise FormatError(f"{k.stored} is a segment object: it is stored by commit_segment with its manifest")
+            raise FormatError(
+                f"{k.stored} is a segment object: it is stored by commit_segment with its manifest"
+            )
         name = k.stored[len(self.namespace) + 3 :]
-        return bool(await self._cascade.put_group(
-            ObjectKey(self.namespace, name), [StoredObject(k.stored, data, reserved)], release=release,
-        ))
+        return bool(
+            await self._cascade.put_group(
+                ObjectKey(self.namespace, name),
+                [StoredObject(k.stored, data, reserved)],
+                release=release,
+            )
+        )
 
     async def get_key(self, k: ServedKey) -> Blob | None:
         return await self._cascade.get(k.stored)
@@ -88,9 +99,14 @@ class ServedStore:
         """Pin the groups holding ``keys`` (a segment key pins its segment); returns
         them, for ``unpin_groups``."""
         led = self._cascade.ledger
-        groups: list[Group] = list(dict.fromkeys(
-            g for k in keys for i in led.holders(k.stored) if (g := led.group_of(i, k.stored)) is not None
-        ))
+        groups: list[Group] = list(
+            dict.fromkeys(
+                g
+                for k in keys
+                for i in led.holders(k.stored)
+                if (g := led.group_of(i, k.stored)) is not None
+            )
+        )
         led.pin(groups)
         return groups
 
@@ -102,8 +118,14 @@ class ServedStore:
         await self._cascade.delete(k.stored)
 
     async def commit_segment(
-        self, seg: SegmentKey, manifest: Buffer, objects: Mapping[str, Buffer], release: Callable[[], None] | None = None,
-        reserved: Mapping[str, Reservation] | None = None, *, parsed: Manifest | None = None,
+        self,
+        seg: SegmentKey,
+        manifest: Buffer,
+        objects: Mapping[str, Buffer],
+        release: Callable[[], None] | None = None,
+        reserved: Mapping[str, Reservation] | None = None,
+        *,
+        parsed: Manifest | None = None,
     ) -> bool:
         """Store a segment a client built: its layer objects, then its manifest (the
         commit). Everything is verified first: the manifest's checksum and key, each
@@ -115,15 +137,22 @@ class ServedStore:
         """
         try:
             if seg.namespace != self.namespace:
-                raise FormatError(f"namespace {seg.namespace!r} is not this store's ({self.namespace!r})")
+                raise FormatError(
+                    f"namespace {seg.namespace!r} is not this store's ({self.namespace!r})"
+                )
             m = parsed if parsed is not None else Manifest.from_bytes(manifest)
             if m.segment_id != seg.segment_id:
-                raise FormatError(f"manifest names segment {m.segment_id.hex()}, committed as {seg.hex}")
+                raise FormatError(
+                    f"manifest names segment {m.segment_id.hex()}, committed as {seg.hex}"
+                )
             want = {seg.layer(lay.layer_index): pos for pos, lay in enumerate(m.layers)}
             if len(want) != len(m.layers) or set(want) != set(objects):
                 missing = sorted(set(want) - set(objects))
                 extra = sorted(set(objects) - set(want))
-                raise FormatError(f"segment {seg.hex}: layer objects missing {missing[:3]} or not in the manifest {extra[:3]}")
+                raise FormatError(
+                    f"segment {seg.hex}: layer objects missing {missing[:3]} or not in the "
+                    f"manifest {extra[:3]}"
+                )
             for k, pos in want.items():
                 why = m.verify_object(pos, objects[k])
                 if why:
@@ -139,10 +168,19 @@ class ServedStore:
         res = reserved or {}
         group = [StoredObject(k, [objects[k]], res.get(k)) for k in want]
         group.append(StoredObject(seg.manifest, [manifest]))
-        return bool(await self._cascade.put_group(seg, group, depth=depth(m), on_committed=lambda: self._catalog.add(m),
-                                                  release=release))
+        return bool(
+            await self._cascade.put_group(
+                seg,
+                group,
+                depth=depth(m),
+                on_committed=lambda: self._catalog.add(m),
+                release=release,
+            )
+        )
 
-    async def find_segments(self, seqs: Sequence[tuple[int, Sequence[bytes]]], max_bytes: int) -> tuple[list[int], list[bytes]]:
+    async def find_segments(
+        self, seqs: Sequence[tuple[int, Sequence[bytes]]], max_bytes: int
+    ) -> tuple[list[int], list[bytes]]:
         """Per sequence (pages the asker has, page hashes): the leading pages this store
         holds, and the manifests of the segments holding them past what the asker has
         (at most ``max_bytes`` of them; a sequence's match stops where they stop)."""

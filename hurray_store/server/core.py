@@ -58,8 +58,19 @@ log = logging.getLogger(__name__)
 _HELLO_LIMIT = 64 << 10
 # Messages a client may send; the rest flow server -> client only.
 _CLIENT_SENDS = {
-    Msg.TENSOR_REQUEST, Msg.TENSOR_DATA, Msg.TENSOR_DATA_END, Msg.TENSOR_PUT, Msg.ERROR, Msg.PING, Msg.PONG,
-    Msg.X_LOOKUP, Msg.X_COMMIT, Msg.X_STATS, Msg.X_CONTAINS, Msg.X_DELETE, Msg.X_RANGES,
+    Msg.TENSOR_REQUEST,
+    Msg.TENSOR_DATA,
+    Msg.TENSOR_DATA_END,
+    Msg.TENSOR_PUT,
+    Msg.ERROR,
+    Msg.PING,
+    Msg.PONG,
+    Msg.X_LOOKUP,
+    Msg.X_COMMIT,
+    Msg.X_STATS,
+    Msg.X_CONTAINS,
+    Msg.X_DELETE,
+    Msg.X_RANGES,
 }
 
 
@@ -143,17 +154,48 @@ class _ClaimSet:
 
 class ServerMetrics:
     def __init__(self, registry: Any) -> None:
-        self.connections = Gauge("hurray_store_server_connections", "client connections open now", registry=registry)
-        self.requests = Counter("hurray_store_server_requests", "client requests by message type", ["message"], registry=registry)
-        self.errors = Counter("hurray_store_server_errors", "ERROR messages sent, by error code", ["code"], registry=registry)
-        self.bytes_in = Counter("hurray_store_server_received_bytes", "object bytes received in TENSOR_PUT data frames", registry=registry)
-        self.bytes_out = Counter("hurray_store_server_sent_bytes", "object bytes sent in TENSOR_DATA frames", registry=registry)
-        self.latency = Histogram(
-            "hurray_store_server_request_seconds", "time from a request's last byte in to its answer's last byte out",
-            ["message"], registry=registry, buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+        self.connections = Gauge(
+            "hurray_store_server_connections", "client connections open now", registry=registry
         )
-        self.inflight = Gauge("hurray_store_server_inflight_put_bytes", "bytes of puts being received or staged", registry=registry)
-        self.staged = Gauge("hurray_store_server_staged_segments", "segments whose layer objects await their commit", registry=registry)
+        self.requests = Counter(
+            "hurray_store_server_requests",
+            "client requests by message type",
+            ["message"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            "hurray_store_server_errors",
+            "ERROR messages sent, by error code",
+            ["code"],
+            registry=registry,
+        )
+        self.bytes_in = Counter(
+            "hurray_store_server_received_bytes",
+            "object bytes received in TENSOR_PUT data frames",
+            registry=registry,
+        )
+        self.bytes_out = Counter(
+            "hurray_store_server_sent_bytes",
+            "object bytes sent in TENSOR_DATA frames",
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "hurray_store_server_request_seconds",
+            "time from a request's last byte in to its answer's last byte out",
+            ["message"],
+            registry=registry,
+            buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+        )
+        self.inflight = Gauge(
+            "hurray_store_server_inflight_put_bytes",
+            "bytes of puts being received or staged",
+            registry=registry,
+        )
+        self.staged = Gauge(
+            "hurray_store_server_staged_segments",
+            "segments whose layer objects await their commit",
+            registry=registry,
+        )
 
 
 class CacheServer:
@@ -177,22 +219,38 @@ class CacheServer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self, host: str | None = None, port: int | None = None, metrics_port: int | None = -1) -> int:
+    async def start(
+        self, host: str | None = None, port: int | None = None, metrics_port: int | None = -1
+    ) -> int:
         """Listen and serve in the background; returns the bound port. ``metrics_port``
         -1 takes the config's; None serves no HTTP endpoint; 0 picks a free port."""
         host = self.cfg.host if host is None else host
         port = self.cfg.port if port is None else port
         mport = self.cfg.metrics_port if metrics_port == -1 else metrics_port
         if mport is not None:
-            self.http = HealthEndpoint(self.store.registry, lambda: self.beat, lambda: self.draining)
+            self.http = HealthEndpoint(
+                self.store.registry, lambda: self.beat, lambda: self.draining
+            )
             self.http.start(self.cfg.metrics_host, mport)
-            log.info("metrics and health on http://%s:%d/metrics (/healthz, /readyz)", self.cfg.metrics_host, self.http.port)
+            log.info(
+                "metrics and health on http://%s:%d/metrics (/healthz, /readyz)",
+                self.cfg.metrics_host,
+                self.http.port,
+            )
         sock = socket.create_server((host, port), backlog=512, reuse_port=False)
         sock.setblocking(False)
         self._listener = sock
         self.port = sock.getsockname()[1]
-        self._tasks = [asyncio.ensure_future(self._accept()), asyncio.ensure_future(self._janitor())]
-        log.info("serving the Hurray transport on %s:%d (tiers: %s)", host, self.port, ", ".join(self.store.tier_names))
+        self._tasks = [
+            asyncio.ensure_future(self._accept()),
+            asyncio.ensure_future(self._janitor()),
+        ]
+        log.info(
+            "serving the Hurray transport on %s:%d (tiers: %s)",
+            host,
+            self.port,
+            ", ".join(self.store.tier_names),
+        )
         return self.port
 
     async def serve_forever(self) -> None:
@@ -250,7 +308,9 @@ class CacheServer:
                 log.warning("accept failed: %s", e)
                 await asyncio.sleep(0.05)
                 continue
-            s = Session(self, conn, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr))
+            s = Session(
+                self, conn, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            )
             self.sessions.add(s)
             s.task = asyncio.ensure_future(s.run())
 
@@ -262,7 +322,12 @@ class CacheServer:
             self.beat = now
             for seg, st in list(self.staged.items()):
                 if now - st.since > self.cfg.staging_timeout_s:
-                    log.warning("segment %s: %d staged layer objects saw no commit in %.0f s; dropped", seg.hex, len(st.objects), self.cfg.staging_timeout_s)
+                    log.warning(
+                        "segment %s: %d staged layer objects saw no commit in %.0f s; dropped",
+                        seg.hex,
+                        len(st.objects),
+                        self.cfg.staging_timeout_s,
+                    )
                     self._drop_staged(seg)
             for h, c in list(self.claims.items()):
                 if c.deadline <= now:
@@ -287,7 +352,12 @@ class CacheServer:
             self._end_claim(h)
 
     async def lookup(
-        self, session: Session, claim: bool, wait_s: float, seqs: list[tuple[int, list[bytes]]], max_bytes: int,
+        self,
+        session: Session,
+        claim: bool,
+        wait_s: float,
+        seqs: list[tuple[int, list[bytes]]],
+        max_bytes: int,
     ) -> tuple[list[int], list[bytes]]:
         """Matched pages and manifests; with ``claim``, first wait (at most ``wait_s``)
         for pages other connections claimed, then claim what is still missing."""
@@ -298,15 +368,29 @@ class CacheServer:
                 return matched, manifests
             now = time.monotonic()
             waits = {
-                c.fut for (_, hs), m in zip(seqs, matched, strict=True) for h in hs[m:]
-                if (c := self.claims.get(h)) is not None and c.owner is not session and c.deadline > now
+                c.fut
+                for (_, hs), m in zip(seqs, matched, strict=True)
+                for h in hs[m:]
+                if (c := self.claims.get(h)) is not None
+                and c.owner is not session
+                and c.deadline > now
             }
             if not waits or now >= deadline:
                 break
             await asyncio.wait(waits, timeout=max(0.0, deadline - now))
-        todo = {h for (_, hs), m in zip(seqs, matched, strict=True) for h in hs[m:] if h not in self.claims}
+        todo = {
+            h
+            for (_, hs), m in zip(seqs, matched, strict=True)
+            for h in hs[m:]
+            if h not in self.claims
+        }
         if todo:
-            cs = _ClaimSet(session, asyncio.get_running_loop().create_future(), time.monotonic() + self.cfg.claim_timeout_s, len(todo))
+            cs = _ClaimSet(
+                session,
+                asyncio.get_running_loop().create_future(),
+                time.monotonic() + self.cfg.claim_timeout_s,
+                len(todo),
+            )
             for h in todo:
                 self.claims[h] = cs
         return matched, manifests
@@ -316,7 +400,11 @@ class CacheServer:
         (error code, why)."""
         seg = self.store.key(manifest_key).segment
         if seg is None or not seg.is_manifest:
-            return Err.REJECTED, f"{manifest_key!r} is not a manifest key of this server's namespace ({self.store.namespace!r})"
+            return (
+                Err.REJECTED,
+                f"{manifest_key!r} is not a manifest key of this server's namespace "
+                f"({self.store.namespace!r})",
+            )
         st = self.staged.pop(seg.segment, None)
         landings = st.objects if st else {}
         data = bytes(manifest)
@@ -333,7 +421,9 @@ class CacheServer:
         try:
             reserved = {k: v.res for k, v in landings.items() if v.res is not None}
             views = {k: v.view for k, v in landings.items()}
-            ok = await self.store.commit_segment(seg.segment, data, views, release, reserved, parsed=m)
+            ok = await self.store.commit_segment(
+                seg.segment, data, views, release, reserved, parsed=m
+            )
         except FormatError as e:
             return Err.REJECTED, str(e)
         finally:
@@ -382,7 +472,9 @@ class Session:
         except ProtocolError as e:
             await self._fatal(self.last_sid, e.code, str(e))
         except TimeoutError:  # before OSError, its base class
-            await self._fatal(self.last_sid, Err.TIMEOUT, "a message took longer than request_timeout_s")
+            await self._fatal(
+                self.last_sid, Err.TIMEOUT, "a message took longer than request_timeout_s"
+            )
         except (tp.ConnectionClosed, OSError):
             pass
         except asyncio.CancelledError:
@@ -427,12 +519,22 @@ class Session:
             kind, sid, n = await ch.read_header()
             self.last_sid = sid
             if kind != Msg.CLIENT_HELLO:
-                raise ProtocolError(Err.INVALID_MESSAGE, f"message 0x{kind:x} before CLIENT_HELLO: a connection starts with CLIENT_HELLO")
+                raise ProtocolError(
+                    Err.INVALID_MESSAGE,
+                    f"message 0x{kind:x} before CLIENT_HELLO: a connection starts with "
+                    "CLIENT_HELLO",
+                )
             if n > _HELLO_LIMIT:
-                raise ProtocolError(Err.MESSAGE_TOO_LARGE, f"CLIENT_HELLO of {n} bytes; at most {_HELLO_LIMIT}")
+                raise ProtocolError(
+                    Err.MESSAGE_TOO_LARGE, f"CLIENT_HELLO of {n} bytes; at most {_HELLO_LIMIT}"
+                )
             hello = tp.Hello.decode(await ch.read(n))
         if hello.version < tp.PROTOCOL_VERSION:
-            await self._fatal(sid, Err.PROTOCOL_VERSION_MISMATCH, f"protocol version {hello.version}; this server speaks {tp.PROTOCOL_VERSION}")
+            await self._fatal(
+                sid,
+                Err.PROTOCOL_VERSION_MISMATCH,
+                f"protocol version {hello.version}; this server speaks {tp.PROTOCOL_VERSION}",
+            )
             return False
         if self.cfg.token:
             given = (hello.ext or {}).get("token", "")
@@ -443,15 +545,23 @@ class Session:
             await self._fatal(sid, Err.SHUTTING_DOWN, "the server is shutting down")
             return False
         if len(self.server.sessions) > self.cfg.max_connections:
-            await self._fatal(sid, Err.BUSY, f"the server serves at most {self.cfg.max_connections} connections")
+            await self._fatal(
+                sid, Err.BUSY, f"the server serves at most {self.cfg.max_connections} connections"
+            )
             return False
-        self.ext = hello.ext is not None and tp.EXTENSION in hello.ext.get("extensions", "").split(",")
+        self.ext = hello.ext is not None and tp.EXTENSION in hello.ext.get("extensions", "").split(
+            ","
+        )
         self.client_max = max(4096, hello.max_message_size)
         self.frame = min(self.client_max, tp.MAX_FRAME)
         ext = None
         if hello.ext is not None:
-            ext = {"extensions": tp.EXTENSION, "server": "hurray_store", "namespace": self.server.store.namespace,
-                   "max_object_bytes": str(self.cfg.max_object_bytes)}
+            ext = {
+                "extensions": tp.EXTENSION,
+                "server": "hurray_store",
+                "namespace": self.server.store.namespace,
+                "max_object_bytes": str(self.cfg.max_object_bytes),
+            }
         reply = tp.Hello(max_message_size=self.cfg.max_message_bytes, ext=ext)
         async with ch.send_lock:
             await ch.send(Msg.SERVER_HELLO, sid, reply.encode())
@@ -466,17 +576,26 @@ class Session:
                 return
             # Between a put's frames the client may not idle past the put's deadline
             # (its bytes are held); between requests it may idle as long as it likes.
-            idle = max(0.0, min(p.deadline for p in self.puts.values()) - time.monotonic()) if self.puts else None
+            idle = (
+                max(0.0, min(p.deadline for p in self.puts.values()) - time.monotonic())
+                if self.puts
+                else None
+            )
             async with asyncio.timeout(idle):
                 kind, sid, n = await ch.read_header()
             self.reading = True
             self.last_sid = sid
             if n > self.cfg.max_message_bytes:
-                raise ProtocolError(Err.MESSAGE_TOO_LARGE, f"a {n}-byte payload; this server takes at most {self.cfg.max_message_bytes}")
+                raise ProtocolError(
+                    Err.MESSAGE_TOO_LARGE,
+                    f"a {n}-byte payload; this server takes at most {self.cfg.max_message_bytes}",
+                )
             if kind not in tp.KNOWN:
                 raise ProtocolError(Err.INVALID_MESSAGE, f"unknown message type 0x{kind:x}")
             if kind not in _CLIENT_SENDS or (kind in tp.EXTENSIONS and not self.ext):
-                raise ProtocolError(Err.INVALID_MESSAGE, f"message {Msg(kind).name} is not one a client sends here")
+                raise ProtocolError(
+                    Err.INVALID_MESSAGE, f"message {Msg(kind).name} is not one a client sends here"
+                )
             async with asyncio.timeout(self.cfg.request_timeout_s):
                 if kind == Msg.TENSOR_DATA:
                     await self._data(sid, n)
@@ -499,15 +618,31 @@ class Session:
     async def _put_begin(self, sid: int, payload: memoryview) -> None:
         if sid in self.puts:
             raise ProtocolError(Err.INVALID_MESSAGE, f"a second TENSOR_PUT on stream {sid}")
-        key, n = tp.decode_put(payload)  # a bad descriptor is fatal: its frames cannot be told from what follows
+        key, n = tp.decode_put(
+            payload
+        )  # a bad descriptor is fatal: its frames cannot be told from what follows
         self.server.metrics.requests.labels("TENSOR_PUT").inc()
-        put = _Put(key, None, n, deadline=time.monotonic() + transfer_timeout_s(self.cfg.request_timeout_s, n))
+        put = _Put(
+            key,
+            None,
+            n,
+            deadline=time.monotonic() + transfer_timeout_s(self.cfg.request_timeout_s, n),
+        )
         self.puts[sid] = put
         if n > self.cfg.max_object_bytes:
-            await self._error(sid, Err.MESSAGE_TOO_LARGE, f"an object of {n} bytes; this server takes at most {self.cfg.max_object_bytes}")
+            await self._error(
+                sid,
+                Err.MESSAGE_TOO_LARGE,
+                f"an object of {n} bytes; this server takes at most {self.cfg.max_object_bytes}",
+            )
             return
         if not await self.server.budget.take(n, self.cfg.request_timeout_s):
-            await self._error(sid, Err.BUSY, f"no room for {n} more bytes of puts in flight within {self.cfg.request_timeout_s} s")
+            await self._error(
+                sid,
+                Err.BUSY,
+                f"no room for {n} more bytes of puts in flight within "
+                f"{self.cfg.request_timeout_s} s",
+            )
             return
         put.landing = _Landing(self.server, n)
 
@@ -516,13 +651,18 @@ class Session:
         assert ch is not None
         put = self.puts.get(sid)
         if put is None:
-            raise ProtocolError(Err.INVALID_MESSAGE, f"TENSOR_DATA on stream {sid}, which has no TENSOR_PUT")
+            raise ProtocolError(
+                Err.INVALID_MESSAGE, f"TENSOR_DATA on stream {sid}, which has no TENSOR_PUT"
+            )
         if n < tp.DATA_OFFSET.size:
             raise ProtocolError(Err.INVALID_MESSAGE, "TENSOR_DATA shorter than its offset field")
         (off,) = tp.DATA_OFFSET.unpack(await ch.read(tp.DATA_OFFSET.size))
         k = n - tp.DATA_OFFSET.size
         if off != put.pos or put.pos + k > put.total:
-            raise ProtocolError(Err.INVALID_MESSAGE, f"TENSOR_DATA at offset {off} (+{k}) where {put.pos} of {put.total} was expected")
+            raise ProtocolError(
+                Err.INVALID_MESSAGE,
+                f"TENSOR_DATA at offset {off} (+{k}) where {put.pos} of {put.total} was expected",
+            )
         if time.monotonic() > put.deadline:
             raise TimeoutError
         if put.landing is None:
@@ -535,11 +675,16 @@ class Session:
     def _put_end(self, sid: int, n: int) -> None:
         put = self.puts.pop(sid, None)
         if put is None or n:
-            raise ProtocolError(Err.INVALID_MESSAGE, f"TENSOR_DATA_END on stream {sid} without a TENSOR_PUT, or with a payload")
+            raise ProtocolError(
+                Err.INVALID_MESSAGE,
+                f"TENSOR_DATA_END on stream {sid} without a TENSOR_PUT, or with a payload",
+            )
         if put.pos != put.total:
             if put.landing is not None:
                 put.landing.release()
-            raise ProtocolError(Err.INVALID_MESSAGE, f"TENSOR_DATA_END after {put.pos} of {put.total} bytes")
+            raise ProtocolError(
+                Err.INVALID_MESSAGE, f"TENSOR_DATA_END after {put.pos} of {put.total} bytes"
+            )
         if put.landing is not None:
             self._track(self._put_store(sid, put.key, put.landing), "TENSOR_PUT", sid)
 
@@ -549,7 +694,9 @@ class Session:
         seg = k.segment
         if seg is not None and seg.is_manifest:
             landing.release()
-            await self._error(sid, Err.REJECTED, "a segment's manifest commits it: send it with X_COMMIT")
+            await self._error(
+                sid, Err.REJECTED, "a segment's manifest commits it: send it with X_COMMIT"
+            )
             return
         if seg is not None:
             st = self.server.staged.setdefault(seg.segment, _Staged())
@@ -585,14 +732,19 @@ class Session:
                 else:
                     await self._error(sid, e.code, str(e))
             except TimeoutError:  # an answer stuck half-sent: the stream is unusable
-                log.info("client %s: an answer took longer than request_timeout_s to send; closing", self.peer)
+                log.info(
+                    "client %s: an answer took longer than request_timeout_s to send; closing",
+                    self.peer,
+                )
                 self.close()
             except (tp.ConnectionClosed, OSError):
                 self.close()
             except Exception as e:  # a bug of ours: this request fails, the server goes on
                 log.exception("client %s: %s failed", self.peer, name)
                 with contextlib.suppress(Exception):
-                    await self._error(sid, Err.INTERNAL, f"{name} failed on the server: {e.__class__.__name__}")
+                    await self._error(
+                        sid, Err.INTERNAL, f"{name} failed on the server: {e.__class__.__name__}"
+                    )
             finally:
                 self.server.metrics.latency.labels(name).observe(time.perf_counter() - t0)
 
@@ -615,7 +767,10 @@ class Session:
             nbytes = sum(v.nbytes for v in views)
             # A client that stops reading cannot hold the object pinned (and the
             # connection) forever: past the timeout its connection is cut.
-            async with self.ch.send_lock, asyncio.timeout(transfer_timeout_s(self.cfg.request_timeout_s, nbytes)):
+            async with (
+                self.ch.send_lock,
+                asyncio.timeout(transfer_timeout_s(self.cfg.request_timeout_s, nbytes)),
+            ):
                 await self.ch.send_object(sid, views, self.frame)
             self.server.metrics.bytes_out.inc(sum(v.nbytes for v in views))
         finally:
@@ -624,7 +779,11 @@ class Session:
     async def _on_tensor_request(self, sid: int, payload: memoryview) -> None:
         req = _stream(tp.decode_request, payload)
         if req.device != tp.DEVICE_CPU:
-            await self._error(sid, Err.DEVICE_UNAVAILABLE, f"device 0x{req.device:02x}: this server serves CPU memory (0x00) only")
+            await self._error(
+                sid,
+                Err.DEVICE_UNAVAILABLE,
+                f"device 0x{req.device:02x}: this server serves CPU memory (0x00) only",
+            )
             return
         store = self.server.store
         k = store.key(req.key)
@@ -646,7 +805,11 @@ class Session:
         key, ranges = _stream(tp.decode_ranges, payload)
         total = sum(n for _, n in ranges)
         if total > self.cfg.max_object_bytes:
-            await self._error(sid, Err.MESSAGE_TOO_LARGE, f"ranges of {total} bytes; at most {self.cfg.max_object_bytes}")
+            await self._error(
+                sid,
+                Err.MESSAGE_TOO_LARGE,
+                f"ranges of {total} bytes; at most {self.cfg.max_object_bytes}",
+            )
             return
         k = self.server.store.key(key)
         await self._send_object(sid, k, lambda: self.server.store.get_key_ranges(k, ranges))
@@ -665,7 +828,9 @@ class Session:
 
     async def _on_x_lookup(self, sid: int, payload: memoryview) -> None:
         claim, wait_ms, seqs = _stream(lambda p: tp.decode_lookup(p, HASH_LEN), payload)
-        matched, manifests = await self.server.lookup(self, claim, wait_ms / 1000, seqs, self.client_max - 4096)
+        matched, manifests = await self.server.lookup(
+            self, claim, wait_ms / 1000, seqs, self.client_max - 4096
+        )
         await self._reply(sid, Msg.X_LOOKUP_REPLY, tp.encode_lookup_reply(matched, manifests))
 
     async def _on_x_commit(self, sid: int, payload: memoryview) -> None:
@@ -681,14 +846,20 @@ class Session:
         srv = self.server
         stats = srv.store.stats()
         stats["server"] = {
-            "connections": len(srv.sessions), "inflight_put_bytes": srv.budget.used,
-            "staged_segments": len(srv.staged), "claimed_pages": len(srv.claims), "draining": srv.draining,
+            "connections": len(srv.sessions),
+            "inflight_put_bytes": srv.budget.used,
+            "staged_segments": len(srv.staged),
+            "claimed_pages": len(srv.claims),
+            "draining": srv.draining,
         }
         await self._reply(sid, Msg.X_STATS_REPLY, tp.encode_json(stats))
 
     async def _reply(self, sid: int, kind: Msg, payload: bytes) -> None:
         assert self.ch is not None
-        async with self.ch.send_lock, asyncio.timeout(transfer_timeout_s(self.cfg.request_timeout_s, len(payload))):
+        async with (
+            self.ch.send_lock,
+            asyncio.timeout(transfer_timeout_s(self.cfg.request_timeout_s, len(payload))),
+        ):
             await self.ch.send(kind, sid, payload)
 
 
@@ -701,7 +872,14 @@ def _stream(decode: Any, payload: memoryview) -> Any:
         raise ProtocolError(e.code, str(e), fatal=False) from None
 
 
-async def serve(store: TieredStore, cfg: ServerConfig, *, host: str | None = None, port: int | None = None, metrics_port: int | None = -1) -> None:
+async def serve(
+    store: TieredStore,
+    cfg: ServerConfig,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    metrics_port: int | None = -1,
+) -> None:
     """Open the store, serve until SIGTERM/SIGINT, shut down gracefully."""
     await store.open()
     server = CacheServer(store, cfg)

@@ -31,7 +31,13 @@ class _Quiet(WSGIRequestHandler):
 
 
 class HealthEndpoint:
-    def __init__(self, registry: Any, beat: Callable[[], float], draining: Callable[[], bool], stale_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        registry: Any,
+        beat: Callable[[], float],
+        draining: Callable[[], bool],
+        stale_s: float = 5.0,
+    ) -> None:
         self._metrics = make_wsgi_app(registry)
         self._beat = beat
         self._draining = draining
@@ -46,7 +52,9 @@ class HealthEndpoint:
         if path == "/healthz":
             age = time.monotonic() - self._beat()
             ok = age <= self._stale_s
-            return _text(start, 200 if ok else 503, "ok\n" if ok else f"event loop stalled for {age:.1f} s\n")
+            return _text(
+                start, 200 if ok else 503, "ok\n" if ok else f"event loop stalled for {age:.1f} s\n"
+            )
         if path == "/readyz":
             ok = not self._draining()
             return _text(start, 200 if ok else 503, "ready\n" if ok else "draining\n")
@@ -55,7 +63,9 @@ class HealthEndpoint:
     def start(self, host: str, port: int) -> int:
         self._httpd = make_server(host, port, self.app, _Server, handler_class=_Quiet)
         self.port = self._httpd.server_address[1]
-        threading.Thread(target=self._httpd.serve_forever, name="hurray-store-http", daemon=True).start()
+        threading.Thread(
+            target=self._httpd.serve_forever, name="hurray-store-http", daemon=True
+        ).start()
         return self.port
 
     def stop(self) -> None:
@@ -67,5 +77,8 @@ class HealthEndpoint:
 def _text(start: Callable[..., Any], status: int, body: str) -> list[bytes]:
     reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
     data = body.encode()
-    start(f"{status} {reason}", [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data)))])
+    start(
+        f"{status} {reason}",
+        [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data)))],
+    )
     return [data]

@@ -62,19 +62,34 @@ class TieredStore:
             tiers = [open_tier(t, config.namespace) for t in config.tiers]
         elif len(tiers) != len(config.tiers):
             raise ValueError(f"{len(tiers)} tiers for {len(config.tiers)} config entries")
-        self.ledger = Ledger([
-            TierInfo(t.name, getattr(c, "capacity_bytes", None), t.persistent, t.trusted, t.shared)
-            for t, c in zip(tiers, config.tiers, strict=True)
-        ])
-        self.policy = Policy(self.ledger, write_mode=config.policy.write_mode, promote_on_hit=config.policy.promote_on_hit)
+        self.ledger = Ledger(
+            [
+                TierInfo(
+                    t.name, getattr(c, "capacity_bytes", None), t.persistent, t.trusted, t.shared
+                )
+                for t, c in zip(tiers, config.tiers, strict=True)
+            ]
+        )
+        self.policy = Policy(
+            self.ledger,
+            write_mode=config.policy.write_mode,
+            promote_on_hit=config.policy.promote_on_hit,
+        )
         self.metrics = StoreMetrics([t.name for t in tiers], self._gauges)
         self.quantization = None if config.quantization == "none" else config.quantization
         self.buffers = BufferPool()
-        self.cascade = TierCascade(tiers, self.policy, self.metrics, max_pending_bytes=config.policy.max_pending_bytes)
+        self.cascade = TierCascade(
+            tiers, self.policy, self.metrics, max_pending_bytes=config.policy.max_pending_bytes
+        )
         self.catalog = SegmentCatalog(config.namespace, self.cascade)
         self.objects = ObjectStore(config.namespace, self.cascade)
-        self.writer = SegmentWriter(self.cascade, self.catalog, self.buffers, quantization=self.quantization,
-                                    max_segment_bytes=config.max_segment_bytes)
+        self.writer = SegmentWriter(
+            self.cascade,
+            self.catalog,
+            self.buffers,
+            quantization=self.quantization,
+            max_segment_bytes=config.max_segment_bytes,
+        )
         self.reader = SegmentReader(self.cascade, self.catalog, self.buffers)
         self._opened = False
 
@@ -133,7 +148,9 @@ class TieredStore:
                 objs[key] = size
             elif isinstance(k, GroupRecordKey) and k.group.namespace == self.namespace:
                 records[k.group] = size
-        orphans = await self.catalog.rebuild(tier, segs) + await self.objects.rebuild(tier, objs, records)
+        orphans = await self.catalog.rebuild(tier, segs) + await self.objects.rebuild(
+            tier, objs, records
+        )
         if orphans:
             await self.tiers[tier].delete_many(orphans)
         log.info("tier %s: removed %d uncommitted objects", self.tiers[tier].name, len(orphans))
@@ -147,8 +164,13 @@ class TieredStore:
         return b + b"\x00int8" if self.quantization else b
 
     async def put(
-        self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]],
-        seq_lens: Sequence[int] | None = None, *, salt: bytes | str | None = None,
+        self,
+        pool: PagedKVPool,
+        token_ids: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int] | None = None,
+        *,
+        salt: bytes | str | None = None,
     ) -> PutResult:
         """Store the full pages of these sequences that the store does not hold yet.
 
@@ -159,11 +181,19 @@ class TieredStore:
         """
         return await self.writer.put(pool, token_ids, block_tables, seq_lens, self._salt(salt))
 
-    async def lookup(self, spec: KVSpec, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> list[int]:
+    async def lookup(
+        self, spec: KVSpec, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None
+    ) -> list[int]:
         """Per sequence, the leading tokens (whole pages) ``retrieve`` can deliver now."""
         return await self.reader.lookup(spec, token_ids, self._salt(salt))
 
-    async def retrieve(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> RetrieveResult:
+    async def retrieve(
+        self,
+        pool: PagedKVPool,
+        token_ids: Sequence[Sequence[int]],
+        *,
+        salt: bytes | str | None = None,
+    ) -> RetrieveResult:
         """Re-page the longest stored prefix of each sequence into ``pool``."""
         run = self.reader.start(pool, token_ids, self._salt(salt))
         stream = run.layers()
@@ -175,7 +205,13 @@ class TieredStore:
         assert run.result is not None
         return run.result
 
-    async def retrieve_layers(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None) -> AsyncIterator[RetrievedLayer]:
+    async def retrieve_layers(
+        self,
+        pool: PagedKVPool,
+        token_ids: Sequence[Sequence[int]],
+        *,
+        salt: bytes | str | None = None,
+    ) -> AsyncIterator[RetrievedLayer]:
         """``retrieve``, one layer at a time: each item says that layer is in the pool.
         Closing the iteration early gives every allocated page back to ``pool``."""
         stream = self.reader.start(pool, token_ids, self._salt(salt)).layers()
@@ -202,7 +238,9 @@ class TieredStore:
     async def get_object_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
         return await self.objects.get_ranges(key, ranges)
 
-    async def read_object_into(self, key: str, ranges: Sequence[Range], buffers: Sequence[memoryview]) -> bool:
+    async def read_object_into(
+        self, key: str, ranges: Sequence[Range], buffers: Sequence[memoryview]
+    ) -> bool:
         return await self.objects.read_into(key, ranges, buffers)
 
     async def contains_object(self, key: str) -> bool:
@@ -232,13 +270,22 @@ class TieredStore:
         and the index size."""
         counters = self.metrics.snapshot()
         gauges = self._gauges()
-        tiers = {t.name: {**gauges[t.name], **counters[t.name], "available": t.available} for t in self.tiers}
+        tiers = {
+            t.name: {**gauges[t.name], **counters[t.name], "available": t.available}
+            for t in self.tiers
+        }
         index = self.catalog.index
-        return {"tiers": tiers, "index_pages": len(index), "segments": len(index.segments()),
-                "pending_write_bytes": self.cascade.pending_bytes}
+        return {
+            "tiers": tiers,
+            "index_pages": len(index),
+            "segments": len(index.segments()),
+            "pending_write_bytes": self.cascade.pending_bytes,
+        }
 
 
-async def open_store(config: str | os.PathLike[str] | Mapping[str, Any] | StoreConfig | None = None) -> TieredStore:
+async def open_store(
+    config: str | os.PathLike[str] | Mapping[str, Any] | StoreConfig | None = None,
+) -> TieredStore:
     """Open a store from a YAML path, a dict, a StoreConfig, or None (the embedded
     default: CPU memory and ./.hurray-cache on disk). Persistent tiers are scanned and
     the index rebuilt; an unreachable Redis is a warning, not a failure."""

@@ -35,7 +35,14 @@ T = TypeVar("T")
 
 
 class TierCascade:
-    def __init__(self, tiers: Sequence[Tier], policy: Policy, metrics: StoreMetrics, *, max_pending_bytes: int) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        policy: Policy,
+        metrics: StoreMetrics,
+        *,
+        max_pending_bytes: int,
+    ) -> None:
         self.tiers = list(tiers)
         self.policy = policy
         self.ledger: Ledger = policy.ledger
@@ -64,8 +71,13 @@ class TierCascade:
     # ------------------------------------------------------------------ writes
 
     async def put_group(
-        self, group: Group, objects: Sequence[GroupObject], *, depth: int = 0,
-        on_committed: Callable[[], None] | None = None, release: Callable[[], None] | None = None,
+        self,
+        group: Group,
+        objects: Sequence[GroupObject],
+        *,
+        depth: int = 0,
+        on_committed: Callable[[], None] | None = None,
+        release: Callable[[], None] | None = None,
     ) -> list[int]:
         """Write ``objects`` as ``group`` to the first tier that takes them, run
         ``on_committed()``, then write them through to the lower tiers in the
@@ -96,7 +108,9 @@ class TierCascade:
             return [top]
         async with self._pending_cv:
             await self._pending_cv.wait_for(
-                lambda: self.pending_bytes == 0 or self.pending_bytes + total <= self.max_pending_bytes
+                lambda: (
+                    self.pending_bytes == 0 or self.pending_bytes + total <= self.max_pending_bytes
+                )
             )
             self.pending_bytes += total
         self._take_off(group)
@@ -107,7 +121,12 @@ class TierCascade:
         return [top, *targets]
 
     async def _write_through(
-        self, group: Group, objects: Sequence[GroupObject], depth: int, targets: list[int], total: int,
+        self,
+        group: Group,
+        objects: Sequence[GroupObject],
+        depth: int,
+        targets: list[int],
+        total: int,
         release: Callable[[], None] | None,
     ) -> None:
         try:
@@ -122,7 +141,9 @@ class TierCascade:
                 self.pending_bytes -= total
                 self._pending_cv.notify_all()
 
-    async def _write(self, tier: int, group: Group, objects: Sequence[GroupObject], depth: int) -> bool:
+    async def _write(
+        self, tier: int, group: Group, objects: Sequence[GroupObject], depth: int
+    ) -> bool:
         """Room by the policy (victims evicted or demoted), then the tier's group write.
         The books show the group READY only once every byte is written."""
         t = self.tiers[tier]
@@ -222,7 +243,11 @@ class TierCascade:
     # ------------------------------------------------------------------ reads
 
     async def read(
-        self, key: str, op: str, read: Callable[[Tier, str], Awaitable[T | None]], nbytes: Callable[[Any], int],
+        self,
+        key: str,
+        op: str,
+        read: Callable[[Tier, str], Awaitable[T | None]],
+        nbytes: Callable[[Any], int],
     ) -> T | None:
         """``read`` a stored key from the fastest tier holding it READY (a tier that
         lost it is a miss there: on to the next), then from shared tiers the books do
@@ -254,14 +279,21 @@ class TierCascade:
         got: Blob | None = await self.read(key, "get", lambda t, k: t.get(k), blob_nbytes)
         return got
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
+    async def get_ranges(
+        self, key: str, ranges: Sequence[Range], into: ReadInto = None
+    ) -> list[Blob] | None:
         """Views of the tier's bytes (valid while the key's group is pinned) or of
         ``into``."""
         return await self.read(
-            key, "get_ranges", lambda t, k: t.get_ranges(k, ranges, into), lambda parts: sum(blob_nbytes(b) for b in parts)
+            key,
+            "get_ranges",
+            lambda t, k: t.get_ranges(k, ranges, into),
+            lambda parts: sum(blob_nbytes(b) for b in parts),
         )
 
-    async def read_into(self, key: str, ranges: Sequence[Range], buffers: Sequence[memoryview]) -> bool:
+    async def read_into(
+        self, key: str, ranges: Sequence[Range], buffers: Sequence[memoryview]
+    ) -> bool:
         """Fill ``buffers[i]`` with range ``i`` of ``key``; False: a miss."""
         got = await self.get_ranges(key, ranges, list(buffers))
         if got is None:
@@ -293,7 +325,11 @@ class TierCascade:
         is down (then nothing is known)."""
         self.metrics.tiers[self.tiers[tier].name].misses += 1
         group = self.ledger.group_of(tier, key)
-        if group is not None and not self.ledger.is_writing(tier, group) and self.tiers[tier].available:
+        if (
+            group is not None
+            and not self.ledger.is_writing(tier, group)
+            and self.tiers[tier].available
+        ):
             self.ledger.forget(tier, group)
             self._left(group)
 
@@ -302,7 +338,9 @@ class TierCascade:
         its group there, count it."""
         t = self.tiers[tier]
         self.metrics.tiers[t.name].verification_failures += 1
-        log.warning("tier %s: %s failed verification (%s); quarantined, treated as a miss", t.name, key, why)
+        log.warning(
+            "tier %s: %s failed verification (%s); quarantined, treated as a miss", t.name, key, why
+        )
         sizes = self.ledger.forget(tier, group)
         self._spawn(self._quarantine(tier, key, [k for k in sizes if k != key]))
         self._left(group)
@@ -332,7 +370,9 @@ class TierCascade:
         for i in self.shared_tiers(skip=holders):
             await self.tiers[i].delete(key)
 
-    def reserve(self, sizes: Sequence[int], *, group_bytes: int | None = None) -> list[Reservation] | None:
+    def reserve(
+        self, sizes: Sequence[int], *, group_bytes: int | None = None
+    ) -> list[Reservation] | None:
         """Space for new objects of ``sizes`` in the tier their group (of
         ``group_bytes``, default their sum) would land in, to build or receive them in
         place; None: that tier offers none. Space never published goes back with
@@ -365,7 +405,8 @@ class TierCascade:
         for i, t in enumerate(self.tiers):
             cap = self.policy.tiers[i].capacity_bytes
             out[t.name] = {
-                "objects": self.ledger.num_objects(i), "bytes": self.ledger.used_bytes(i),
+                "objects": self.ledger.num_objects(i),
+                "bytes": self.ledger.used_bytes(i),
                 "capacity_bytes": cap,  # type: ignore[dict-item]
             }
         return out

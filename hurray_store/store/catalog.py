@@ -153,7 +153,9 @@ class SegmentCatalog:
         try:
             m = Manifest.from_bytes(host_view(blob))
             if m.segment_id != seg.segment_id:
-                raise FormatError(f"manifest names segment {m.segment_id.hex()}, stored as {seg.hex}")
+                raise FormatError(
+                    f"manifest names segment {m.segment_id.hex()}, stored as {seg.hex}"
+                )
             if any(lay.key != seg.layer(lay.layer_index) for lay in m.layers):
                 raise FormatError("manifest names layer objects outside its segment")
             return m
@@ -171,7 +173,9 @@ class SegmentCatalog:
 
     # ------------------------------------------------------------------ shared tiers
 
-    async def discover(self, spec: KVSpec, hashes: Sequence[Sequence[bytes]], *, claim: bool) -> None:
+    async def discover(
+        self, spec: KVSpec, hashes: Sequence[Sequence[bytes]], *, claim: bool
+    ) -> None:
         """Ask each shared tier (a cache server other engines write to) for the segments
         holding pages past what the index knows, and index them as held there. With
         ``claim``, the server also reserves the pages nobody holds for this put
@@ -188,10 +192,14 @@ class SegmentCatalog:
                     m = Manifest.from_bytes(blob)
                 except FormatError as e:
                     self.cascade.metrics.tiers[tier.name].verification_failures += 1
-                    log.warning("tier %s: a manifest it sent is invalid (%s); ignored", tier.name, e)
+                    log.warning(
+                        "tier %s: a manifest it sent is invalid (%s); ignored", tier.name, e
+                    )
                     continue
                 seg = self.key(m.segment_id)
-                if mismatch(m, spec) or any(lay.key != seg.layer(lay.layer_index) for lay in m.layers):
+                if mismatch(m, spec) or any(
+                    lay.key != seg.layer(lay.layer_index) for lay in m.layers
+                ):
                     continue  # another model's, or foreign keys: not ours to read
                 if i in self.cascade.ledger.group_holders(seg):
                     continue
@@ -218,13 +226,19 @@ class SegmentCatalog:
         for b, part in enumerate(parts):
             assert nxt is not None
             blobs = await nxt
-            nxt = asyncio.ensure_future(t.get_many([s.manifest for s in parts[b + 1]])) if b + 1 < len(parts) else None
+            nxt = (
+                asyncio.ensure_future(t.get_many([s.manifest for s in parts[b + 1]]))
+                if b + 1 < len(parts)
+                else None
+            )
             for seg, blob in zip(part, blobs, strict=True):
                 have = found[seg]
                 m = None if blob is None else self.parse(tier, seg, blob)
                 if m is None or any(have.get(lay.key) != lay.object_size for lay in m.layers):
                     if m is not None:
-                        log.warning("tier %s: segment %s lacks layer objects; dropped", t.name, seg.hex)
+                        log.warning(
+                            "tier %s: segment %s lacks layer objects; dropped", t.name, seg.hex
+                        )
                     orphans += [k for k in have if k != seg.manifest]
                     continue
                 self.cascade.ledger.record(tier, seg, have, depth=depth(m))
@@ -236,4 +250,8 @@ class SegmentCatalog:
 
 
 def _index_entries(m: Manifest) -> list[tuple[bytes, int, int, Sequence[bytes]]]:
-    return [(m.segment_id, s, seq.first_page, seq.page_hashes) for s, seq in enumerate(m.sequences) if seq.page_hashes]
+    return [
+        (m.segment_id, s, seq.first_page, seq.page_hashes)
+        for s, seq in enumerate(m.sequences)
+        if seq.page_hashes
+    ]

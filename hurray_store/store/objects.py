@@ -55,7 +55,11 @@ class ObjectStore:
         group = self.key(items[-1][0])
         members: list[GroupObject] = [StoredObject(self.key(n).stored, _bufs(d)) for n, d in items]
         record = encode_group_record([(o.key, o.nbytes) for o in members])
-        return bool(await self.cascade.put_group(group, [StoredObject(group.group_record, [record]), *members]))
+        return bool(
+            await self.cascade.put_group(
+                group, [StoredObject(group.group_record, [record]), *members]
+            )
+        )
 
     async def get(self, name: str) -> Blob | None:
         return await self.cascade.get(self.key(name).stored)
@@ -63,9 +67,15 @@ class ObjectStore:
     async def get_ranges(self, name: str, ranges: Sequence[Range]) -> list[Blob] | None:
         got = await self.cascade.get_ranges(self.key(name).stored, ranges)
         # Copies: a memory tier's views are only valid until its object is evicted.
-        return None if got is None else [b.clone() if isinstance(b, torch.Tensor) else bytes(b) for b in got]
+        return (
+            None
+            if got is None
+            else [b.clone() if isinstance(b, torch.Tensor) else bytes(b) for b in got]
+        )
 
-    async def read_into(self, name: str, ranges: Sequence[Range], buffers: Sequence[memoryview]) -> bool:
+    async def read_into(
+        self, name: str, ranges: Sequence[Range], buffers: Sequence[memoryview]
+    ) -> bool:
         """Fill ``buffers[i]`` with range ``i`` of the object, from the fastest tier
         holding it (a disk tier reads straight into them). False: a miss."""
         return await self.cascade.read_into(self.key(name).stored, ranges, buffers)
@@ -92,7 +102,16 @@ class ObjectStore:
         out: list[object] = []
         for n in names:
             k = self.key(n)
-            out.append(next((g for i in range(len(self.cascade.tiers)) if (g := led.group_of(i, k.stored)) is not None), k))
+            out.append(
+                next(
+                    (
+                        g
+                        for i in range(len(self.cascade.tiers))
+                        if (g := led.group_of(i, k.stored)) is not None
+                    ),
+                    k,
+                )
+            )
         return out
 
     async def delete(self, name: str) -> None:
@@ -100,7 +119,9 @@ class ObjectStore:
         whole group with it."""
         await self.cascade.delete(self.key(name).stored)
 
-    async def rebuild(self, tier: int, objects: dict[str, int], records: dict[ObjectKey, int]) -> list[str]:
+    async def rebuild(
+        self, tier: int, objects: dict[str, int], records: dict[ObjectKey, int]
+    ) -> list[str]:
         """Books from the object keys a restart scan found in ``tier``: each group of
         several objects from its member list, every other object a group of one.
         Returns the keys of incomplete groups (the caller deletes them)."""
@@ -110,9 +131,16 @@ class ObjectStore:
         claimed: set[str] = set()
         orphans: list[str] = []
         for g, blob in zip(groups, blobs, strict=True):
-            members = None if blob is None else decode_group_record(bytes(blob) if isinstance(blob, torch.Tensor) else blob)
-            whole = members is not None and bool(members) and members[-1][0] == g.stored and all(
-                objects.get(k) == n for k, n in members
+            members = (
+                None
+                if blob is None
+                else decode_group_record(bytes(blob) if isinstance(blob, torch.Tensor) else blob)
+            )
+            whole = (
+                members is not None
+                and bool(members)
+                and members[-1][0] == g.stored
+                and all(objects.get(k) == n for k, n in members)
             )
             if not whole or members is None:
                 log.warning("tier %s: object group %s is incomplete; deleted", t.name, g.name)
@@ -126,6 +154,8 @@ class ObjectStore:
             claimed.update(sizes)
         for k, n in objects.items():
             if k not in claimed:
-                self.cascade.ledger.record(tier, ObjectKey(self.namespace, k[len(self.namespace) + 3 :]), {k: n})
+                self.cascade.ledger.record(
+                    tier, ObjectKey(self.namespace, k[len(self.namespace) + 3 :]), {k: n}
+                )
         log.info("tier %s: found %d objects", t.name, len(objects))
         return orphans

@@ -27,7 +27,9 @@ Run = tuple[int, int]  # half-open [first page, end page) of consecutive segment
 # ---------------------------------------------------------------------- put
 
 
-def split_segments(hashes: Sequence[Sequence[bytes]], firsts: Sequence[int], page_cost: int, max_bytes: int) -> list[list[int]]:
+def split_segments(
+    hashes: Sequence[Sequence[bytes]], firsts: Sequence[int], page_cost: int, max_bytes: int
+) -> list[list[int]]:
     """Sequences with pages to write (``hashes[s][firsts[s]:]``), grouped into segments:
     sequences that share a page to write stay together (union-find over shared hashes);
     such groups are packed, in order, while their distinct pages cost at most
@@ -115,7 +117,10 @@ class ReadPlan:
 
 
 def read_plan(
-    matches: Sequence[Match], manifests: Mapping[bytes, Manifest | None], tokens: Sequence[np.ndarray], page_size: int,
+    matches: Sequence[Match],
+    manifests: Mapping[bytes, Manifest | None],
+    tokens: Sequence[np.ndarray],
+    page_size: int,
 ) -> ReadPlan:
     """The pages to fill and to read. A sequence's match stops at a segment without a
     manifest, or at a page whose token ids differ from the request's (that segment is
@@ -133,14 +138,19 @@ def read_plan(
                 break
             ms = m.sequences[q]
             j = pos - ms.first_page
-            if not 0 <= j < len(ms.block_table) or ms.token_ids[pos * P : (pos + 1) * P] != tuple(tokens[s][pos * P : (pos + 1) * P].tolist()):
+            if not 0 <= j < len(ms.block_table) or ms.token_ids[pos * P : (pos + 1) * P] != tuple(
+                tokens[s][pos * P : (pos + 1) * P].tolist()
+            ):
                 rejected[seg] = "token ids differ from the request's"
                 del usable[seg]
                 break
             row.append((seg, ms.block_table[j]))
         refs.append(row)
     # A segment rejected after an earlier row used it: cut that row there too.
-    refs = [row[: next((i for i, (seg, _) in enumerate(row) if seg not in usable), len(row))] for row in refs]
+    refs = [
+        row[: next((i for i, (seg, _) in enumerate(row) if seg not in usable), len(row))]
+        for row in refs
+    ]
     distinct: dict[tuple[bytes, int], int] = {}
     tables = [[distinct.setdefault(r, len(distinct)) for r in row] for row in refs]
     by_seg: dict[bytes, dict[int, int]] = {}

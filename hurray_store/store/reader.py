@@ -60,17 +60,27 @@ class SegmentReader:
         self.catalog = catalog
         self.buffers = buffers
 
-    async def lookup(self, spec: KVSpec, token_ids: Sequence[Sequence[int]], salt: bytes) -> list[int]:
+    async def lookup(
+        self, spec: KVSpec, token_ids: Sequence[Sequence[int]], salt: bytes
+    ) -> list[int]:
         hashes = [page_hashes(spec, t, salt=salt) for t in token_ids]
         await self.catalog.discover(spec, hashes, claim=False)
         return [self.catalog.longest_prefix(hs).num_pages * spec.page_size for hs in hashes]
 
-    def start(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], salt: bytes) -> RetrieveRun:
+    def start(
+        self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], salt: bytes
+    ) -> RetrieveRun:
         return RetrieveRun(self, pool, token_ids, salt)
 
 
 class RetrieveRun:
-    def __init__(self, reader: SegmentReader, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], salt: bytes) -> None:
+    def __init__(
+        self,
+        reader: SegmentReader,
+        pool: PagedKVPool,
+        token_ids: Sequence[Sequence[int]],
+        salt: bytes,
+    ) -> None:
         self.reader = reader
         self.cascade = reader.cascade
         self.pool = pool
@@ -126,7 +136,9 @@ class RetrieveRun:
                     assert ahead is not None
                     got = await ahead
                     k += 1
-                    ahead = asyncio.ensure_future(self._first_read(jobs[k])) if k < len(jobs) else None
+                    ahead = (
+                        asyncio.ensure_future(self._first_read(jobs[k])) if k < len(jobs) else None
+                    )
                     try:
                         nb, whole_tier = await self._load_job(job, dst, bad, got)
                     finally:
@@ -134,7 +146,9 @@ class RetrieveRun:
                     read_bytes += nb
                     whole_from.setdefault(job.read.segment_id, set()).add(whole_tier)
                 tables, _ = cut_at_bad(plan.tables, bad)
-                yield RetrievedLayer(li, [[new_ids[d] for d in t] for t in tables], [len(t) * P for t in tables])
+                yield RetrievedLayer(
+                    li, [[new_ids[d] for d in t] for t in tables], [len(t) * P for t in tables]
+                )
         except BaseException:
             if ahead is not None:
                 ahead.cancel()
@@ -152,7 +166,12 @@ class RetrieveRun:
                 self.cascade.promote(self.reader.catalog.key(seg), src)
         delivered = len({d for t in tables for d in t})
         out = [[new_ids[d] for d in t] for t in tables]
-        self.result = RetrieveResult(out, [len(t) * P for t in out], read_bytes, delivered * 2 * spec.num_layers * spec.page_bytes)
+        self.result = RetrieveResult(
+            out,
+            [len(t) * P for t in out],
+            read_bytes,
+            delivered * 2 * spec.num_layers * spec.page_bytes,
+        )
 
     def _job(self, li: int, r: SegmentRead) -> _Job:
         seg = self.reader.catalog.key(r.segment_id)
@@ -171,7 +190,9 @@ class RetrieveRun:
         t = c.tiers[tier]
         m = job.read.manifest
         key = m.layers[job.lay_pos].key
-        whole = c.policy.read_whole(tier, job.seg, every_page=job.read.every_page, on_device=t.on_device)
+        whole = c.policy.read_whole(
+            tier, job.seg, every_page=job.read.every_page, on_device=t.on_device
+        )
         with c.metrics.timed(t.name, "get_ranges"):
             if whole:
                 blob = await t.get(key)
@@ -190,7 +211,9 @@ class RetrieveRun:
         tiers = self._tiers(job)
         return await self._read(job, tiers[0]) if tiers else None
 
-    async def _load_job(self, job: _Job, dst: torch.Tensor, bad: set[int], got: _Got | None) -> tuple[int, int | None]:
+    async def _load_job(
+        self, job: _Job, dst: torch.Tensor, bad: set[int], got: _Got | None
+    ) -> tuple[int, int | None]:
         """Verify and copy a job's pages into the pool from the fastest tier with good
         bytes (``got``: the first holder's, read ahead). A tier whose bytes fail is
         reported (quarantined) and the next is tried; pages no tier has good go into
@@ -214,8 +237,17 @@ class RetrieveRun:
             nread += n
             c.hit(tier, n)
             check = c.policy.verify_reads(tier)
-            result = verify_and_scatter(self.pool.layers[job.layer], self.pool.spec, m, job.lay_pos, r.runs, parts, rows,
-                                        whole=whole, check=check)
+            result = verify_and_scatter(
+                self.pool.layers[job.layer],
+                self.pool.spec,
+                m,
+                job.lay_pos,
+                r.runs,
+                parts,
+                rows,
+                whole=whole,
+                check=check,
+            )
             if result is None or result:
                 what = "object size" if result is None else f"{len(result)} page checksum(s)"
                 c.report_bad(tier, job.seg, key, f"layer {job.layer}: {what} differ")

@@ -34,7 +34,12 @@ from hurray_store.tiers import Buffer, Reservation
 from hurray_store.tiers.base import GroupObject
 
 
-def check_batch(pool: PagedKVPool, token_ids: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int] | None) -> list[int]:
+def check_batch(
+    pool: PagedKVPool,
+    token_ids: Sequence[Sequence[int]],
+    block_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int] | None,
+) -> list[int]:
     """Each sequence's valid token count, after checking the batch against the pool;
     PagingError names the first thing wrong."""
     P = pool.spec.page_size
@@ -47,10 +52,15 @@ def check_batch(pool: PagedKVPool, token_ids: Sequence[Sequence[int]], block_tab
         if not 0 <= n <= len(seq_toks):
             raise PagingError(f"sequence {s}: seq_len {n} outside [0, {len(seq_toks)} tokens]")
         if len(block_tables[s]) < n // P:
-            raise PagingError(f"sequence {s}: {n // P} full pages need a block table of at least that length, got {len(block_tables[s])}")
+            raise PagingError(
+                f"sequence {s}: {n // P} full pages need a block table of at least that "
+                f"length, got {len(block_tables[s])}"
+            )
         bad = [p for p in block_tables[s][: n // P] if not 0 <= int(p) < pool.num_blocks]
         if bad:
-            raise PagingError(f"sequence {s}: page id {bad[0]} is outside the pool's [0, {pool.num_blocks})")
+            raise PagingError(
+                f"sequence {s}: page id {bad[0]} is outside the pool's [0, {pool.num_blocks})"
+            )
     return lens
 
 
@@ -87,8 +97,16 @@ class LayerObject(GroupObject):
 
     __slots__ = ("kv", "idx", "plan", "out", "layer", "built")
 
-    def __init__(self, key: str, kv: torch.Tensor, idx: torch.Tensor, plan: LayerPlan, out: memoryview,
-                 layer: ManifestLayer, reservation: Reservation | None) -> None:
+    def __init__(
+        self,
+        key: str,
+        kv: torch.Tensor,
+        idx: torch.Tensor,
+        plan: LayerPlan,
+        out: memoryview,
+        layer: ManifestLayer,
+        reservation: Reservation | None,
+    ) -> None:
         super().__init__(key, plan.nbytes, reservation)
         self.kv, self.idx, self.plan, self.out, self.layer = kv, idx, plan, out, layer
         self.built: ManifestLayer | None = None
@@ -97,7 +115,9 @@ class LayerObject(GroupObject):
         if self.built is None:
             self.plan.write_fixed(self.out)
             obj_sum, kc, vc = gather_layer(self.kv, self.idx, self.plan, self.out)
-            self.built = dataclasses.replace(self.layer, object_checksum=obj_sum, key_page_checksums=kc, value_page_checksums=vc)
+            self.built = dataclasses.replace(
+                self.layer, object_checksum=obj_sum, key_page_checksums=kc, value_page_checksums=vc
+            )
         return [self.out]
 
 
@@ -124,8 +144,15 @@ class ManifestObject(GroupObject):
 
 
 class SegmentWriter:
-    def __init__(self, cascade: TierCascade, catalog: SegmentCatalog, buffers: BufferPool, *,
-                 quantization: str | None, max_segment_bytes: int) -> None:
+    def __init__(
+        self,
+        cascade: TierCascade,
+        catalog: SegmentCatalog,
+        buffers: BufferPool,
+        *,
+        quantization: str | None,
+        max_segment_bytes: int,
+    ) -> None:
         self.cascade = cascade
         self.catalog = catalog
         self.buffers = buffers
@@ -133,8 +160,14 @@ class SegmentWriter:
         self.max_segment_bytes = max_segment_bytes
         self.inflight = InflightPages()
 
-    async def put(self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]],
-                  seq_lens: Sequence[int] | None, salt: bytes) -> PutResult:
+    async def put(
+        self,
+        pool: PagedKVPool,
+        token_ids: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int] | None,
+        salt: bytes,
+    ) -> PutResult:
         spec = pool.spec
         P = spec.page_size
         lens = check_batch(pool, token_ids, block_tables, seq_lens)
@@ -161,7 +194,13 @@ class SegmentWriter:
         with self.inflight.claim(list(first_use)):
             page_cost = 2 * spec.page_bytes * spec.num_layers
             for seqs in split_segments(hashes, firsts, page_cost, self.max_segment_bytes):
-                tables = [[int(block_tables[cs][ci]) for cs, ci in (first_use[h] for h in hashes[s][firsts[s] :])] for s in seqs]
+                tables = [
+                    [
+                        int(block_tables[cs][ci])
+                        for cs, ci in (first_use[h] for h in hashes[s][firsts[s] :])
+                    ]
+                    for s in seqs
+                ]
                 n, where, total = await self._put_segment(pool, seqs, tables, toks, hashes, firsts)
                 written += n
                 nseg += 1 if n else 0
@@ -169,8 +208,15 @@ class SegmentWriter:
                     bytes_per_tier[tiers[i].name] += total
         return PutResult(sum(len(hs) for hs in hashes), written, already, nseg, bytes_per_tier)
 
-    async def _put_segment(self, pool: PagedKVPool, seqs: list[int], tables: list[list[int]], toks: list[np.ndarray],
-                           hashes: list[list[bytes]], firsts: list[int]) -> tuple[int, list[int], int]:
+    async def _put_segment(
+        self,
+        pool: PagedKVPool,
+        seqs: list[int],
+        tables: list[list[int]],
+        toks: list[np.ndarray],
+        hashes: list[list[bytes]],
+        firsts: list[int],
+    ) -> tuple[int, list[int], int]:
         """One segment: its layer objects, then its manifest. Returns (pages written,
         tiers written or queued, bytes)."""
         spec = pool.spec
@@ -178,13 +224,32 @@ class SegmentWriter:
         n = int(distinct.numel())
         seq_ptr = torch.tensor(np.cumsum([0] + [len(r) for r in tables]), dtype=torch.long)
         plans = [
-            plan_layer(li, inverse, seq_ptr, num_pages=n, page_size=spec.page_size, heads=spec.num_kv_heads,
-                       dim=spec.head_dim, dtype=spec.dtype, quantization=self.quantization)
+            plan_layer(
+                li,
+                inverse,
+                seq_ptr,
+                num_pages=n,
+                page_size=spec.page_size,
+                heads=spec.num_kv_heads,
+                dim=spec.head_dim,
+                dtype=spec.dtype,
+                quantization=self.quantization,
+            )
             for li in range(spec.num_layers)
         ]
         seg = self.catalog.key(segment_id([hashes[s][-1] for s in seqs], [firsts[s] for s in seqs]))
-        skeleton = _skeleton(spec, seg.segment_id, self.quantization, plans, [seg.layer(li) for li in range(spec.num_layers)],
-                             [(toks[s], firsts[s], hashes[s][firsts[s] :], compacted[j]) for j, s in enumerate(seqs)], n)
+        skeleton = _skeleton(
+            spec,
+            seg.segment_id,
+            self.quantization,
+            plans,
+            [seg.layer(li) for li in range(spec.num_layers)],
+            [
+                (toks[s], firsts[s], hashes[s][firsts[s] :], compacted[j])
+                for j, s in enumerate(seqs)
+            ],
+            n,
+        )
         # Each object is built in its final place: space reserved in the tier the group
         # lands in (the cpu arena: pages go from the pool straight into the tier), else
         # a resident buffer borrowed until every tier write is done.
@@ -193,8 +258,15 @@ class SegmentWriter:
         with _ObjectSpace(self.buffers, sizes, reserved) as space:
             idx = distinct.to(pool.device)
             layers = [
-                LayerObject(seg.layer(li), pool.layers[li], idx, plans[li], space.views[li], skeleton.layers[li],
-                            None if reserved is None else reserved[li])
+                LayerObject(
+                    seg.layer(li),
+                    pool.layers[li],
+                    idx,
+                    plans[li],
+                    space.views[li],
+                    skeleton.layers[li],
+                    None if reserved is None else reserved[li],
+                )
                 for li in range(spec.num_layers)
             ]
             manifest = ManifestObject(seg.manifest, skeleton, layers)
@@ -203,8 +275,13 @@ class SegmentWriter:
                 assert manifest.manifest is not None
                 self.catalog.add(manifest.manifest)
 
-            where = await self.cascade.put_group(seg, [*layers, manifest], depth=depth(skeleton), on_committed=committed,
-                                                 release=space.release)
+            where = await self.cascade.put_group(
+                seg,
+                [*layers, manifest],
+                depth=depth(skeleton),
+                on_committed=committed,
+                release=space.release,
+            )
         return (n if where else 0), where, sum(sizes) + skeleton.encoded_size()
 
 
@@ -213,7 +290,9 @@ class _ObjectSpace:
     borrowed resident buffer. ``release()`` gives back what no tier published; it runs
     once (by the cascade when the last write is done, or on the way out of an error)."""
 
-    def __init__(self, buffers: BufferPool, sizes: list[int], reserved: list[Reservation] | None) -> None:
+    def __init__(
+        self, buffers: BufferPool, sizes: list[int], reserved: list[Reservation] | None
+    ) -> None:
         self.pool = buffers
         self.reserved = reserved
         self.buf: bytearray | None = None
@@ -245,8 +324,15 @@ class _ObjectSpace:
             self.release()
 
 
-def _skeleton(spec: KVSpec, seg_id: bytes, quantization: str | None, plans: list[LayerPlan], keys: list[str],
-              seqs: list[tuple[np.ndarray, int, Sequence[bytes], Sequence[int]]], n: int) -> Manifest:
+def _skeleton(
+    spec: KVSpec,
+    seg_id: bytes,
+    quantization: str | None,
+    plans: list[LayerPlan],
+    keys: list[str],
+    seqs: list[tuple[np.ndarray, int, Sequence[bytes], Sequence[int]]],
+    n: int,
+) -> Manifest:
     """The manifest without its checksums: its size is known now, its checksums once
     the layers are built."""
     return Manifest(
@@ -258,11 +344,22 @@ def _skeleton(spec: KVSpec, seg_id: bytes, quantization: str | None, plans: list
         page_bytes=plans[0].page_bytes,
         scale_bytes=plans[0].scale_bytes,
         sequences=tuple(
-            ManifestSeq(tuple(t.tolist()), first, int(t.size), tuple(hs), tuple(table)) for t, first, hs, table in seqs
+            ManifestSeq(tuple(t.tolist()), first, int(t.size), tuple(hs), tuple(table))
+            for t, first, hs, table in seqs
         ),
         layers=tuple(
-            ManifestLayer(li, keys[li], p.nbytes, 0, p.key_pool_offset, p.value_pool_offset, p.key_scales_offset,
-                          p.value_scales_offset, (0,) * n, (0,) * n)
+            ManifestLayer(
+                li,
+                keys[li],
+                p.nbytes,
+                0,
+                p.key_pool_offset,
+                p.value_pool_offset,
+                p.key_scales_offset,
+                p.value_scales_offset,
+                (0,) * n,
+                (0,) * n,
+            )
             for li, p in enumerate(plans)
         ),
     )

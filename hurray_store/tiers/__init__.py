@@ -46,6 +46,19 @@ def open_tier(cfg: TierConfig, namespace: str | None = None) -> Tier:
 
 
 __all__ = [
-    "TIER_TYPES", "Blob", "Buffer", "GroupObject", "Range", "ReadInto", "Reservation", "SharedTier", "StoredObject",
-    "Tier", "blob_nbytes", "host_view", "open_tier", "register", "transfer_timeout_s",
+    "TIER_TYPES",
+    "Blob",
+    "Buffer",
+    "GroupObject",
+    "Range",
+    "ReadInto",
+    "Reservation",
+    "SharedTier",
+    "StoredObject",
+    "Tier",
+    "blob_nbytes",
+    "host_view",
+    "open_tier",
+    "register",
+    "transfer_timeout_s",
 ]

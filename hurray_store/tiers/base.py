@@ -94,7 +94,11 @@ class Outage:
             self.count += 1
             log.warning(
                 "tier %s: unreachable (%s during %s: %s); reads miss and writes are skipped "
-                "until it answers again", self.tier, e.__class__.__name__, what, e,
+                "until it answers again",
+                self.tier,
+                e.__class__.__name__,
+                what,
+                e,
             )
         else:
             self.backoff = min(self.backoff * 2, self.max_s)
@@ -102,7 +106,11 @@ class Outage:
 
     def up(self) -> None:
         if self.down_since is not None:
-            log.warning("tier %s: reachable again after %.1f s", self.tier, time.monotonic() - self.down_since)
+            log.warning(
+                "tier %s: reachable again after %.1f s",
+                self.tier,
+                time.monotonic() - self.down_since,
+            )
             self.down_since = None
             self.backoff = self.initial_s
 
@@ -140,7 +148,9 @@ class StoredObject(GroupObject):
 
     __slots__ = ("data",)
 
-    def __init__(self, key: str, data: Sequence[Buffer], reservation: Reservation | None = None) -> None:
+    def __init__(
+        self, key: str, data: Sequence[Buffer], reservation: Reservation | None = None
+    ) -> None:
         super().__init__(key, sum(memoryview(b).nbytes for b in data), reservation)
         self.data = data
 
@@ -196,7 +206,9 @@ class Tier(ABC):
     async def get(self, key: str) -> Blob | None: ...
 
     @abstractmethod
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
+    async def get_ranges(
+        self, key: str, ranges: Sequence[Range], into: ReadInto = None
+    ) -> list[Blob] | None:
         """The bytes of each ``(offset, length)`` range; ``None`` when the object is
         missing or shorter than a range asks. A tier that copies may read into ``into``:
         one buffer of at least the ranges' total size (the results are then views of
@@ -251,7 +263,9 @@ class Tier(ABC):
     async def get_many(self, keys: Sequence[str]) -> list[Blob | None]:
         return list(await asyncio.gather(*(self.get(k) for k in keys)))
 
-    async def get_ranges_many(self, items: Sequence[tuple[str, Sequence[Range]]]) -> list[list[Blob] | None]:
+    async def get_ranges_many(
+        self, items: Sequence[tuple[str, Sequence[Range]]]
+    ) -> list[list[Blob] | None]:
         return list(await asyncio.gather(*(self.get_ranges(k, r) for k, r in items)))
 
     async def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
@@ -299,7 +313,9 @@ class SharedTier(Protocol):
     """A tier other processes write to (a cache server), asked per request for what
     they added."""
 
-    async def lookup_prefix(self, seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool) -> list[bytes] | None:
+    async def lookup_prefix(
+        self, seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool
+    ) -> list[bytes] | None:
         """Per sequence ``(pages the asker has, page hashes)``, the manifests of the
         segments holding the pages after those; with ``claim``, the pages nobody holds
         are reserved for the asker's put. None: not answered."""

@@ -104,7 +104,12 @@ class DiskTier(Tier):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                log.warning("disk tier %s: write of %s skipped: the disk is full (%s)", self.name, key, e.strerror)
+                log.warning(
+                    "disk tier %s: write of %s skipped: the disk is full (%s)",
+                    self.name,
+                    key,
+                    e.strerror,
+                )
             else:
                 log.warning("disk tier %s: write of %s skipped: %s", self.name, key, e)
             return False
@@ -126,8 +131,14 @@ class DiskTier(Tier):
         except FileNotFoundError:
             return None
         total = sum(ln for _, ln in ranges)
-        per_range = isinstance(into, list | tuple)  # one destination per range: read straight into each
-        dst = None if per_range else memoryview(into if into is not None and len(into) >= total else bytearray(total))
+        per_range = isinstance(
+            into, list | tuple
+        )  # one destination per range: read straight into each
+        dst = (
+            None
+            if per_range
+            else memoryview(into if into is not None and len(into) >= total else bytearray(total))
+        )
         try:
             out: list[Blob] = []
             pos = 0
@@ -184,7 +195,9 @@ class DiskTier(Tier):
     def _read_many_sync(self, keys: Sequence[str]) -> list[Blob | None]:
         return [self._read_sync(k) for k in keys]
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
+    async def get_ranges(
+        self, key: str, ranges: Sequence[Range], into: ReadInto = None
+    ) -> list[Blob] | None:
         got: list[Blob] | None = await self._ranges(key, ranges, into)
         return got
 

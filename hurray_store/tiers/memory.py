@@ -54,7 +54,9 @@ class CpuTier(Tier):
         # A copy: arena space is reused once the object is evicted.
         return None if v is None else (v.clone() if isinstance(v, torch.Tensor) else bytes(v))
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
+    async def get_ranges(
+        self, key: str, ranges: Sequence[Range], into: ReadInto = None
+    ) -> list[Blob] | None:
         """Zero-copy views, valid until the object is deleted or replaced (the store
         pins the groups it reads)."""
         v = self._view(key)
@@ -132,7 +134,9 @@ class GpuTier(Tier):
         obj = self._objects.get(key)
         return None if obj is None else obj.clone()
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
+    async def get_ranges(
+        self, key: str, ranges: Sequence[Range], into: ReadInto = None
+    ) -> list[Blob] | None:
         obj = self._objects.get(key)
         return None if obj is None else _ranges_of(obj, ranges)
 
@@ -143,7 +147,9 @@ class GpuTier(Tier):
         for b in buffers:
             mv = memoryview(b).cast("B")
             if len(mv):
-                t[pos : pos + len(mv)].copy_(torch.frombuffer(mv, dtype=torch.uint8), non_blocking=False)
+                t[pos : pos + len(mv)].copy_(
+                    torch.frombuffer(mv, dtype=torch.uint8), non_blocking=False
+                )
             pos += len(mv)
         self._objects[key] = t
         return True

@@ -49,7 +49,15 @@ from hurray_store.tiers.base import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _PIPE_BYTES = 64 << 20  # values per pipeline round trip, at most (bounds client memory)
-_OUTAGE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ClusterDownError, RedisClusterException, OSError, TimeoutError)
+_OUTAGE = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    BusyLoadingError,
+    ClusterDownError,
+    RedisClusterException,
+    OSError,
+    TimeoutError,
+)
 
 
 def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
@@ -85,7 +93,9 @@ class RedisTier(ServiceTier):
         self.ttl_s = cfg.ttl_s
         scheme = urlsplit(cfg.url).scheme
         if scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
-            raise ConfigError(f"url: expected redis://, rediss://, unix:// or redis+cluster://, got {cfg.url!r}")
+            raise ConfigError(
+                f"url: expected redis://, rediss://, unix:// or redis+cluster://, got {cfg.url!r}"
+            )
         self.is_cluster = cfg.cluster or scheme.endswith("+cluster")
         common: dict[str, Any] = {
             # Whole operations are timed by _guard (longer for more bytes): a fixed
@@ -114,7 +124,9 @@ class RedisTier(ServiceTier):
 
     # ------------------------------------------------------------------ outage guard
 
-    async def _guard(self, what: str, call: Callable[[], Awaitable[T]], default: T, nbytes: int = 0) -> T:
+    async def _guard(
+        self, what: str, call: Callable[[], Awaitable[T]], default: T, nbytes: int = 0
+    ) -> T:
         """Run one Redis call under the outage rules, timed out after ``timeout_s``
         plus one second per 50 MB it moves."""
         if not self.outage.ready:
@@ -163,10 +175,14 @@ class RedisTier(ServiceTier):
     async def get(self, key: str) -> Blob | None:
         return await self._guard("GET", lambda: self.client.get(self.k(key)), None)
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
+    async def get_ranges(
+        self, key: str, ranges: Sequence[Range], into: ReadInto = None
+    ) -> list[Blob] | None:
         return (await self.get_ranges_many([(key, ranges)]))[0]
 
-    async def get_ranges_many(self, items: Sequence[tuple[str, Sequence[Range]]]) -> list[list[Blob] | None]:
+    async def get_ranges_many(
+        self, items: Sequence[tuple[str, Sequence[Range]]]
+    ) -> list[list[Blob] | None]:
         flat = [(self.k(key), off, ln) for key, ranges in items for off, ln in ranges]
         replies: list[Any] = []
         for part in _batches(flat, self.cfg.pipeline_batch, lambda x: x[2]):
@@ -192,7 +208,12 @@ class RedisTier(ServiceTier):
 
     async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
         value = _one(buffers)
-        ok = await self._guard("SET", lambda: self.client.set(self.k(key), value, ex=self.ttl_s), None, memoryview(value).nbytes)
+        ok = await self._guard(
+            "SET",
+            lambda: self.client.set(self.k(key), value, ex=self.ttl_s),
+            None,
+            memoryview(value).nbytes,
+        )
         return bool(ok)
 
     async def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
@@ -241,7 +262,12 @@ class RedisTier(ServiceTier):
         """SCAN over the key prefix (every master of a cluster), with STRLEN pipelined."""
 
         async def collect() -> list[tuple[str, int]]:
-            keys = [k async for k in self.client.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000)]
+            keys = [
+                k
+                async for k in self.client.scan_iter(
+                    match=_glob_escape(self.prefix) + "*", count=1000
+                )
+            ]
             out: list[tuple[str, int]] = []
             for i in range(0, len(keys), 1000):
                 pipe = self.client.pipeline(transaction=False)

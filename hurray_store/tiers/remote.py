@@ -71,7 +71,10 @@ class _Call:
             raise tp.invalid("a second TENSOR_DESCRIPTOR on one stream")
         if self.sink is not None:
             if sum(v.nbytes for v in self.sink) != total:
-                raise tp.invalid(f"the server sent {total} bytes for ranges of {sum(v.nbytes for v in self.sink)}")
+                raise tp.invalid(
+                    f"the server sent {total} bytes for ranges of "
+                    f"{sum(v.nbytes for v in self.sink)}"
+                )
             self.views = list(self.sink)
         else:
             self.data = bytearray(total)
@@ -80,7 +83,9 @@ class _Call:
 
     async def take(self, ch: tp.Channel, offset: int, n: int) -> None:
         if self.total < 0 or offset != self.pos or self.pos + n > self.total:
-            raise tp.invalid(f"TENSOR_DATA at {offset} (+{n}) where {self.pos} of {self.total} was expected")
+            raise tp.invalid(
+                f"TENSOR_DATA at {offset} (+{n}) where {self.pos} of {self.total} was expected"
+            )
         while n:
             v = self.views[0]
             k = min(n, v.nbytes)
@@ -132,7 +137,10 @@ class _Conn:
             while True:
                 kind, sid, n = await ch.read_header()
                 if n > self.limit:
-                    raise ProtocolError(tp.Err.MESSAGE_TOO_LARGE, f"server sent a {n}-byte message; the limit is {self.limit}")
+                    raise ProtocolError(
+                        tp.Err.MESSAGE_TOO_LARGE,
+                        f"server sent a {n}-byte message; the limit is {self.limit}",
+                    )
                 call = self.pending.get(sid)
                 if kind == tp.Msg.TENSOR_DATA:
                     if n < tp.DATA_OFFSET.size:
@@ -162,7 +170,11 @@ class _Conn:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a broken stream: every call on it fails, the next reconnects
-            self.close(e if isinstance(e, _NETWORK) else tp.ConnectionClosed(f"{e.__class__.__name__}: {e}"))
+            self.close(
+                e
+                if isinstance(e, _NETWORK)
+                else tp.ConnectionClosed(f"{e.__class__.__name__}: {e}")
+            )
 
 
 class RemoteTier(ServiceTier):
@@ -191,18 +203,33 @@ class RemoteTier(ServiceTier):
                 ext = {"extensions": tp.EXTENSION, "client": "hurray_store"}
                 if cfg.token:
                     ext["token"] = cfg.token
-                await ch.send(tp.Msg.CLIENT_HELLO, 1, tp.Hello(max_message_size=cfg.max_message_bytes, ext=ext).encode())
+                await ch.send(
+                    tp.Msg.CLIENT_HELLO,
+                    1,
+                    tp.Hello(max_message_size=cfg.max_message_bytes, ext=ext).encode(),
+                )
                 kind, _sid, n = await ch.read_header()
                 if n > 1 << 20:
-                    raise ProtocolError(tp.Err.MESSAGE_TOO_LARGE, f"a {n}-byte answer to CLIENT_HELLO")
+                    raise ProtocolError(
+                        tp.Err.MESSAGE_TOO_LARGE, f"a {n}-byte answer to CLIENT_HELLO"
+                    )
                 payload = memoryview(await ch.read(n))
                 if kind == tp.Msg.ERROR:  # refused at the door (token, busy, draining): an outage
-                    raise ConnectionRefusedError(f"the server refused the connection: {tp.decode_error(payload)}")
+                    raise ConnectionRefusedError(
+                        f"the server refused the connection: {tp.decode_error(payload)}"
+                    )
                 if kind != tp.Msg.SERVER_HELLO:
                     raise tp.invalid(f"message 0x{kind:x} where SERVER_HELLO was expected")
                 hello = tp.Hello.decode(payload)
-                if hello.version != tp.PROTOCOL_VERSION or not hello.ext or tp.EXTENSION not in hello.ext.get("extensions", "").split(","):
-                    raise tp.invalid(f"{self.cfg.url} is not a hurray_store server (version {hello.version}, extensions {hello.ext})")
+                if (
+                    hello.version != tp.PROTOCOL_VERSION
+                    or not hello.ext
+                    or tp.EXTENSION not in hello.ext.get("extensions", "").split(",")
+                ):
+                    raise tp.invalid(
+                        f"{self.cfg.url} is not a hurray_store server (version "
+                        f"{hello.version}, extensions {hello.ext})"
+                    )
         except BaseException:
             ch.close()
             raise
@@ -211,8 +238,12 @@ class RemoteTier(ServiceTier):
         if self.namespace is not None and theirs != self.namespace and not self._warned_ns:
             self._warned_ns = True
             log.warning(
-                "tier %s: the server's namespace is %r, this store's %r: it will refuse this store's segments "
-                "(set the same namespace on both)", self.name, theirs, self.namespace,
+                "tier %s: the server's namespace is %r, this store's %r: it will refuse "
+                "this store's segments "
+                "(set the same namespace on both)",
+                self.name,
+                theirs,
+                self.namespace,
             )
         return _Conn(ch, hello, cfg.max_message_bytes)
 
@@ -233,8 +264,14 @@ class RemoteTier(ServiceTier):
         return min(live, key=lambda c: len(c.pending))  # pragma: no cover - all slots live
 
     async def _call(
-        self, what: str, send: Callable[[_Conn, int], Awaitable[None]], default: T, *,
-        nbytes: int = 0, sink: list[memoryview] | None = None, expect: int | None = None,
+        self,
+        what: str,
+        send: Callable[[_Conn, int], Awaitable[None]],
+        default: T,
+        *,
+        nbytes: int = 0,
+        sink: list[memoryview] | None = None,
+        expect: int | None = None,
     ) -> T | Any:
         """One request under the outage rules. ``expect``: the reply message type
         (its payload is returned); else the request's object (bytes or ``sink``)."""
@@ -301,7 +338,9 @@ class RemoteTier(ServiceTier):
 
         return await self._call("TENSOR_REQUEST", send, None)
 
-    async def get_ranges(self, key: str, ranges: Sequence[Range], into: ReadInto = None) -> list[Blob] | None:
+    async def get_ranges(
+        self, key: str, ranges: Sequence[Range], into: ReadInto = None
+    ) -> list[Blob] | None:
         total = sum(n for _, n in ranges)
         if into is None:
             into = bytearray(total)
@@ -333,9 +372,18 @@ class RemoteTier(ServiceTier):
         parts = [memoryview(b).cast("B") for b in manifest.buffers()]
 
         async def commit(c: _Conn, sid: int) -> None:
-            await c.ch.send(tp.Msg.X_COMMIT, sid, *tp.encode_commit(manifest.key, b"".join(parts) if len(parts) > 1 else parts[0]))
+            await c.ch.send(
+                tp.Msg.X_COMMIT,
+                sid,
+                *tp.encode_commit(manifest.key, b"".join(parts) if len(parts) > 1 else parts[0]),
+            )
 
-        return await self._call("X_COMMIT", commit, None, nbytes=manifest.nbytes, expect=tp.Msg.X_COMMIT_ACK) is not None
+        return (
+            await self._call(
+                "X_COMMIT", commit, None, nbytes=manifest.nbytes, expect=tp.Msg.X_COMMIT_ACK
+            )
+            is not None
+        )
 
     async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
         parts = [memoryview(b).cast("B") for b in buffers]
@@ -343,9 +391,18 @@ class RemoteTier(ServiceTier):
 
         async def send(c: _Conn, sid: int) -> None:
             head = tp.encode_put(key, n)
-            await c.ch.send_parts([tp.HEADER.pack(tp.Msg.TENSOR_PUT, sid, len(head)), head, *tp.data_frames(sid, parts, c.frame)])
+            await c.ch.send_parts(
+                [
+                    tp.HEADER.pack(tp.Msg.TENSOR_PUT, sid, len(head)),
+                    head,
+                    *tp.data_frames(sid, parts, c.frame),
+                ]
+            )
 
-        return await self._call("TENSOR_PUT", send, None, nbytes=n, expect=tp.Msg.TENSOR_PUT_ACK) is not None
+        return (
+            await self._call("TENSOR_PUT", send, None, nbytes=n, expect=tp.Msg.TENSOR_PUT_ACK)
+            is not None
+        )
 
     async def sizes(self, keys: Sequence[str]) -> list[int | None]:
         async def send(c: _Conn, sid: int) -> None:
@@ -372,11 +429,15 @@ class RemoteTier(ServiceTier):
     async def delete(self, key: str) -> None:
         await self.delete_many([key])
 
-    async def lookup_prefix(self, seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool) -> list[bytes] | None:
+    async def lookup_prefix(
+        self, seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool
+    ) -> list[bytes] | None:
         async def send(c: _Conn, sid: int) -> None:
             # Waiting for another engine's claim must end well inside this call's timeout.
             wait_ms = int(self.cfg.timeout_s * 500) if claim else 0
-            await c.ch.send(tp.Msg.X_LOOKUP, sid, tp.encode_lookup(seqs, claim=claim, wait_ms=wait_ms))
+            await c.ch.send(
+                tp.Msg.X_LOOKUP, sid, tp.encode_lookup(seqs, claim=claim, wait_ms=wait_ms)
+            )
 
         payload = await self._call("X_LOOKUP", send, None, expect=tp.Msg.X_LOOKUP_REPLY)
         if payload is None:
@@ -396,4 +457,3 @@ class RemoteTier(ServiceTier):
 
         payload = await self._call("X_STATS", send, None, expect=tp.Msg.X_STATS_REPLY)
         return None if payload is None else json.loads(bytes(payload))
-

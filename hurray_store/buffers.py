@@ -1,4 +1,4 @@
-"""Reusable host buffers (layer L1).
+"""Reusable host buffers.
 
 Memory touched for the first time costs a page fault per 4 KiB (about 2 us: a fresh
 64 MiB buffer fills at 1.3-2 GB/s where a resident one fills at 6-11 GB/s; see

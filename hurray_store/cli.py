@@ -1,4 +1,4 @@
-"""The ``hurray-store`` command line (layer L5)."""
+"""The ``hurray-store`` command line."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The store's configuration: frozen dataclasses and the one loader (layer L1).
+"""The store's configuration: frozen dataclasses and the one loader.
 
 A config is one YAML file (or a dict of the same shape). ``load_config`` checks every
 key against the dataclasses below, converts values, resolves relative paths against the

@@ -1,4 +1,4 @@
-"""The one exception tree of hurray_store (layer L0).
+"""The one exception tree of hurray_store.
 
 Every class also inherits the builtin that callers already catch, so
 ``except ValueError`` still works around a malformed object. Messages say what was

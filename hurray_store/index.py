@@ -1,4 +1,4 @@
-"""PrefixIndex: page hash -> where the page is stored (layer L2).
+"""PrefixIndex: page hash -> where the page is stored.
 
 An open-addressing hash table in numpy arrays, because a Python dict of 16-byte keys
 costs ~200 bytes per entry and this index holds millions of pages. Per slot: the

@@ -1,4 +1,4 @@
-"""Deterministic prefix hashing of token pages (layer L1).
+"""Deterministic prefix hashing of token pages.
 
 ``h_0 = H(root, page_0)``, ``h_i = H(h_{i-1}, page_i)`` with ``H`` = SHA-256 truncated to
 16 bytes, ``root = SHA-256(tag, spec fingerprint, salt)``, and a page's tokens encoded as

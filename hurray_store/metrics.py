@@ -1,4 +1,4 @@
-"""Per-tier counters, and their prometheus_client view (layer L1).
+"""Per-tier counters, and their prometheus_client view.
 
 The counters below are the one source of truth: ``store.stats()`` reads them, and a
 custom collector hands the same numbers to Prometheus on each scrape, so the two can

@@ -24,6 +24,7 @@ from hurray_store.format import (
     object_checksum,
     page_checksum,
     quantize_int8,
+    view_tensor,
 )
 from hurray_store.spec import KVSpec
 from hurray_store.tiers.base import Blob, blob_nbytes, host_view
@@ -205,7 +206,7 @@ def _u8(b: Blob) -> torch.Tensor:
     if isinstance(b, torch.Tensor):
         return b
     mv = host_view(b)
-    return torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
+    return view_tensor(mv, 0, len(mv), torch.uint8)
 
 
 def pages_of(

@@ -1,4 +1,4 @@
-"""A tiny Llama-architecture causal LM with random weights, built locally (layer L5):
+"""A tiny Llama-architecture causal LM with random weights, built locally:
 the model of the demo, the warmup tests and the reuse benchmark. Nothing is downloaded.
 
 4 layers, hidden 256, 4 attention heads, 2 KV heads (grouped-query attention), the

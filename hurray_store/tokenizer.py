@@ -1,4 +1,4 @@
-"""A byte-level tokenizer shipped with the package (layer L1): no hub, no vocabulary
+"""A byte-level tokenizer shipped with the package: no hub, no vocabulary
 file. Token ids: 0 pad, 1 begin-of-sequence, 2 end-of-sequence, 3 + b for each UTF-8
 byte b. Any text round-trips; the tiny demo model is built with this vocabulary."""
 

@@ -1,4 +1,4 @@
-"""Offline cache warmup and the replay demo (layer L5).
+"""Offline cache warmup and the replay demo.
 
 ``warmup`` runs a model's prefill over a prompt corpus and puts the KV into the store:
 

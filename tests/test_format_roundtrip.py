@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from hurray_store.format import (
     LayerKV,
-    codec,
     decode_layer,
     encode_layer,
     encode_layer_buffers,
+    layout,
     quantize_int8,
 )
 from tests.helpers import H_DTYPES, hurray_stream, hurray_tensor, make_layer
@@ -214,9 +214,9 @@ def test_buffers_join_to_the_object_and_offsets_locate_pages() -> None:
 
 
 def test_large_pool_switches_to_uint64_index() -> None:
-    assert codec._index_type(2**32 - 1, 10) == "uint32"
-    assert codec._index_type(2**32, 10) == "uint64"
-    assert codec._index_type(10, 2**32) == "uint64"
+    assert layout.index_type_for(2**32 - 1, 10) == "uint32"
+    assert layout.index_type_for(2**32, 10) == "uint64"
+    assert layout.index_type_for(10, 2**32) == "uint64"
 
 
 def test_encoder_rejects_invalid_layers() -> None:

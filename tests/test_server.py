@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -272,7 +273,8 @@ def test_a_plain_level3_client_puts_and_requests_a_tensor(server: ServerProc) ->
         and tuple(d.shape) == (len(data),)
         and type(d.layout).__name__ == "RowMajorLayout"
     )
-    total, shard, shards = tp._DESC_TAIL.unpack(payload[d.encoded_len :])
+    # The spec's transport fields after the descriptor: total bytes u64, shard u32, shards u32.
+    total, shard, shards = struct.unpack("<QII", payload[d.encoded_len :])
     assert (total, shard, shards) == (len(data), 0, 1)
     got = bytearray()
     while (m := r.recv())[0] == Msg.TENSOR_DATA:

@@ -1,1 +1,1 @@
-"""Bridges to other systems (layer L5): transformers models, LMCache."""
+"""Bridges to other systems: transformers models, LMCache."""

@@ -1,4 +1,4 @@
-"""Between a transformers causal LM and a paged pool (layer L5).
+"""Between a transformers causal LM and a paged pool.
 
 ```
 spec = spec_for_model(model, page_size=16)                 # KVSpec from model.config

@@ -1,21 +1,21 @@
 """The Hurray codec: per-layer block-paged objects and segment manifests.
 
+``layout`` (the data types), ``descriptor`` (pyhurray), ``encode``, ``decode``,
+``manifest``, ``cursor`` (one bounds-checked reader), ``wire`` (objects on the wire).
+
 The only package of hurray_store that imports ``hurray`` (pyhurray). Pure: bytes and
 memoryviews in and out, no files, sockets or event loops.
 """
 
-from hurray_store.format.codec import (
+from hurray_store.format.decode import decode_layer, parse_layer, view_tensor
+from hurray_store.format.encode import encode_layer, encode_layer_buffers, plan_layer, quantize_int8
+from hurray_store.format.layout import (
     EncodedLayer,
     LayerKV,
     LayerPlan,
     Slot,
-    decode_layer,
-    encode_layer,
-    encode_layer_buffers,
-    parse_layer,
-    plan_layer,
-    quantize_int8,
     supported_dtypes,
+    validate_index,
 )
 from hurray_store.format.manifest import (
     Manifest,
@@ -47,4 +47,6 @@ __all__ = [
     "quantize_int8",
     "Slot",
     "supported_dtypes",
+    "validate_index",
+    "view_tensor",
 ]

@@ -1,4 +1,4 @@
-"""The segment manifest: the small object that commits a stored batch (layer L1, pure).
+"""The segment manifest: the small object that commits a stored batch (pure).
 
 A segment's layer objects are written first and its manifest last; a segment without a
 manifest does not exist for readers. The manifest says everything a reader needs to

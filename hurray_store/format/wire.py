@@ -1,4 +1,4 @@
-"""Objects as tensors on the wire: the descriptor of a stored object (layer L1, pure).
+"""Objects as tensors on the wire: the descriptor of a stored object (pure).
 
 The cache server sends and receives every stored object, a layer object or a manifest,
 as one rank-1 ``uint8`` row-major tensor (layout tag ``0x01``) whose data buffer is the
@@ -22,16 +22,16 @@ from hurray_store.errors import DescriptorError, FormatError
 
 # Offsets in a rank-1 row-major descriptor (metadata.md): 20 shape[0] u64 | 28
 # byte_offset u64 | 36 buffer_count u8 | 37 handle 0 (byte_size u64 first).
-_OFF_SHAPE0 = 20
-_OFF_BYTE_SIZE = 37
+OFF_SHAPE0 = 20
+OFF_BYTE_SIZE = 37
 
 
 @functools.cache
 def _template() -> bytes:
     d = hurray.zeros((1,), dtype=hurray.uint8).descriptor
     raw = d.encode()
-    assert struct.unpack_from("<Q", raw, _OFF_SHAPE0)[0] == 1
-    assert struct.unpack_from("<Q", raw, _OFF_BYTE_SIZE)[0] == 1
+    assert struct.unpack_from("<Q", raw, OFF_SHAPE0)[0] == 1
+    assert struct.unpack_from("<Q", raw, OFF_BYTE_SIZE)[0] == 1
     return raw
 
 
@@ -41,8 +41,8 @@ def blob_descriptor(nbytes: int) -> bytes:
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     raw = bytearray(_template())
-    struct.pack_into("<Q", raw, _OFF_SHAPE0, nbytes)
-    struct.pack_into("<Q", raw, _OFF_BYTE_SIZE, nbytes)
+    struct.pack_into("<Q", raw, OFF_SHAPE0, nbytes)
+    struct.pack_into("<Q", raw, OFF_BYTE_SIZE, nbytes)
     out = bytes(raw)
     got, used = parse_blob_descriptor(out)
     assert got == nbytes and used == len(out)

@@ -1,4 +1,4 @@
-"""The server's HTTP endpoint: Prometheus metrics and health checks (layer L5).
+"""The server's HTTP endpoint: Prometheus metrics and health checks.
 
 ``/metrics``  the store's and the server's metrics (prometheus_client's exposition)
 ``/healthz``  liveness: 200 while the server's event loop turns (its heartbeat is at

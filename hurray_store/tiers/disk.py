@@ -1,4 +1,4 @@
-"""The ``disk`` tier: one file per object under a root folder (layer L3).
+"""The ``disk`` tier: one file per object under a root folder.
 
 ::
 

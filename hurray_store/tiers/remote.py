@@ -1,5 +1,5 @@
 """The ``remote`` tier: a hurray_store cache server (``hurray://host:port``) that many
-engine processes share (layer L3).
+engine processes share.
 
 A pool of ``connections`` connections, opened on first use; each speaks the Hurray
 network transport (``transport.py``) and carries many requests at once, told apart by

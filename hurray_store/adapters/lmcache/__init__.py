@@ -1,0 +1,24 @@
+"""hurray_store behind LMCache 0.5.6: the in-process storage plugin and the L2 adapter of
+``lmcache server`` (this package is the only one that imports ``lmcache``).
+
+- ``plugin.HurrayStoragePlugin``: chunks through the store's object level, per-layer
+  block-paged objects plus a checksummed chunk record (the commit point).
+- ``l2.HurrayL2Adapter``: objects and their records, one group each.
+- ``records``: those records, packed and parsed (pure).
+- ``store_thread.StoreThread``: the store on an event loop of its own thread.
+
+See docs/lmcache.md.
+"""
+
+from hurray_store.adapters.lmcache.l2 import HurrayL2Adapter, HurrayL2AdapterConfig
+from hurray_store.adapters.lmcache.plugin import HurrayStoragePlugin
+from hurray_store.adapters.lmcache.records import layout_fingerprint
+from hurray_store.adapters.lmcache.store_thread import StoreThread
+
+__all__ = [
+    "HurrayL2Adapter",
+    "HurrayL2AdapterConfig",
+    "HurrayStoragePlugin",
+    "StoreThread",
+    "layout_fingerprint",
+]

@@ -1,0 +1,44 @@
+"""A hurray_store TieredStore on an event loop of its own thread, for LMCache's threads."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from hurray_store.store import TieredStore, open_store
+
+T = TypeVar("T")
+
+
+class StoreThread:
+    """A store on an event loop of its own thread: LMCache calls from its threads;
+    every store call (pins included) runs on this loop."""
+
+    def __init__(self, config: Any, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self.store: TieredStore = self.call(open_store(config))
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the store's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        """Flush and close the store, then stop the loop."""
+        try:
+            self.call(self.store.close(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+
+async def pin_objects(store: TieredStore, keys: list[str], pin: bool) -> None:
+    """Pin (or unpin) objects, on the store's loop: the books are the loop's alone."""
+    (store.pin_objects if pin else store.unpin_objects)(keys)

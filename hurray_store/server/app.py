@@ -1,0 +1,190 @@
+"""The cache server: one TieredStore shared by many engine processes over the Hurray
+network transport ``docs/server.md`` describes the protocol as served.
+
+One task accepts connections; one task per connection reads its messages in order.
+A TENSOR_PUT's data frames are received straight into a resident buffer (its bytes
+counted against ``max_inflight_put_bytes`` until the store no longer needs them); every
+other request runs as a task of its own and writes its answer under the connection's
+send lock, so a connection carries many requests at once (stream ids tell them apart).
+
+What a put becomes:
+
+* a segment's layer object (``<ns>/s/{seg}/<layer>`` in the server's namespace) is
+  *staged*: held until the segment's manifest arrives in X_COMMIT, which verifies
+  every object against the manifest and stores them together, manifest last (the
+  commit point, as in-process). Staged objects that see no commit within
+  ``staging_timeout_s`` are dropped.
+* any other key is stored at once, as an object-level key of the server's store.
+
+Claims make a page stored once across clients: X_LOOKUP with the claim flag reserves the
+pages nobody holds for the asking connection; another client's claiming lookup of the
+same pages waits (up to ``claim_timeout_s``) for the commit that brings them, then sees
+them as held. A claim ends with that commit, its connection, or its timeout.
+
+Bad input: a message that cannot be trusted (garbage, a header over the size limit, a
+truncated message, an unknown or unexpected type, anything before CLIENT_HELLO, a wrong
+token) gets ERROR and that connection is closed; the others are not touched. A request
+that is well formed but cannot be served (unknown key, a non-CPU device) gets ERROR on
+its stream and the connection stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+import socket
+import time
+from typing import Any
+
+from hurray_store.config import ServerConfig
+from hurray_store.server.backing import ServedStore
+from hurray_store.server.http import HealthEndpoint
+from hurray_store.server.metrics import ServerMetrics
+from hurray_store.server.segments import PutBudget, SegmentDesk
+from hurray_store.server.session import Session
+from hurray_store.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+class CacheServer:
+    def __init__(self, store: TieredStore, cfg: ServerConfig) -> None:
+        self.store = ServedStore(store)
+        self.cfg = cfg
+        self.budget = PutBudget(cfg.max_inflight_put_bytes)
+        self.desk = SegmentDesk(self.store, cfg)
+        self.sessions: set[Session] = set()
+        self.metrics = ServerMetrics(self.store.registry)
+        self.metrics.inflight.set_function(lambda: self.budget.used)
+        self.metrics.staged.set_function(lambda: len(self.desk.staged))
+        self.draining = False
+        self.beat = time.monotonic()
+        self.port = 0
+        self._listener: socket.socket | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._stopped = asyncio.Event()
+        self.http: HealthEndpoint | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(
+        self, host: str | None = None, port: int | None = None, metrics_port: int | None = -1
+    ) -> int:
+        """Listen and serve in the background; returns the bound port. ``metrics_port``
+        -1 takes the config's; None serves no HTTP endpoint; 0 picks a free port."""
+        host = self.cfg.host if host is None else host
+        port = self.cfg.port if port is None else port
+        mport = self.cfg.metrics_port if metrics_port == -1 else metrics_port
+        if mport is not None:
+            self.http = HealthEndpoint(
+                self.store.registry, lambda: self.beat, lambda: self.draining
+            )
+            self.http.start(self.cfg.metrics_host, mport)
+            log.info(
+                "metrics and health on http://%s:%d/metrics (/healthz, /readyz)",
+                self.cfg.metrics_host,
+                self.http.port,
+            )
+        sock = socket.create_server((host, port), backlog=512, reuse_port=False)
+        sock.setblocking(False)
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        self._tasks = [
+            asyncio.ensure_future(self._accept()),
+            asyncio.ensure_future(self._janitor()),
+        ]
+        log.info(
+            "serving the Hurray transport on %s:%d (tiers: %s)",
+            host,
+            self.port,
+            ", ".join(self.store.tier_names),
+        )
+        return self.port
+
+    async def serve_forever(self) -> None:
+        """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopped.set)
+        await self._stopped.wait()
+        log.info("signal received: draining")
+        await self.shutdown()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, let in-flight requests finish (up to shutdown_timeout_s),
+        close every connection, flush the store's write-through and close it."""
+        self.draining = True
+        if self._listener is not None:
+            self._listener.close()
+        accept, janitor = self._tasks or (None, None)
+        if accept is not None:
+            accept.cancel()
+            await asyncio.gather(accept, return_exceptions=True)
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
+        while any(s.busy for s in self.sessions) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for s in list(self.sessions):
+            s.close()
+            if s.task is not None:
+                s.task.cancel()  # a read waiting on a closed socket would never wake
+        while self.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.desk.clear()
+        await self.store.close()
+        if janitor is not None:  # the heartbeat ran through the drain: /healthz stayed up
+            janitor.cancel()
+            await asyncio.gather(janitor, return_exceptions=True)
+        if self.http is not None:
+            self.http.stop()
+        log.info("shut down")
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(self._listener)
+            except OSError as e:
+                if self.draining:
+                    return
+                log.warning("accept failed: %s", e)
+                await asyncio.sleep(0.05)
+                continue
+            s = Session(
+                self, conn, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            )
+            self.sessions.add(s)
+            s.task = asyncio.ensure_future(s.run())
+
+    async def _janitor(self) -> None:
+        """Twice a second: the liveness heartbeat; drop expired staged objects and claims."""
+        while True:
+            await asyncio.sleep(0.5)
+            self.beat = time.monotonic()
+            self.desk.expire(self.beat)
+
+
+async def serve(
+    store: TieredStore,
+    cfg: ServerConfig,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    metrics_port: int | None = -1,
+) -> None:
+    """Open the store, serve until SIGTERM/SIGINT, shut down gracefully."""
+    await store.open()
+    server = CacheServer(store, cfg)
+    await server.start(host, port, metrics_port)
+    # Everything loaded so far (torch, the index) lives as long as the server: keep it
+    # out of the garbage collector's passes, which the per-request objects trigger.
+    gc.freeze()
+    await server.serve_forever()
+
+
+__all__ = ["CacheServer", "serve"]

@@ -1,0 +1,155 @@
+"""The cache server's requests, one handler each: every request a connection sends
+besides its puts (TENSOR_REQUEST, X_RANGES, X_CONTAINS, X_DELETE, X_LOOKUP, X_COMMIT,
+X_STATS). ``Session`` dispatches to them by an explicit table."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from hurray_store import transport as tp
+from hurray_store.errors import ProtocolError
+from hurray_store.keys import HASH_LEN
+from hurray_store.server.backing import ServedKey
+from hurray_store.tiers import host_view, transfer_timeout_s
+from hurray_store.transport import Err, Msg
+
+if TYPE_CHECKING:
+    from hurray_store.server.session import SessionHost
+
+log = logging.getLogger(__name__)
+
+
+class Requests:
+    """The request handlers of a session (a mixin: ``Session`` provides the
+    connection, its limits and ``_error``)."""
+
+    server: SessionHost
+    ch: tp.Channel | None
+    cfg: Any
+    frame: int
+    client_max: int
+    peer: str
+
+    async def _error(self, stream: int, code: int, message: str) -> None:
+        raise NotImplementedError
+
+    async def _send_object(self, sid: int, k: ServedKey, read: Any) -> None:
+        """Answer with a stored object (or byte ranges of one): pinned while it is sent,
+        so no eviction reuses its memory under the send."""
+        store = self.server.store
+        groups = store.pin_keys([k])
+        try:
+            parts = await read()
+            if parts is None:
+                await self._error(sid, Err.UNKNOWN_TENSOR, "no such object")
+                return
+            views = [host_view(p) for p in parts]
+            assert self.ch is not None
+            nbytes = sum(v.nbytes for v in views)
+            # A client that stops reading cannot hold the object pinned (and the
+            # connection) forever: past the timeout its connection is cut.
+            async with (
+                self.ch.send_lock,
+                asyncio.timeout(transfer_timeout_s(self.cfg.request_timeout_s, nbytes)),
+            ):
+                await self.ch.send_object(sid, views, self.frame)
+            self.server.metrics.bytes_out.inc(sum(v.nbytes for v in views))
+        finally:
+            store.unpin_groups(groups)
+
+    async def _on_tensor_request(self, sid: int, payload: memoryview) -> None:
+        req = _stream(tp.decode_request, payload)
+        if req.device != tp.DEVICE_CPU:
+            await self._error(
+                sid,
+                Err.DEVICE_UNAVAILABLE,
+                f"device 0x{req.device:02x}: this server serves CPU memory (0x00) only",
+            )
+            return
+        store = self.server.store
+        k = store.key(req.key)
+
+        async def read() -> list[Any] | None:
+            # The whole object as one range: a view of the tier's memory where it has
+            # one (sent while pinned), not a copy.
+            n = await store.key_size(k)
+            if n is not None:
+                got = await store.get_key_ranges(k, [(0, n)])
+                if got is not None:
+                    return got
+            blob = await store.get_key(k)
+            return None if blob is None else [blob]
+
+        await self._send_object(sid, k, read)
+
+    async def _on_x_ranges(self, sid: int, payload: memoryview) -> None:
+        key, ranges = _stream(tp.decode_ranges, payload)
+        total = sum(n for _, n in ranges)
+        if total > self.cfg.max_object_bytes:
+            await self._error(
+                sid,
+                Err.MESSAGE_TOO_LARGE,
+                f"ranges of {total} bytes; at most {self.cfg.max_object_bytes}",
+            )
+            return
+        k = self.server.store.key(key)
+        await self._send_object(sid, k, lambda: self.server.store.get_key_ranges(k, ranges))
+
+    async def _on_x_contains(self, sid: int, payload: memoryview) -> None:
+        keys = _stream(tp.decode_keys, payload)
+        store = self.server.store
+        sizes = [await store.key_size(store.key(k)) for k in keys]
+        await self._reply(sid, Msg.X_CONTAINS_REPLY, tp.encode_sizes(sizes))
+
+    async def _on_x_delete(self, sid: int, payload: memoryview) -> None:
+        store = self.server.store
+        for k in _stream(tp.decode_keys, payload):
+            await store.delete_key(store.key(k))
+        await self._reply(sid, Msg.X_DELETE_ACK, b"")
+
+    async def _on_x_lookup(self, sid: int, payload: memoryview) -> None:
+        claim, wait_ms, seqs = _stream(lambda p: tp.decode_lookup(p, HASH_LEN), payload)
+        matched, manifests = await self.server.desk.lookup(
+            self, claim, wait_ms / 1000, seqs, self.client_max - 4096
+        )
+        await self._reply(sid, Msg.X_LOOKUP_REPLY, tp.encode_lookup_reply(matched, manifests))
+
+    async def _on_x_commit(self, sid: int, payload: memoryview) -> None:
+        key, manifest = _stream(lambda p: tp.decode_commit(p, self.cfg.max_message_bytes), payload)
+        failed = await self.server.desk.commit(key, manifest)
+        if failed is None:
+            await self._reply(sid, Msg.X_COMMIT_ACK, b"")
+        else:
+            log.warning("client %s: commit of %s refused: %s", self.peer, key, failed[1])
+            await self._error(sid, *failed)
+
+    async def _on_x_stats(self, sid: int, payload: memoryview) -> None:
+        srv = self.server
+        stats = srv.store.stats()
+        stats["server"] = {
+            "connections": len(srv.sessions),
+            "inflight_put_bytes": srv.budget.used,
+            "staged_segments": len(srv.desk.staged),
+            "claimed_pages": len(srv.desk.claims),
+            "draining": srv.draining,
+        }
+        await self._reply(sid, Msg.X_STATS_REPLY, tp.encode_json(stats))
+
+    async def _reply(self, sid: int, kind: Msg, payload: bytes) -> None:
+        assert self.ch is not None
+        async with (
+            self.ch.send_lock,
+            asyncio.timeout(transfer_timeout_s(self.cfg.request_timeout_s, len(payload))),
+        ):
+            await self.ch.send(kind, sid, payload)
+
+
+def _stream(decode: Any, payload: memoryview) -> Any:
+    """``decode(payload)``; a bad field is an ERROR on this request's stream only (the
+    message was well framed, so the connection can go on)."""
+    try:
+        return decode(payload)
+    except ProtocolError as e:
+        raise ProtocolError(e.code, str(e), fatal=False) from None

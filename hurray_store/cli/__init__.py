@@ -1,0 +1,158 @@
+"""The ``hurray-store`` command line: the parser, ``serve`` and ``stats`` here; the
+format tools in ``format_cmds``, the model jobs in ``model_cmds``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from hurray_store.cli.format_cmds import cmd_demo, cmd_inspect
+from hurray_store.cli.model_cmds import cmd_replay, cmd_warmup
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The cache server on a config's tiers, until SIGTERM or SIGINT (then exit 0)."""
+    import asyncio
+    import logging
+
+    from hurray_store.config import load_config
+    from hurray_store.errors import ConfigError
+    from hurray_store.server import serve
+    from hurray_store.store import TieredStore
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        cfg = load_config(args.config)
+        store = TieredStore(cfg)
+    except ConfigError as e:
+        print(f"hurray-store serve: {e}", file=sys.stderr)
+        return 2
+    metrics_port = (
+        -1 if args.metrics_port is None else (None if args.metrics_port < 0 else args.metrics_port)
+    )
+    try:
+        asyncio.run(
+            serve(store, cfg.server, host=args.host, port=args.port, metrics_port=metrics_port)
+        )
+    except OSError as e:  # the port is taken, the address is not ours
+        print(f"hurray-store serve: cannot listen: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """A running server's stats (its store's tiers, connections, staged segments)."""
+    import asyncio
+    import json
+
+    from hurray_store.config import RemoteTierConfig
+    from hurray_store.tiers.remote import RemoteTier
+
+    async def get() -> dict[str, Any] | None:
+        t = RemoteTier(
+            RemoteTierConfig(
+                url=args.url, name="remote", token=args.token or "", backoff_initial_s=0.0
+            )
+        )
+        try:
+            return await t.server_stats()
+        finally:
+            await t.close()
+
+    stats = asyncio.run(get())
+    if stats is None:
+        print(f"hurray-store stats: no answer from {args.url}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2, sort_keys=True))
+    return 0
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", default=None, help="store config (YAML); default: the embedded default"
+    )
+    p.add_argument("--model", required=True, help="a model directory (save_pretrained)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="default: the model's own",
+    )
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--strict", action="store_true", help="abort on a bad corpus line instead of skipping it"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hurray-store", description="KV-cache storage on Hurray block-paged descriptors"
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("warmup", help="prefill a prompt corpus with a model and fill the cache")
+    _model_args(w)
+    w.add_argument(
+        "--prompts", required=True, help='JSONL: {"text": ...} or {"token_ids": [...]} per line'
+    )
+    w.set_defaults(func=cmd_warmup)
+    r = sub.add_parser(
+        "replay", help="replay requests against the cache: hit rate and time to first token"
+    )
+    _model_args(r)
+    r.add_argument("--prompts", required=True, help="JSONL requests to replay")
+    r.add_argument(
+        "--warmup-prompts", default=None, help="JSONL corpus to warm the cache with first"
+    )
+    r.set_defaults(func=cmd_replay)
+    d = sub.add_parser(
+        "codec-demo", help="encode, decode and check a synthetic batch with shared prefixes"
+    )
+    d.add_argument("--layers", type=int, default=4)
+    d.add_argument("--seqs", type=int, default=16)
+    d.add_argument("--tokens", type=int, default=2048)
+    d.add_argument("--heads", type=int, default=8)
+    d.add_argument("--dim", type=int, default=128)
+    d.add_argument("--page-size", type=int, default=16)
+    d.set_defaults(func=cmd_demo)
+    sv = sub.add_parser(
+        "serve", help="run the cache server (Hurray network transport) on a config's tiers"
+    )
+    sv.add_argument(
+        "--config",
+        default=None,
+        help="store config with a server: section (default: the embedded default)",
+    )
+    sv.add_argument("--host", default=None, help="address to listen on (default: server.host)")
+    sv.add_argument(
+        "--port", type=int, default=None, help="port (default: server.port; 0 picks a free one)"
+    )
+    sv.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="HTTP port for /metrics and health (default: server.metrics_port; -1: none)",
+    )
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sv.set_defaults(func=cmd_serve)
+    st = sub.add_parser("stats", help="print a running cache server's stats as JSON")
+    st.add_argument("--url", default="hurray://127.0.0.1:9470")
+    st.add_argument("--token", default=None, help="the server's token, if it asks for one")
+    st.set_defaults(func=cmd_stats)
+    i = sub.add_parser(
+        "inspect", help="print every descriptor field of a layer object or a manifest"
+    )
+    i.add_argument("path")
+    i.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,7 @@
+"""``python -m hurray_store.cli``."""
+
+import sys
+
+from hurray_store.cli import main
+
+sys.exit(main())

@@ -1,0 +1,256 @@
+"""The one config loader: YAML path, dict or None; environment overrides; errors that
+name the dotted key."""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from hurray_store.config.schema import (
+    ENV_PREFIX,
+    TIER_CONFIGS,
+    DiskTierConfig,
+    RemoteTierConfig,
+    ServerConfig,
+    StoreConfig,
+    TierConfig,
+    join_key,
+    parse_hurray_url,
+)
+from hurray_store.errors import ConfigError
+
+
+def default_config_dict() -> dict[str, Any]:
+    """The embedded default: CPU memory and a disk tier under ./.hurray-cache."""
+    return {
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": 4 << 30},
+            {"type": "disk", "path": ".hurray-cache", "capacity_bytes": 64 << 30, "fsync": False},
+        ]
+    }
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | StoreConfig | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> StoreConfig:
+    """Load a StoreConfig from a YAML path, a dict, or None (the embedded default).
+
+    Relative paths resolve against the file's folder (the current folder for a dict).
+    ``env`` defaults to ``os.environ``; pass ``{}`` to ignore the environment.
+    """
+    if isinstance(source, StoreConfig):
+        return source
+    base = Path.cwd()
+    if source is None:
+        raw: Any = default_config_dict()
+    elif isinstance(source, Mapping):
+        raw = _plain(source)
+    else:
+        p = Path(source)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from e
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+        if raw is None:
+            raw = {}
+        base = p.resolve().parent
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config is a mapping of keys, got {type(raw).__name__}")
+    _apply_env(raw, os.environ if env is None else env)
+    cfg = _build(StoreConfig, raw, "")
+    _check_server(cfg.server)
+    return _resolve_paths(cfg, base)
+
+
+def _check_server(s: ServerConfig) -> None:
+    for key in ("port", "metrics_port"):
+        v = getattr(s, key)
+        if v is not None and v > 65535:
+            raise ConfigError(f"server.{key}: expected a TCP port (0-65535), got {v}")
+    if not (64 << 10) <= s.max_message_bytes <= 0xFFFFFFFF:
+        raise ConfigError(
+            "server.max_message_bytes: expected 65536 to 4294967295 (a u32 payload "
+            f"length), got {s.max_message_bytes}"
+        )
+    for key in ("max_object_bytes", "max_connections", "max_inflight_put_bytes"):
+        if getattr(s, key) < 1:
+            raise ConfigError(f"server.{key}: expected a positive number, got {getattr(s, key)}")
+    if s.max_object_bytes > s.max_inflight_put_bytes:
+        raise ConfigError(
+            f"server.max_object_bytes: {s.max_object_bytes} exceeds server.max_inflight_put_bytes "
+            f"({s.max_inflight_put_bytes}): such an object could never be received"
+        )
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        parts = [p.lower() for p in var[len(ENV_PREFIX) :].split("__")]
+        where = "environment " + var
+        if not all(parts):
+            raise ConfigError(f"{where}: empty key component")
+        try:
+            value = yaml.safe_load(env[var])
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where}: not a YAML value: {e}") from e
+        node: Any = raw
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                idx = _list_index(node, part)
+                if idx is None:
+                    raise ConfigError(
+                        f"{where}: no entry {part!r} in {'.'.join(parts[:i]) or 'the config'}"
+                    )
+                if last:
+                    node[idx] = value
+                else:
+                    node = node[idx]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = value
+                else:
+                    node = node.setdefault(part, {})
+            else:
+                raise ConfigError(f"{where}: {'.'.join(parts[:i])} is not a mapping")
+
+
+def _list_index(items: list[Any], part: str) -> int | None:
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and str(item.get("name") or item.get("type")).lower() == part:
+            return i
+    if part.isdigit() and int(part) < len(items):
+        return int(part)
+    return None
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    for k in raw:
+        if k not in known:
+            raise ConfigError(
+                f"{join_key(where, str(k))}: unknown key (expected one of {sorted(known)})"
+            )
+    kwargs: dict[str, Any] = {}
+    for name, f in known.items():
+        key = join_key(where, name)
+        if name not in raw:
+            if f.default is MISSING:
+                raise ConfigError(f"{key}: required key is missing")
+            continue
+        if name == "tiers":
+            kwargs[name] = _tiers(raw[name], key)
+        else:
+            kwargs[name] = _convert(hints[name], raw[name], key)
+    return cls(**kwargs)
+
+
+def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{where}: expected a non-empty list of tiers")
+    out: list[TierConfig] = []
+    names: set[str] = set()
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where}.{i}: expected a mapping with a type")
+        kind = item.get("type")
+        label = f"{where}.{item.get('name') or kind or i}"
+        if kind not in TIER_CONFIGS:
+            raise ConfigError(f"{label}.type: expected one of {sorted(TIER_CONFIGS)}, got {kind!r}")
+        body = {k: v for k, v in item.items() if k != "type"}
+        cfg = _build(TIER_CONFIGS[kind], body, label)
+        if not cfg.name:
+            cfg = _replace(cfg, name=kind)
+        if cfg.name in names:
+            raise ConfigError(
+                f"{label}.name: two tiers are named {cfg.name!r}; give each a distinct name"
+            )
+        names.add(cfg.name)
+        if isinstance(cfg, RemoteTierConfig):
+            try:
+                parse_hurray_url(cfg.url)
+            except ConfigError as e:
+                raise ConfigError(f"{label}.url: {e}") from None
+        cap = getattr(cfg, "capacity_bytes", None)
+        if cap is not None and cap < 1:
+            raise ConfigError(
+                f"{label}.capacity_bytes: expected a positive number of bytes, got {cap}"
+            )
+        out.append(cfg)
+    return tuple(out)
+
+
+def _replace(cfg: Any, **changes: Any) -> Any:
+    values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    values.update(changes)
+    return type(cfg)(**values)
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, where)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        v = str(value).lower() if isinstance(value, bool) else value
+        if v not in allowed:
+            raise ConfigError(f"{where}: expected one of {list(allowed)}, got {value!r}")
+        return v
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if value < 0:
+            raise ConfigError(f"{where}: expected a non-negative integer, got {value}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ConfigError(f"{where}: expected a non-negative number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and hasattr(tp, "__dataclass_fields__"):
+        return _build(tp, value, where)
+    raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover - schema bug
+
+
+def _resolve_paths(cfg: StoreConfig, base: Path) -> StoreConfig:
+    tiers = tuple(
+        _replace(t, path=str((base / t.path).resolve())) if isinstance(t, DiskTierConfig) else t
+        for t in cfg.tiers
+    )
+    return _replace(cfg, tiers=tiers)

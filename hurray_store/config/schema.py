@@ -1,0 +1,255 @@
+"""The config schema: frozen dataclasses, every key with its doc string and units."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit
+
+from hurray_store.errors import ConfigError
+
+ENV_PREFIX = "HURRAY_STORE__"
+
+
+def _doc(text: str, default: Any = MISSING) -> Any:
+    if default is MISSING:
+        return field(metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+# --------------------------------------------------------------------------- tiers
+
+
+@dataclass(frozen=True, slots=True)
+class GpuTierConfig:
+    """Decoded layer objects as tensors on a torch device."""
+
+    kind: ClassVar[str] = "gpu"
+
+    capacity_bytes: int = _doc("byte budget of the tier on the device; LRU eviction beyond it")
+    name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
+    device: str = _doc(
+        "torch device: cuda:0 on a GPU machine; cpu stands in for it without one", "cuda:0"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTierConfig:
+    """Encoded objects in host memory."""
+
+    kind: ClassVar[str] = "cpu"
+
+    capacity_bytes: int = _doc("byte budget of the tier in host memory; LRU eviction beyond it")
+    name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
+    pin_memory: Literal["auto", "true", "false"] = _doc(
+        "page-lock objects for fast device copies: auto pins when CUDA is present", "auto"
+    )
+    preallocate: bool = _doc(
+        "fault the whole budget in at open (as LMCache does), so no put pays page faults", False
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierConfig:
+    """One file per object under ``path``, written atomically."""
+
+    kind: ClassVar[str] = "disk"
+
+    path: str = _doc("root folder; relative paths resolve against the config file's folder")
+    capacity_bytes: int = _doc("byte budget of the files; LRU eviction beyond it")
+    name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
+    fsync: bool = _doc(
+        "fsync each file (and its folder) before the rename that publishes it", False
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTierConfig:
+    """Redis or Redis Cluster through redis-py's asyncio clients."""
+
+    kind: ClassVar[str] = "redis"
+
+    url: str = _doc(
+        "redis://[:password@]host:port/db, rediss:// for TLS, or "
+        "redis+cluster://host:port,host:port for a cluster"
+    )
+    name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
+    cluster: bool = _doc("use the cluster client even with a redis:// URL", False)
+    key_prefix: str = _doc("prefix of every key this tier writes (and SCANs at start)", "hurray:")
+    ttl_s: int | None = _doc("expire objects after this many seconds; null keeps them", None)
+    capacity_bytes: int | None = _doc(
+        "byte budget with our LRU eviction; null leaves eviction to Redis' maxmemory policy", None
+    )
+    timeout_s: float = _doc("socket connect and read timeout per operation", 2.0)
+    max_connections: int = _doc("connection pool size", 16)
+    pipeline_batch: int = _doc("commands per pipeline round trip for batched range reads", 256)
+    backoff_initial_s: float = _doc("first wait before retrying after an outage", 0.5)
+    backoff_max_s: float = _doc("longest wait between retries during an outage", 30.0)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTierConfig:
+    """A hurray_store cache server (``hurray-store serve``), shared by many engines."""
+
+    kind: ClassVar[str] = "remote"
+
+    url: str = _doc("hurray://host:port of the cache server")
+    name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
+    token: str = _doc(
+        "shared secret the server asks for (empty: none); "
+        "HURRAY_STORE__TIERS__REMOTE__TOKEN sets it from the environment",
+        "",
+    )
+    connections: int = _doc("connection pool size; requests are pipelined on each connection", 4)
+    timeout_s: float = _doc(
+        "per request, plus one second per 50 MB it moves; a request past it is a miss", 5.0
+    )
+    connect_timeout_s: float = _doc("to open one connection and finish its HELLO", 2.0)
+    max_message_bytes: int = _doc(
+        "largest message payload this client accepts (announced in its HELLO)", 64 << 20
+    )
+    backoff_initial_s: float = _doc(
+        "first wait before reconnecting after the server went away", 0.2
+    )
+    backoff_max_s: float = _doc("longest wait between reconnect attempts", 10.0)
+
+
+TierConfig = GpuTierConfig | CpuTierConfig | DiskTierConfig | RedisTierConfig | RemoteTierConfig
+# The tier kinds, by the ``type:`` a config entry names; each tier class names its config
+# class (``tiers.register``).
+TIER_CONFIGS: dict[str, type[TierConfig]] = {
+    c.kind: c
+    for c in (GpuTierConfig, CpuTierConfig, DiskTierConfig, RedisTierConfig, RemoteTierConfig)
+}
+
+
+def parse_hurray_url(url: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``hurray://host:port`` URL; ConfigError otherwise."""
+    u = urlsplit(url)
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme != "hurray" or not u.hostname or port is None:
+        raise ConfigError(f"expected hurray://host:port, got {url!r}")
+    return u.hostname, port
+
+
+# --------------------------------------------------------------------------- store
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    write_mode: Literal["through", "back"] = _doc(
+        "through: every lower tier receives each put asynchronously; back: an object "
+        "moves down only when it is evicted (and on flush)",
+        "through",
+    )
+    promote_on_hit: bool = _doc(
+        "copy an object read whole from a lower tier into the tiers above it", True
+    )
+    max_pending_bytes: int = _doc(
+        "write-through bytes in flight before put waits for them", 1 << 30
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """``hurray-store serve``: the cache server over this config's tiers (ignored by a
+    store opened in-process). Command-line flags override host and ports."""
+
+    host: str = _doc(
+        "address to listen on; 127.0.0.1 keeps the server on this machine", "127.0.0.1"
+    )
+    port: int = _doc("TCP port of the Hurray transport", 9470)
+    metrics_host: str = _doc(
+        "address of the HTTP endpoint (/metrics, /healthz, /readyz)", "127.0.0.1"
+    )
+    metrics_port: int | None = _doc(
+        "HTTP port for /metrics and the health checks; null: none", 9471
+    )
+    token: str = _doc(
+        "shared secret every client must send in its HELLO (empty: no auth); "
+        "HURRAY_STORE__SERVER__TOKEN sets it from the environment",
+        "",
+    )
+    max_message_bytes: int = _doc(
+        "largest message payload accepted; a larger header gets ERROR and the connection closes",
+        64 << 20,
+    )
+    max_object_bytes: int = _doc("largest object one TENSOR_PUT may announce", 1 << 30)
+    max_connections: int = _doc(
+        "connections served at once; one more gets ERROR (busy) and is closed", 256
+    )
+    request_timeout_s: float = _doc(
+        "to read one message, or one put's data frames, once its header arrived", 30.0
+    )
+    hello_timeout_s: float = _doc("for a new connection to send its CLIENT_HELLO", 5.0)
+    max_inflight_put_bytes: int = _doc(
+        "bytes of puts being received or staged; a put waits for room (up to "
+        "request_timeout_s), then gets ERROR (busy)",
+        1 << 30,
+    )
+    staging_timeout_s: float = _doc(
+        "how long a segment's layer objects wait for their commit before they are dropped", 120.0
+    )
+    claim_timeout_s: float = _doc(
+        "how long pages claimed by one client's put make another client's put wait for them", 30.0
+    )
+    shutdown_timeout_s: float = _doc(
+        "on SIGTERM/SIGINT, how long in-flight requests may take before connections are cut", 30.0
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    tiers: tuple[TierConfig, ...] = _doc("tiers, fastest first; a put lands in the first")
+    namespace: str = _doc(
+        "first component of every object key; stores sharing tiers share a namespace", "hurray"
+    )
+    salt: str = _doc(
+        "tenant salt mixed into every page hash: another salt never sees these pages", ""
+    )
+    quantization: Literal["none", "int8"] = _doc(
+        "store pages as int8 with per-slot scales, or as they are", "none"
+    )
+    max_segment_bytes: int = _doc(
+        "largest segment one put writes; bigger batches are split", 256 << 20
+    )
+    policy: PolicyConfig = _doc("placement, write-through, promotion", PolicyConfig())
+    server: ServerConfig = _doc(
+        "the cache server (hurray-store serve); unused in-process", ServerConfig()
+    )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+# Sections of the store config that are dataclasses of their own (env overrides, docs).
+SECTIONS: dict[str, type] = {"policy": PolicyConfig, "server": ServerConfig}
+
+
+def join_key(where: str, name: str) -> str:
+    """The dotted key of ``name`` under ``where``."""
+    return f"{where}.{name}" if where else name
+
+
+def schema() -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) of every key, for docs and the docs test."""
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in fields(cls):
+            key = join_key(prefix, f.name)
+            if f.name == "tiers":
+                rows.append((key, "(required)", f.metadata["doc"]))
+                for kind, tcls in TIER_CONFIGS.items():
+                    walk(tcls, f"tiers[type={kind}]")
+            elif f.name in SECTIONS:
+                walk(SECTIONS[f.name], key)
+            else:
+                d = "(required)" if f.default is MISSING else repr(f.default)
+                rows.append((key, d, f.metadata["doc"]))
+
+    walk(StoreConfig, "")
+    return rows

@@ -368,6 +368,15 @@ def test_truncated_message_then_hang_up(server: ServerProc, bystander: Raw) -> N
     r.hello(TOKEN)
     r.s.sendall(tp.HEADER.pack(Msg.TENSOR_PUT, 3, 60) + b"\x01\x00")
     r.close()  # mid-message: the server drops the connection and holds nothing for it
+    for _ in range(100):
+        bystander.send(Msg.X_STATS, 9)
+        kind, _, payload = bystander.recv()
+        assert kind == Msg.X_STATS_REPLY
+        srv = json.loads(payload)["server"]
+        if srv["connections"] == 1:  # the bystander alone: the hung-up connection is gone
+            break
+        time.sleep(0.05)
+    assert srv["connections"] == 1 and srv["inflight_put_bytes"] == 0
 
 
 def test_unknown_message_type(server: ServerProc, bystander: Raw) -> None:

@@ -80,7 +80,9 @@ class RedisTierConfig:
     capacity_bytes: int | None = _doc(
         "byte budget with our LRU eviction; null leaves eviction to Redis' maxmemory policy", None
     )
-    timeout_s: float = _doc("socket connect and read timeout per operation", 2.0)
+    timeout_s: float = _doc(
+        "per operation (connect included), plus one second per 50 MB it moves", 2.0
+    )
     max_connections: int = _doc("connection pool size", 16)
     pipeline_batch: int = _doc("commands per pipeline round trip for batched range reads", 256)
     backoff_initial_s: float = _doc("first wait before retrying after an outage", 0.5)

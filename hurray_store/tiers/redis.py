@@ -259,31 +259,40 @@ class RedisTier(ServiceTier):
         return bool(await self._guard("EXISTS", lambda: self.client.exists(self.k(key)), 0))
 
     async def scan(self) -> AsyncIterator[tuple[str, int]]:
-        """SCAN over the key prefix (every master of a cluster), with STRLEN pipelined."""
+        """SCAN over the key prefix (every master of a cluster), 1000 keys at a time with
+        their STRLENs pipelined, each batch yielded before the next is asked for. An
+        outage ends the scan where it is."""
+        keys = self.client.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000)
+        done = False
 
-        async def collect() -> list[tuple[str, int]]:
-            keys = [
-                k
-                async for k in self.client.scan_iter(
-                    match=_glob_escape(self.prefix) + "*", count=1000
-                )
-            ]
-            out: list[tuple[str, int]] = []
-            for i in range(0, len(keys), 1000):
-                pipe = self.client.pipeline(transaction=False)
-                part = keys[i : i + 1000]
-                for kk in part:
-                    pipe.strlen(kk)
-                sizes = await pipe.execute()
-                for kk, n in zip(part, sizes, strict=True):
-                    name = kk.decode() if isinstance(kk, bytes) else kk
-                    if n:
-                        out.append((name[len(self.prefix) :], int(n)))
+        async def batch() -> list[tuple[str, int]]:
+            nonlocal done
+            part: list[Any] = []
+            async for k in keys:
+                part.append(k)
+                if len(part) == 1000:
+                    break
+            else:
+                done = True
+            if not part:
+                return []
+            pipe = self.client.pipeline(transaction=False)
+            for kk in part:
+                pipe.strlen(kk)
+            sizes = await pipe.execute()
+            out = []
+            for kk, n in zip(part, sizes, strict=True):
+                name = kk.decode() if isinstance(kk, bytes) else kk
+                if n:
+                    out.append((name[len(self.prefix) :], int(n)))
             return out
 
-        empty: list[tuple[str, int]] = []
-        for item in await self._guard("SCAN", collect, empty):
-            yield item
+        while not done:
+            got = await self._guard("SCAN", batch, None)
+            if got is None:
+                return
+            for item in got:
+                yield item
 
 
 def _one(buffers: Sequence[Buffer]) -> Buffer:

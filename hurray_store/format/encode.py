@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 
 import torch
 
@@ -167,19 +168,8 @@ def encode_layer_buffers(layer: LayerKV, *, quantization: str | None = None) -> 
         else:
             data[(role, "pool")] = byte_view(t.contiguous())
     buffers = [data[(p.role, p.what)] if isinstance(p, Slot) else p for p in plan.parts]
-    return EncodedLayer(
-        buffers=buffers,
-        nbytes=plan.nbytes,
-        key_pool_offset=plan.key_pool_offset,
-        value_pool_offset=plan.value_pool_offset,
-        key_scales_offset=plan.key_scales_offset,
-        value_scales_offset=plan.value_scales_offset,
-        page_bytes=plan.page_bytes,
-        scale_bytes=plan.scale_bytes,
-        key_descriptor_len=plan.key_descriptor_len,
-        value_descriptor_len=plan.value_descriptor_len,
-        quantization=quantization,
-    )
+    plan_fields = {f.name: getattr(plan, f.name) for f in fields(LayerPlan)}
+    return EncodedLayer(**plan_fields, buffers=buffers)
 
 
 def encode_layer(layer: LayerKV, *, quantization: str | None = None) -> bytes:

@@ -132,29 +132,6 @@ class LayerKV:
         return self.block_table[lo:hi]
 
 
-@dataclass(frozen=True, slots=True)
-class EncodedLayer:
-    """An encoded layer object as a vector of buffers, plus where each part lies.
-
-    ``buffers`` are the descriptor bytes and zero-copy views of the source tensors, in
-    stream order; ``b"".join(buffers)`` is the object. Offsets are from the start of the
-    object; page ``p`` of a role occupies ``[pool_offset + p*page_bytes, +page_bytes)``
-    and, when quantized, its scales ``[scales_offset + p*scale_bytes, +scale_bytes)``.
-    """
-
-    buffers: list[bytes | memoryview]
-    nbytes: int
-    key_pool_offset: int
-    value_pool_offset: int
-    key_scales_offset: int  # 0 when not quantized
-    value_scales_offset: int
-    page_bytes: int
-    scale_bytes: int  # per page; 0 when not quantized
-    key_descriptor_len: int
-    value_descriptor_len: int
-    quantization: str | None = field(default=None)
-
-
 def validate_index(bt: np.ndarray, sp: np.ndarray, num_pages: int, num_seqs: int) -> None:
     """The four storage invariants of block-paged.md on the two index buffers.
 
@@ -229,3 +206,16 @@ class LayerPlan:
             else:
                 out[pos : pos + len(part)] = part
                 pos += len(part)
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedLayer(LayerPlan):
+    """An encoded layer object: its plan, and the object as a vector of buffers.
+
+    ``buffers`` are the descriptor bytes and zero-copy views of the source tensors, in
+    stream order; ``b"".join(buffers)`` is the object. Offsets are from the start of the
+    object; page ``p`` of a role occupies ``[pool_offset + p*page_bytes, +page_bytes)``
+    and, when quantized, its scales ``[scales_offset + p*scale_bytes, +scale_bytes)``.
+    """
+
+    buffers: list[bytes | memoryview] = field(default_factory=list)

@@ -161,6 +161,36 @@ def compact(tables: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[list[in
     return uniq[order], out, inverse
 
 
+def check_tables(
+    pool: PagedKVPool,
+    block_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    *,
+    full_pages: bool,
+) -> list[list[int]]:
+    """Each sequence's pages, after checking them: ``seq_lens[s]`` tokens need
+    ``ceil(n / page_size)`` pages (only ``n // page_size`` with ``full_pages``), the
+    block table has at least that many, each a page id of ``pool``. PagingError names
+    the first thing wrong. The one check of a batch against a pool (snapshot, put)."""
+    P = pool.spec.page_size
+    if len(block_tables) != len(seq_lens):
+        raise PagingError(f"{len(block_tables)} block tables but {len(seq_lens)} seq_lens")
+    tables = []
+    for s, (t, n) in enumerate(zip(block_tables, seq_lens, strict=True)):
+        if n < 0:
+            raise PagingError(f"sequence {s}: seq_len must be >= 0, got {n}")
+        need = n // P if full_pages else _pages_needed(n, P)
+        if len(t) < need:
+            raise PagingError(
+                f"sequence {s}: {n} tokens need {need} pages of {P}, its block table has {len(t)}"
+            )
+        tables.append([int(p) for p in t[:need]])
+    bad = next((p for t in tables for p in t if not 0 <= p < pool.num_blocks), None)
+    if bad is not None:
+        raise PagingError(f"unknown page id {bad}: the pool has pages [0, {pool.num_blocks})")
+    return tables
+
+
 def snapshot(
     pool: PagedKVPool,
     block_tables: Sequence[Sequence[int]],
@@ -184,22 +214,7 @@ def snapshot(
     """
     spec = pool.spec
     P = spec.page_size
-    if len(block_tables) != len(seq_lens):
-        raise PagingError(f"{len(block_tables)} block tables but {len(seq_lens)} seq_lens")
-    tables = []
-    for s, (t, n) in enumerate(zip(block_tables, seq_lens, strict=True)):
-        if n < 0:
-            raise PagingError(f"sequence {s}: seq_len must be >= 0, got {n}")
-        need = _pages_needed(n, P)
-        if len(t) < need:
-            raise PagingError(
-                f"sequence {s}: {n} tokens need {need} pages of {P}, its block table has {len(t)}"
-            )
-        tables.append(list(t[:need]))
-    flat_all = [p for t in tables for p in t]
-    if flat_all and (min(flat_all) < 0 or max(flat_all) >= pool.num_blocks):
-        bad = next(p for p in flat_all if not 0 <= p < pool.num_blocks)
-        raise PagingError(f"unknown page id {bad}: the pool has pages [0, {pool.num_blocks})")
+    tables = check_tables(pool, block_tables, seq_lens, full_pages=False)
     layer_ids = list(range(spec.num_layers)) if layers is None else list(layers)
     for li in layer_ids:
         if not 0 <= li < spec.num_layers:

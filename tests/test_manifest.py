@@ -118,6 +118,23 @@ def test_huge_count_does_not_allocate() -> None:
         Manifest.from_bytes(_rechecksum(bytes(bad)))
 
 
+def test_a_huge_count_of_empty_page_hashes_is_refused_before_any_loop() -> None:
+    """``n_hashes = 2**32 - 1`` of length 0 needs no bytes: refused at once by its hash
+    length (it once looped four billion times before validating)."""
+    m = sample()
+    b = m.to_bytes()
+    # The first sequence: first_page, seq_len, n_tok (u64 each), its tokens (u32 each),
+    # then n_hashes u32 and hash_len u8.
+    seq0 = 16 + 34 + 18 + 29 + 4
+    n_tok = struct.unpack_from("<Q", b, seq0 + 16)[0]
+    off = seq0 + 24 + 4 * n_tok
+    assert struct.unpack_from("<IB", b, off) == (2, 16)
+    bad = bytearray(b)
+    struct.pack_into("<IB", bad, off, 2**32 - 1, 0)
+    with pytest.raises(errors.ManifestError, match="page hashes of 0 bytes"):
+        Manifest.from_bytes(_rechecksum(bytes(bad)))
+
+
 def test_inconsistent_but_checksummed_is_rejected() -> None:
     """Validation does not rest on the checksum: a well-summed lie is still refused."""
     m = sample()

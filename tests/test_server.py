@@ -431,6 +431,25 @@ def test_object_over_the_limit_is_refused_on_its_stream(tmp_path: Path) -> None:
         srv.kill()
 
 
+def test_empty_puts_are_not_free(tmp_path: Path) -> None:
+    """Each object in flight costs its key and a fixed overhead besides its bytes: staged
+    zero-byte objects run out of budget (BUSY) instead of growing without bound."""
+    srv = ServerProc(
+        tmp_path / "srv",
+        max_object_bytes=4096,
+        max_inflight_put_bytes=64 << 10,
+        request_timeout_s=0.2,
+    ).start()
+    try:
+        r = Raw(srv.port)
+        r.hello()
+        kinds = [r.put(f"hurray/s/{{{i:032x}}}/0", b"", sid=1 + 2 * i)[0] for i in range(70)]
+        acks = kinds.count(Msg.TENSOR_PUT_ACK)
+        assert 0 < acks < 64 and kinds.count(Msg.ERROR) == 70 - acks, kinds
+    finally:
+        srv.kill()
+
+
 def test_connection_limit(tmp_path: Path) -> None:
     srv = ServerProc(tmp_path / "srv", max_connections=2).start()
     try:
@@ -440,6 +459,38 @@ def test_connection_limit(tmp_path: Path) -> None:
         c.send(Msg.CLIENT_HELLO, 1, tp.Hello(ext={"extensions": tp.EXTENSION}).encode())
         assert c.error()[0] == Err.BUSY and c.is_closed()
         assert a.ping() and b.ping()
+    finally:
+        srv.kill()
+
+
+def _closed_now(r: Raw) -> bool:
+    """Whether the server has closed ``r`` already (no waiting for it to)."""
+    r.s.settimeout(0.3)
+    try:
+        return r.s.recv(1) == b""
+    except TimeoutError:
+        return False
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+
+
+def test_connections_that_never_say_hello_cannot_lock_a_client_out(tmp_path: Path) -> None:
+    """Silent connections beyond ``max_unauthenticated`` close the oldest of them, and
+    none of them counts against ``max_connections``: a client with the token is served."""
+    srv = ServerProc(tmp_path / "srv", max_connections=2, max_unauthenticated=4).start()
+    try:
+        silent = [Raw(srv.port) for _ in range(12)]
+        time.sleep(0.3)  # all accepted
+        a = Raw(srv.port)
+        assert a.hello()[0] == Msg.SERVER_HELLO and a.ping()
+        closed = sum(_closed_now(r) for r in silent)
+        assert closed >= len(silent) - 4, f"only {closed} of the oldest silent connections closed"
+        assert not _closed_now(silent[-1]), "the newest silent one still waits for its hello"
+        b = Raw(srv.port)
+        assert b.hello()[0] == Msg.SERVER_HELLO, "the limit counts served connections only"
+        c = Raw(srv.port)
+        c.send(Msg.CLIENT_HELLO, 1, tp.Hello(ext={"extensions": tp.EXTENSION}).encode())
+        assert c.error()[0] == Err.BUSY, "max_connections still holds for served ones"
     finally:
         srv.kill()
 

@@ -411,7 +411,9 @@ async def test_bad_put_input_is_a_clear_error() -> None:
             await store.put(src, [[1] * 8], [[0]])
         with pytest.raises(ValueError, match="token ids"):
             await store.put(src, [[-1] * 4], [[0]])
-        with pytest.raises(PagingError, match="page id 9999 is outside"):
+        with pytest.raises(
+            PagingError, match=r"unknown page id 9999: the pool has pages \[0, 256\)"
+        ):
             await store.put(src, [[1] * 8], [[0, 9999]])
         assert store.stats()["segments"] == 0 and store.stats()["tiers"]["cpu"]["objects"] == 0
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hurray_store import PagedKVPool, load_config
+from hurray_store import PagedKVPool, load_config, open_store
 from hurray_store.config import DiskTierConfig
 from hurray_store.format import Manifest, ManifestLayer, ManifestSeq, page_checksum, plan_layer
 from hurray_store.keys import SegmentKey, page_hashes
@@ -106,6 +106,20 @@ async def test_a_group_being_written_is_never_evicted_by_another_put(tmp_path: P
     assert got is not None and bytes(got) == b"a" * 200
     assert store.stats()["tiers"]["disk"]["bytes"] == 200
     await store.close()
+
+
+async def test_an_object_deleted_during_its_put_never_comes_back(tmp_path: Path) -> None:
+    store, disk = await _held_store(tmp_path)
+    put = asyncio.ensure_future(store.put_object("gone", b"x" * 100))
+    await disk.entered.wait()
+    await store.delete_object("gone")  # while its bytes are being written
+    disk.gate.set()
+    assert not await put, "the put is undone: stored nowhere"
+    assert await store.get_object("gone") is None and not store.has_object("gone")
+    await store.close()
+    cfg = {"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    async with await open_store(cfg) as again:
+        assert await again.get_object("gone") is None, "not found again after a restart"
 
 
 # ---------------------------------------------------------------------- plan

@@ -15,6 +15,7 @@ import pytest
 import redis
 import torch
 
+from hurray_store import transport as tp
 from hurray_store.config import (
     CpuTierConfig,
     DiskTierConfig,
@@ -196,6 +197,19 @@ class TestDiskTier(DiskBase):
         found = {k: n async for k, n in tier.scan()}
         assert found == {k: len(k.encode()) for k in keys}
         assert all(str(tier.path_of(k)).startswith(str(tier.objects)) for k in keys)  # type: ignore[attr-defined]
+
+    async def test_a_key_too_long_for_a_file_name_is_a_skipped_write_and_a_miss(
+        self, tier: Tier, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        key = "ns/o/" + "k" * 300
+        with caplog.at_level(logging.WARNING):
+            assert await tier.put(key, [b"data"]) is False
+        assert "write of" in caplog.text and "at most" in caplog.text
+        assert await tier.get(key) is None and await tier.get_ranges(key, [(0, 1)]) is None
+        assert not await tier.contains(key)
+        await tier.delete(key)
+        await tier.quarantine(key)
+        assert await tier.put("ns/o/" + "k" * 200, [b"fits"]), "a long key that fits is kept"
 
     async def test_scan_removes_temp_files_of_a_killed_writer(self, tier: Tier) -> None:
         await tier.put("kept", [b"1"])
@@ -471,6 +485,11 @@ class TestRemoteTier(MediumContract):
         ]
         assert not await tier.put_group(group), "a bad commit is a skipped write"
         assert await tier.get(key) is None
+
+    async def test_a_lookup_larger_than_the_servers_caps_is_split(self, tier: Tier) -> None:
+        seqs = [(0, [i.to_bytes(16, "little")]) for i in range(tp.MAX_LOOKUP_SEQS + 10)]
+        got = await tier.lookup_prefix(seqs, claim=False)  # type: ignore[attr-defined]
+        assert got == [], "answered (nothing stored), not refused"
 
     async def test_wrong_token_is_an_outage_not_an_exception(
         self, cache_server: ServerProc, caplog: pytest.LogCaptureFixture

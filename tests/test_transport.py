@@ -37,6 +37,7 @@ def test_blob_descriptor_roundtrips_through_pyhurray() -> None:
         "byte_size_differs",
         "not_a_descriptor",
         "truncated",
+        "dynamic_length",
     ],
 )
 def test_parse_blob_descriptor_rejects(case: str) -> None:
@@ -53,6 +54,8 @@ def test_parse_blob_descriptor_rejects(case: str) -> None:
         raw = bytearray(b"HRRY" + b"\xff" * 60)
     elif case == "truncated":
         raw = raw[:30]
+    elif case == "dynamic_length":
+        struct.pack_into("<Q", raw, 20, 2**64 - 1)  # shape[0]: a dynamic dimension
     with pytest.raises(FormatError):
         parse_blob_descriptor(raw)
 
@@ -150,6 +153,30 @@ def _put_of(desc: bytes, total: int) -> bytes:
             lambda: tp.decode_lookup(
                 memoryview(struct.pack("<IIIII", 1, 0, 1, 0, 5) + b"x" * 16), 16
             ),
+        ),
+        (
+            "lookup_too_many_sequences",
+            lambda: tp.decode_lookup(
+                memoryview(
+                    struct.pack("<III", 0, 0, tp.MAX_LOOKUP_SEQS + 1)
+                    + struct.pack("<II", 0, 0) * (tp.MAX_LOOKUP_SEQS + 1)
+                ),
+                16,
+            ),
+        ),
+        (
+            "lookup_too_many_hashes",
+            lambda: tp.decode_lookup(
+                memoryview(
+                    struct.pack("<IIIII", 0, 0, 1, 0, tp.MAX_LOOKUP_HASHES + 1)
+                    + b"h" * 16 * (tp.MAX_LOOKUP_HASHES + 1)
+                ),
+                16,
+            ),
+        ),
+        (
+            "lookup_count_past_the_end",
+            lambda: tp.decode_lookup(memoryview(struct.pack("<III", 0, 0, 2**32 - 1)), 16),
         ),
         (
             "ranges_truncated",

@@ -85,7 +85,12 @@ def _check_server(s: ServerConfig) -> None:
             "server.max_message_bytes: expected 65536 to 4294967295 (a u32 payload "
             f"length), got {s.max_message_bytes}"
         )
-    for key in ("max_object_bytes", "max_connections", "max_inflight_put_bytes"):
+    for key in (
+        "max_object_bytes",
+        "max_connections",
+        "max_unauthenticated",
+        "max_inflight_put_bytes",
+    ):
         if getattr(s, key) < 1:
             raise ConfigError(f"server.{key}: expected a positive number, got {getattr(s, key)}")
     if s.max_object_bytes > s.max_inflight_put_bytes:

@@ -181,12 +181,22 @@ class ServerConfig:
     )
     max_object_bytes: int = _doc("largest object one TENSOR_PUT may announce", 1 << 30)
     max_connections: int = _doc(
-        "connections served at once; one more gets ERROR (busy) and is closed", 256
+        "connections served at once (past their CLIENT_HELLO); one more gets ERROR (busy) "
+        "and is closed",
+        256,
+    )
+    max_unauthenticated: int = _doc(
+        "connections that have not sent their CLIENT_HELLO yet; one more closes the oldest "
+        "of them (a legitimate client says hello at once)",
+        64,
     )
     request_timeout_s: float = _doc(
         "to read one message, or one put's data frames, once its header arrived", 30.0
     )
-    hello_timeout_s: float = _doc("for a new connection to send its CLIENT_HELLO", 5.0)
+    hello_timeout_s: float = _doc(
+        "for a new connection to send its CLIENT_HELLO; until then it holds a 4 KiB buffer",
+        5.0,
+    )
     max_inflight_put_bytes: int = _doc(
         "bytes of puts being received or staged; a put waits for room (up to "
         "request_timeout_s), then gets ERROR (busy)",

@@ -386,6 +386,12 @@ class Manifest:
                 first_page, seq_len, n_tok = r.unpack("<QQQ")
                 tokens = r.array("<u4", n_tok)
                 n_hash, hlen = r.unpack("<IB")
+                # Checked before the loop: a count of empty hashes would take no bytes and
+                # loop n_hash times (2**32 - 1 from a 146-byte manifest).
+                if n_hash and not 16 <= hlen <= MAX_HASH_LEN:
+                    raise errors.ManifestError(
+                        f"manifest: page hashes of {hlen} bytes; expected 16 to {MAX_HASH_LEN}"
+                    )
                 raw = r.take(n_hash * hlen)
                 hashes = tuple(bytes(raw[i * hlen : (i + 1) * hlen]) for i in range(n_hash))
                 (n_pages,) = r.unpack("<I")

@@ -76,7 +76,11 @@ def parse_blob_descriptor(data: bytes | bytearray | memoryview) -> tuple[int, in
         )
     if d.device.kind != "cpu":
         raise FormatError(f"objects travel in CPU memory, got device {d.device.kind}")
-    n = int(d.shape[0])
+    dim = d.shape[0]
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+        # A dynamic dimension (or anything but a length) describes no bytes to receive.
+        raise FormatError(f"an object tensor has a fixed length, got shape {tuple(d.shape)!r}")
+    n = dim
     if int(d.buffer_handles[0].byte_size) != n:
         raise FormatError(f"buffer of {d.buffer_handles[0].byte_size} bytes for {n} elements")
     return n, used

@@ -56,6 +56,8 @@ class CacheServer:
         self.budget = PutBudget(cfg.max_inflight_put_bytes)
         self.desk = SegmentDesk(self.store, cfg)
         self.sessions: set[Session] = set()
+        self.unauthenticated: dict[Session, None] = {}  # before their CLIENT_HELLO
+        self.served: set[Session] = set()  # past it: what max_connections counts
         self.metrics = ServerMetrics(self.store.registry)
         self.metrics.inflight.set_function(lambda: self.budget.used)
         self.metrics.staged.set_function(lambda: len(self.desk.staged))
@@ -159,6 +161,14 @@ class CacheServer:
                 self, conn, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             )
             self.sessions.add(s)
+            if len(self.unauthenticated) >= self.cfg.max_unauthenticated:
+                oldest = next(iter(self.unauthenticated))
+                self.unauthenticated.pop(oldest)
+                log.info(
+                    "client %s: no CLIENT_HELLO yet and the queue is full; closed", oldest.peer
+                )
+                oldest.close()
+            self.unauthenticated[s] = None
             s.task = asyncio.ensure_future(s.run())
 
     async def _janitor(self) -> None:

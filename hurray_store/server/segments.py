@@ -16,6 +16,9 @@ from hurray_store.server.backing import ServedStore
 from hurray_store.transport import Err
 
 log = logging.getLogger(__name__)
+# What the server keeps per object in flight besides its bytes (bookkeeping, buffers):
+# counted against max_inflight_put_bytes, so many empty puts are not free.
+PER_OBJECT_BYTES = 1024
 
 
 class PutBudget:
@@ -53,12 +56,13 @@ class Landing:
     the store's top tier (the object is then published there without a copy), else a
     resident buffer borrowed from the store's pool."""
 
-    __slots__ = ("store", "budget", "nbytes", "res", "buf", "view", "released")
+    __slots__ = ("store", "budget", "nbytes", "cost", "res", "buf", "view", "released")
 
-    def __init__(self, store: ServedStore, budget: PutBudget, nbytes: int) -> None:
+    def __init__(self, store: ServedStore, budget: PutBudget, nbytes: int, cost: int) -> None:
         self.store = store
         self.budget = budget
         self.nbytes = nbytes
+        self.cost = cost  # what it holds of the budget: its bytes and its overhead
         self.res = store.reserve(nbytes)
         self.buf = None if self.res is not None else store.buffers.acquire(nbytes)
         self.view = self.res.view if self.res is not None else memoryview(self.buf)[:nbytes]  # type: ignore[arg-type]
@@ -73,7 +77,7 @@ class Landing:
             else:
                 assert self.buf is not None
                 self.store.buffers.release(self.buf)
-            self.budget.give(self.nbytes)
+            self.budget.give(self.cost)
 
 
 @dataclass(eq=False, slots=True)

@@ -25,7 +25,7 @@ from hurray_store.errors import ProtocolError
 from hurray_store.server.backing import ServedStore
 from hurray_store.server.metrics import ServerMetrics
 from hurray_store.server.requests import Requests
-from hurray_store.server.segments import Landing, PutBudget, SegmentDesk
+from hurray_store.server.segments import PER_OBJECT_BYTES, Landing, PutBudget, SegmentDesk
 from hurray_store.tiers import transfer_timeout_s
 from hurray_store.transport import Err, Msg
 
@@ -56,6 +56,8 @@ class SessionHost(Protocol):
     budget: PutBudget
     metrics: ServerMetrics
     sessions: set[Session]
+    unauthenticated: dict[Session, None]  # before their CLIENT_HELLO, oldest first
+    served: set[Session]  # past their CLIENT_HELLO
     draining: bool
 
 
@@ -113,8 +115,12 @@ class Session(Requests):
         m = self.server.metrics
         m.connections.inc()
         try:
-            self.ch = tp.Channel(self.sock)
+            # Small until the client says hello: connections that never do hold little.
+            self.ch = tp.Channel(self.sock, buffer_size=4096)
             if await self._hello():
+                self.server.unauthenticated.pop(self, None)
+                self.server.served.add(self)
+                self.ch.grow(256 << 10)
                 await self._loop()
         except ProtocolError as e:
             await self._fatal(self.last_sid, e.code, str(e))
@@ -136,6 +142,8 @@ class Session(Requests):
             self.puts.clear()
             self.server.desk.end_claims_of(self)
             self.close()
+            self.server.unauthenticated.pop(self, None)
+            self.server.served.discard(self)
             self.server.sessions.discard(self)
             m.connections.dec()
 
@@ -191,7 +199,7 @@ class Session(Requests):
         if self.server.draining:
             await self._fatal(sid, Err.SHUTTING_DOWN, "the server is shutting down")
             return False
-        if len(self.server.sessions) > self.cfg.max_connections:
+        if len(self.server.served) >= self.cfg.max_connections:
             await self._fatal(
                 sid, Err.BUSY, f"the server serves at most {self.cfg.max_connections} connections"
             )
@@ -253,7 +261,8 @@ class Session(Requests):
             elif kind == Msg.TENSOR_DATA_END:
                 self._put_end(sid, n)
             elif kind == Msg.PING:
-                async with ch.send_lock:
+                # A client that does not read its PONG loses its connection (TIMEOUT).
+                async with ch.send_lock, asyncio.timeout(self.cfg.request_timeout_s):
                     await ch.send(Msg.PONG, sid, payload)
             elif kind in (Msg.PONG, Msg.ERROR):
                 pass  # a client's ERROR ends its own stream; nothing is in flight for it here
@@ -283,15 +292,21 @@ class Session(Requests):
                 f"an object of {n} bytes; this server takes at most {self.cfg.max_object_bytes}",
             )
             return
-        if not await self.server.budget.take(n, self.cfg.request_timeout_s):
+        # An object costs its bytes, its key and what the server keeps per object: many
+        # empty puts are not free.
+        cost = n + len(key.encode()) + PER_OBJECT_BYTES
+        got = await self.server.budget.take(cost, self.cfg.request_timeout_s)
+        # The frames' deadline runs from now: the wait for room is not the client's delay.
+        put.deadline = time.monotonic() + transfer_timeout_s(self.cfg.request_timeout_s, n)
+        if not got:
             await self._error(
                 sid,
                 Err.BUSY,
-                f"no room for {n} more bytes of puts in flight within "
+                f"no room for {cost} more bytes of puts in flight within "
                 f"{self.cfg.request_timeout_s} s",
             )
             return
-        put.landing = Landing(self.server.store, self.server.budget, n)
+        put.landing = Landing(self.server.store, self.server.budget, n, cost)
 
     async def _data(self, sid: int, n: int) -> None:
         ch = self.ch

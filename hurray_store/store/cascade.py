@@ -53,6 +53,9 @@ class TierCascade:
         # delete waits on until they have landed.
         self._flights: dict[Group, tuple[int, asyncio.Event]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        # (tier, group) deleted while a write of it was under way: that write is undone
+        # when it ends (and its put goes no further), instead of landing after the delete.
+        self._deleted_while_writing: set[tuple[int, Group]] = set()
         self.pending_bytes = 0
         self._pending_cv = asyncio.Condition()
 
@@ -91,8 +94,10 @@ class TierCascade:
         top = None
         if start is not None:
             for i in range(start, len(self.tiers)):
-                if await self._write(i, group, objects, depth):
+                done = await self._write(i, group, objects, depth)
+                if done:
                     top = i
+                if done is not False:  # written, or deleted meanwhile: nothing more to do
                     break
         if top is None:
             log.warning("group %s (%d bytes) stored in no tier", group, total)
@@ -143,9 +148,10 @@ class TierCascade:
 
     async def _write(
         self, tier: int, group: Group, objects: Sequence[GroupObject], depth: int
-    ) -> bool:
+    ) -> bool | None:
         """Room by the policy (victims evicted or demoted), then the tier's group write.
-        The books show the group READY only once every byte is written."""
+        The books show the group READY only once every byte is written. True: written;
+        False: not taken; None: deleted while it was being written (so undone)."""
         t = self.tiers[tier]
         c = self.metrics.tiers[t.name]
         if not t.ready:
@@ -162,12 +168,18 @@ class TierCascade:
             await self._evict(tier, adm.victims)
             with self.metrics.timed(t.name, "put"):
                 ok = await t.put_group(objects)
+            if ok and (tier, group) in self._deleted_while_writing:
+                ok = False
+                await t.delete_many(list(sizes))
+                log.info("tier %s: %s was deleted while being written; undone", t.name, group)
+                return None
             if ok:
                 c.bytes_written += sum(sizes.values())
             else:
                 c.skipped_writes += 1
             return ok
         finally:
+            self._deleted_while_writing.discard((tier, group))
             self.ledger.complete_write(tier, group, ok)
 
     async def _evict(self, tier: int, victims: Iterable[Victim]) -> None:
@@ -363,7 +375,10 @@ class TierCascade:
         holders = [i for i in range(len(self.tiers)) if self.ledger.group_of(i, key) is not None]
         for i in holders:
             group = self.ledger.group_of(i, key)
-            if group is None or self.ledger.is_writing(i, group):
+            if group is None:
+                continue
+            if self.ledger.is_writing(i, group):
+                self._deleted_while_writing.add((i, group))  # undone when its write ends
                 continue
             await self.tiers[i].delete_many(list(self.ledger.forget(i, group)) or [key])
             self._left(group)

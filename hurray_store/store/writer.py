@@ -24,7 +24,7 @@ from hurray_store.errors import PagingError
 from hurray_store.format import LayerPlan, Manifest, ManifestLayer, ManifestSeq, plan_layer
 from hurray_store.keys import page_hashes, token_array
 from hurray_store.page_io import gather_layer
-from hurray_store.paging import PagedKVPool, compact
+from hurray_store.paging import PagedKVPool, check_tables, compact
 from hurray_store.spec import KVSpec
 from hurray_store.store.cascade import TierCascade
 from hurray_store.store.catalog import SegmentCatalog, depth
@@ -42,7 +42,6 @@ def check_batch(
 ) -> list[int]:
     """Each sequence's valid token count, after checking the batch against the pool;
     PagingError names the first thing wrong."""
-    P = pool.spec.page_size
     if len(token_ids) != len(block_tables):
         raise PagingError(f"{len(token_ids)} token lists but {len(block_tables)} block tables")
     lens = [len(t) for t in token_ids] if seq_lens is None else list(seq_lens)
@@ -51,16 +50,7 @@ def check_batch(
     for s, (seq_toks, n) in enumerate(zip(token_ids, lens, strict=True)):
         if not 0 <= n <= len(seq_toks):
             raise PagingError(f"sequence {s}: seq_len {n} outside [0, {len(seq_toks)} tokens]")
-        if len(block_tables[s]) < n // P:
-            raise PagingError(
-                f"sequence {s}: {n // P} full pages need a block table of at least that "
-                f"length, got {len(block_tables[s])}"
-            )
-        bad = [p for p in block_tables[s][: n // P] if not 0 <= int(p) < pool.num_blocks]
-        if bad:
-            raise PagingError(
-                f"sequence {s}: page id {bad[0]} is outside the pool's [0, {pool.num_blocks})"
-            )
+    check_tables(pool, block_tables, lens, full_pages=True)
     return lens
 
 

@@ -40,6 +40,14 @@ _SFR = hasattr(os, "sync_file_range")
 _counter = itertools.count()
 
 
+# File names stay under the usual 255-byte limit with room for the temp prefix.
+MAX_NAME_BYTES = 230
+
+
+class KeyTooLongError(FileNotFoundError):
+    """A key too long to be a file name: this tier cannot hold it."""
+
+
 class DiskTier(Tier):
     config_cls = DiskTierConfig
     persistent = True
@@ -57,8 +65,17 @@ class DiskTier(Tier):
         self._read_many = aiofiles.os.wrap(self._read_many_sync)
 
     def path_of(self, key: str) -> Path:
+        """Where ``key`` lives. A key whose file name would pass the file system's limit
+        has none (KeyTooLongError, a FileNotFoundError): reads of it miss, writes of it
+        are skipped with a warning."""
+        name = quote(key, safe="")
+        if len(name.encode()) > MAX_NAME_BYTES:
+            raise KeyTooLongError(
+                errno.ENAMETOOLONG,
+                f"the key's file name takes {len(name.encode())} bytes, at most {MAX_NAME_BYTES}",
+            )
         shard = f"{xxhash.xxh3_64_intdigest(key.encode()) & 0xFF:02x}"
-        return self.objects / shard / quote(key, safe="")
+        return self.objects / shard / name
 
     async def open(self) -> None:
         await aiofiles.os.makedirs(self.objects, exist_ok=True)
@@ -67,7 +84,11 @@ class DiskTier(Tier):
     # ------------------------------------------------------------------ sync bodies
 
     def _put_sync(self, key: str, buffers: Sequence[Buffer]) -> bool:
-        dst = self.path_of(key)
+        try:
+            dst = self.path_of(key)
+        except KeyTooLongError as e:
+            log.warning("disk tier %s: write of %s skipped: %s", self.name, key[:80], e.strerror)
+            return False
         tmp = dst.with_name(f"{_TMP}{os.getpid()}.{next(_counter)}.{dst.name[:100]}")
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +227,10 @@ class DiskTier(Tier):
             await aiofiles.os.remove(self.path_of(key))
 
     async def contains(self, key: str) -> bool:
-        return await aiofiles.os.path.exists(self.path_of(key))
+        try:
+            return await aiofiles.os.path.exists(self.path_of(key))
+        except KeyTooLongError:
+            return False
 
     async def scan(self) -> AsyncIterator[tuple[str, int]]:
         """Every published object; removes temp files left by a killed writer."""
@@ -217,7 +241,10 @@ class DiskTier(Tier):
             yield item
 
     async def quarantine(self, key: str) -> None:
-        src = self.path_of(key)
+        try:
+            src = self.path_of(key)
+        except KeyTooLongError:
+            return
         dst = self.quarantine_dir / f"{src.name[:200]}.{int(time.time() * 1000)}"
         try:
             await aiofiles.os.replace(src, dst)

@@ -432,6 +432,19 @@ class RemoteTier(ServiceTier):
     async def lookup_prefix(
         self, seqs: Sequence[tuple[int, Sequence[bytes]]], *, claim: bool
     ) -> list[bytes] | None:
+        """The manifests behind each sequence's pages past what it has, asked in
+        requests within the server's caps (``MAX_LOOKUP_SEQS``, ``MAX_LOOKUP_HASHES``)."""
+        out: list[bytes] = []
+        for part in _lookup_parts(seqs):
+            got = await self._lookup(part, claim)
+            if got is None:
+                return None
+            out += got
+        return out
+
+    async def _lookup(
+        self, seqs: Sequence[tuple[int, Sequence[bytes]]], claim: bool
+    ) -> list[bytes] | None:
         async def send(c: _Conn, sid: int) -> None:
             # Waiting for another engine's claim must end well inside this call's timeout.
             wait_ms = int(self.cfg.timeout_s * 500) if claim else 0
@@ -457,3 +470,23 @@ class RemoteTier(ServiceTier):
 
         payload = await self._call("X_STATS", send, None, expect=tp.Msg.X_STATS_REPLY)
         return None if payload is None else json.loads(bytes(payload))
+
+
+def _lookup_parts(
+    seqs: Sequence[tuple[int, Sequence[bytes]]],
+) -> list[list[tuple[int, Sequence[bytes]]]]:
+    """``seqs`` in runs that fit one X_LOOKUP (a sequence longer than the hash cap is
+    asked for up to the cap: its match cannot reach past it anyway)."""
+    out: list[list[tuple[int, Sequence[bytes]]]] = []
+    cur: list[tuple[int, Sequence[bytes]]] = []
+    n = 0
+    for have, hashes in seqs:
+        hashes = hashes[: tp.MAX_LOOKUP_HASHES]
+        if cur and (len(cur) == tp.MAX_LOOKUP_SEQS or n + len(hashes) > tp.MAX_LOOKUP_HASHES):
+            out.append(cur)
+            cur, n = [], 0
+        cur.append((have, hashes))
+        n += len(hashes)
+    if cur:
+        out.append(cur)
+    return out

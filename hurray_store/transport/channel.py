@@ -32,6 +32,7 @@ from hurray_store.transport.messages import (
 
 
 _THREAD_BYTES = 1 << 20  # reads and writes this large run in a worker thread
+_IDLE_S = 0.05  # a thread whose peer moves no bytes this long goes back to the pool
 
 
 class IOThreads:
@@ -85,6 +86,16 @@ class Channel:
         self._hi = 0
         self.send_lock = asyncio.Lock()
         self.closed = False
+
+    def grow(self, buffer_size: int) -> None:
+        """A larger read buffer (a connection past its handshake), keeping what it holds."""
+        if buffer_size <= len(self._buf):
+            return
+        held = self._mv[self._lo : self._hi]
+        buf = bytearray(buffer_size)
+        buf[: len(held)] = held
+        self._buf, self._mv = buf, memoryview(buf)
+        self._lo, self._hi = 0, len(held)
 
     @classmethod
     async def connect(cls, host: str, port: int, timeout: float) -> Channel:
@@ -158,7 +169,12 @@ class Channel:
             self._lo += k
             pos = k
         if need - pos >= _THREAD_BYTES:
-            await self._in_thread(self._recv_all, view[pos:])
+            # A thread while bytes flow; the loop waits when the peer sends none, so a
+            # peer that stalls holds no thread.
+            while pos < need:
+                pos += await self._in_thread(self._recv_some, view[pos:])
+                if pos < need:
+                    await self._wait(True)
             return
         while pos < need:
             if need - pos >= len(self._buf) // 2:
@@ -171,48 +187,64 @@ class Channel:
             self._lo = k
             pos += k
 
-    async def _in_thread(self, fn: Any, *args: Any) -> None:
-        """Run blocking socket I/O in a worker thread. On cancellation (a timeout) the
-        thread is told to stop and awaited, so no thread touches the caller's buffer
-        after this returns."""
+    async def _in_thread(self, fn: Any, *args: Any) -> int:
+        """Run blocking socket I/O in a worker thread; its result. On cancellation (a
+        timeout) the thread is told to stop and awaited, so no thread touches the
+        caller's buffer after this returns."""
         stop = threading.Event()
         fut = self.loop.run_in_executor(IO_THREADS.executor(), fn, *args, stop)
         try:
-            await asyncio.shield(fut)
+            return int(await asyncio.shield(fut))
         except asyncio.CancelledError:
             stop.set()
             await asyncio.wait([fut])
             raise
 
-    def _recv_all(self, view: memoryview, stop: threading.Event) -> None:
+    def _recv_some(self, view: memoryview, stop: threading.Event) -> int:
+        """Receive into ``view`` until it is full, or until the peer has sent nothing
+        for _IDLE_S (the thread is then given back); the bytes received."""
         pos, need = 0, view.nbytes
+        idle = False
         while pos < need:
             if stop.is_set() or self.closed:
                 raise ConnectionClosed("read abandoned")
             try:
                 n = self.sock.recv_into(view[pos:])
             except (BlockingIOError, InterruptedError):
-                select.select([self.sock], [], [], 0.05)
+                if idle:
+                    return pos
+                idle = True
+                select.select([self.sock], [], [], _IDLE_S)
                 continue
             except OSError as e:
                 raise ConnectionClosed(f"connection broke: {e}") from e
             if n == 0:
                 raise ConnectionClosed("peer closed the connection")
             pos += n
+            idle = False
+        return pos
 
-    def _send_all(self, views: list[memoryview], stop: threading.Event) -> None:
-        i = 0
+    def _send_some(self, views: list[memoryview], i: int, stop: threading.Event) -> int:
+        """Send ``views[i:]`` until all are sent, or until the peer has taken nothing for
+        _IDLE_S (the thread is then given back); the index of the first unsent view
+        (``views`` is advanced in place)."""
+        idle = False
         while i < len(views):
             if stop.is_set() or self.closed:
                 raise ConnectionClosed("write abandoned")
             try:
                 n = self.sock.sendmsg(views[i : i + 512])
             except (BlockingIOError, InterruptedError):
-                select.select([], [self.sock], [], 0.05)
+                if idle:
+                    return i
+                idle = True
+                select.select([], [self.sock], [], _IDLE_S)
                 continue
             except OSError as e:
                 raise ConnectionClosed(f"connection broke: {e}") from e
             i = _advance(views, i, n)
+            idle = False
+        return i
 
     async def read(self, n: int) -> bytearray:
         out = bytearray(n)
@@ -239,10 +271,15 @@ class Channel:
         """Write every part, in order, with as few ``sendmsg`` calls as the kernel
         allows. The caller holds ``send_lock`` when messages could interleave."""
         views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
-        if sum(v.nbytes for v in views) >= _THREAD_BYTES:
-            await self._in_thread(self._send_all, views)
-            return
         i = 0
+        if sum(v.nbytes for v in views) >= _THREAD_BYTES:
+            # A thread while bytes flow; the loop waits when the peer takes none, so a
+            # peer that stops reading holds no thread.
+            while i < len(views):
+                i = await self._in_thread(self._send_some, views, i)
+                if i < len(views):
+                    await self._wait(False)
+            return
         while i < len(views):
             try:
                 n = self.sock.sendmsg(views[i : i + 512])

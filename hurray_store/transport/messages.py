@@ -31,6 +31,10 @@ MAX_KEY_BYTES = 1024
 LAYOUT_ROW_MAJOR = 0x01
 DEVICE_CPU = 0x00
 MAX_FRAME = 16 << 20  # largest TENSOR_DATA frame either side sends
+# One X_LOOKUP answers at most this much (an engine's batch; 4M tokens of 16-token
+# pages), so no request holds the server's event loop for long.
+MAX_LOOKUP_SEQS = 4096
+MAX_LOOKUP_HASHES = 1 << 18
 MEMORY_STANDARD = 0x00
 _EXT_MARK = b"HSX1"  # opens the extension data after a HELLO's spec fields
 _U32 = struct.Struct("<I")
@@ -341,8 +345,15 @@ def decode_lookup(
     if flags & ~1:
         raise invalid(f"reserved lookup flag bits set: 0x{flags:x}", fatal=False)
     seqs = []
-    for _ in range(r.u32()):
+    n_seqs = r.count("<I", 8)
+    if n_seqs > MAX_LOOKUP_SEQS:
+        raise invalid(f"a lookup of {n_seqs} sequences; at most {MAX_LOOKUP_SEQS}", fatal=False)
+    total = 0
+    for _ in range(n_seqs):
         have, n = r.u32(), r.u32()
+        total += n
+        if total > MAX_LOOKUP_HASHES:
+            raise invalid(f"a lookup of more than {MAX_LOOKUP_HASHES} page hashes", fatal=False)
         raw = bytes(r.take(n * hash_len))
         seqs.append((have, [raw[i * hash_len : (i + 1) * hash_len] for i in range(n)]))
     r.done()

@@ -40,7 +40,8 @@ class PromptError:
 
 def read_prompts(path: str | Path, *, vocab_size: int) -> tuple[list[list[int]], list[PromptError]]:
     """Token ids of every good line of a JSONL corpus (``{"text": ...}`` through the
-    byte tokenizer, or ``{"token_ids": [...]}``), and what was wrong with the others."""
+    byte tokenizer, or ``{"token_ids": [...]}``), and what was wrong with the others:
+    whatever a line can raise is a reason for that line, never an exception here."""
     prompts: list[list[int]] = []
     bad: list[PromptError] = []
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -48,41 +49,41 @@ def read_prompts(path: str | Path, *, vocab_size: int) -> tuple[list[list[int]],
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                prompts.append(_prompt_of(line, vocab_size))
             except json.JSONDecodeError as e:
                 bad.append(PromptError(n, f"not JSON ({e.msg} at column {e.colno})"))
-                continue
-            if not isinstance(obj, dict) or ("text" in obj) == ("token_ids" in obj):
-                bad.append(
-                    PromptError(n, 'expected an object with exactly one of "text" or "token_ids"')
-                )
-                continue
-            if "text" in obj:
-                if not isinstance(obj["text"], str) or not obj["text"]:
-                    bad.append(PromptError(n, '"text" must be a non-empty string'))
-                    continue
-                ids = tokenizer.encode(obj["text"])
-            else:
-                ids = obj["token_ids"]
-                if (
-                    not isinstance(ids, list)
-                    or not ids
-                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-                ):
-                    bad.append(PromptError(n, '"token_ids" must be a non-empty list of integers'))
-                    continue
-                out_of_range = [t for t in ids if not 0 <= t < vocab_size]
-                if out_of_range:
-                    bad.append(
-                        PromptError(
-                            n,
-                            f"token id {out_of_range[0]} outside the model's vocabulary "
-                            f"[0, {vocab_size})",
-                        )
-                    )
-                    continue
-            prompts.append(ids)
+            except RecursionError:
+                bad.append(PromptError(n, "JSON nested too deeply"))
+            except (ValueError, TypeError) as e:  # UnicodeError is a ValueError
+                bad.append(PromptError(n, str(e) or type(e).__name__))
     return prompts, bad
+
+
+def _prompt_of(line: str, vocab_size: int) -> list[int]:
+    """One corpus line's token ids; ValueError says what is wrong with it."""
+    obj = json.loads(line)
+    if not isinstance(obj, dict) or ("text" in obj) == ("token_ids" in obj):
+        raise ValueError('expected an object with exactly one of "text" or "token_ids"')
+    if "text" in obj:
+        if not isinstance(obj["text"], str) or not obj["text"]:
+            raise ValueError('"text" must be a non-empty string')
+        try:
+            return tokenizer.encode(obj["text"])
+        except UnicodeEncodeError as e:
+            raise ValueError(f'"text" is not encodable text ({e.reason})') from e
+    ids = obj["token_ids"]
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    ):
+        raise ValueError('"token_ids" must be a non-empty list of integers')
+    out_of_range = [t for t in ids if not 0 <= t < vocab_size]
+    if out_of_range:
+        raise ValueError(
+            f"token id {out_of_range[0]} outside the model's vocabulary [0, {vocab_size})"
+        )
+    return ids
 
 
 @dataclass

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hurray_store.cli import main
 from hurray_store.format import encode_layer
 from tests.helpers import make_layer
@@ -146,3 +148,39 @@ def test_server_token_from_the_environment() -> None:
         env={"HURRAY_STORE__SERVER__TOKEN": "from-env", "HURRAY_STORE__TIERS__REMOTE__TOKEN": "t2"},
     )
     assert cfg.server.token == "from-env" and cfg.tiers[1].token == "t2"  # type: ignore[union-attr]
+
+
+def _bad_input_case(case: str, tmp_path: Path) -> list[str]:
+    """The argv of one bad input, its files made under ``tmp_path``."""
+    if case == "config_not_utf8":
+        p = tmp_path / "bad.yaml"
+        p.write_bytes(b"tiers:\n  - {type: cpu, capacity_bytes: \xff\xfe}\n")
+        return ["serve", "--config", str(p), "--port", "0"]
+    if case == "config_capacity_the_machine_cannot_map":
+        p = tmp_path / "huge.yaml"
+        p.write_text("tiers:\n  - {type: cpu, capacity_bytes: 1152921504606846976}\n")
+        return ["serve", "--config", str(p), "--port", "0"]
+    if case == "config_missing":
+        return ["serve", "--config", str(tmp_path / "nope.yaml"), "--port", "0"]
+    if case == "stats_url_not_hurray":
+        return ["stats", "--url", "http://127.0.0.1:1"]
+    if case == "stats_url_without_port":
+        return ["stats", "--url", "hurray://127.0.0.1"]
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "config_not_utf8",
+        "config_capacity_the_machine_cannot_map",
+        "config_missing",
+        "stats_url_not_hurray",
+        "stats_url_without_port",
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(case: str, tmp_path: Path, capsys) -> None:
+    argv = _bad_input_case(case, tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"hurray-store {argv[0]}"), err

@@ -134,6 +134,11 @@ def test_bad_corpus_lines_are_reported_by_line_and_skipped(
         '{"text": "x", "token_ids": [1]}\n'
         "\n"
         '["a list"]\n'
+        + '{"text": '
+        + "[" * 100_000
+        + "]" * 100_000
+        + "}\n"
+        + '{"text": "a lone surrogate \\ud800"}\n'
     )
     cfg = disk_config(tmp_path)
     assert (
@@ -159,6 +164,8 @@ def test_bad_corpus_lines_are_reported_by_line_and_skipped(
         (5, '"token_ids" must be a non-empty list of integers'),
         (6, "expected an object with exactly one of"),
         (8, "expected an object"),
+        (9, "JSON nested too deeply"),
+        (10, '"text" is not encodable text'),
     ):
         assert f"bad.jsonl:{line}: {why}" in err, err
     assert "bad.jsonl:1:" not in err and "bad.jsonl:7:" not in err

@@ -10,6 +10,7 @@ from typing import Any
 
 from hurray_store.cli.format_cmds import cmd_demo, cmd_inspect
 from hurray_store.cli.model_cmds import cmd_replay, cmd_warmup
+from hurray_store.errors import HurrayStoreError
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -154,5 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command. Bad input (a config, a file, a URL, a value) is one line on stderr
+    and exit code 2, never a traceback."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except (HurrayStoreError, OSError, ValueError, RecursionError) as e:
+        what = str(e) or type(e).__name__
+        print(f"hurray-store {args.command}: error: {what}", file=sys.stderr)
+        return 2

@@ -57,9 +57,11 @@ def load_config(
     else:
         p = Path(source)
         try:
-            text = p.read_text()
+            text = p.read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from e
         try:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as e:

@@ -12,9 +12,10 @@ return at once without touching the network. The first call after the backoff pr
 the server; success logs the recovery. redis-py's own retries are off, so a down server
 costs one timeout, not several.
 
-Budget: with ``capacity_bytes`` the store's policy evicts (LRU) as for any tier; with
-``null`` it relies on Redis' ``maxmemory`` and ``maxmemory-policy`` (allkeys-lru is the
-sensible one): an object Redis evicted is simply a miss.
+Budget: with ``capacity_bytes`` the store's policy evicts (LRU, whole groups) as for any
+tier; set it below Redis' ``maxmemory`` with ``maxmemory-policy noeviction`` and no
+segment is ever split. With ``null`` Redis evicts key by key (``allkeys-lru``): an object
+Redis evicted is a miss on read, and its segment then leaves the books and the index.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ bench: setup redis
 	$(PY) tools/bench_reuse.py
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_lmcache.py
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_server.py
+	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_attack.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models

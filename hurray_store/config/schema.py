@@ -187,7 +187,7 @@ class ServerConfig:
     )
     max_unauthenticated: int = _doc(
         "connections that have not sent their CLIENT_HELLO yet; one more closes the oldest "
-        "of them (a legitimate client says hello at once)",
+        "of them once it had 0.25 s to say hello (a client says it at once)",
         64,
     )
     request_timeout_s: float = _doc(

@@ -47,6 +47,8 @@ from hurray_store.server.session import Session
 from hurray_store.store import TieredStore
 
 log = logging.getLogger(__name__)
+# How long a new connection may take to say hello before a flood may push it out.
+_HELLO_GRACE_S = 0.25
 
 
 class CacheServer:
@@ -157,19 +159,27 @@ class CacheServer:
                 log.warning("accept failed: %s", e)
                 await asyncio.sleep(0.05)
                 continue
-            s = Session(
-                self, conn, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-            )
-            self.sessions.add(s)
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             if len(self.unauthenticated) >= self.cfg.max_unauthenticated:
+                # The queue of connections yet to say hello is full. The oldest goes when it
+                # has had time to say hello and has not (a client says it at once); while
+                # every one of them is that young, the newcomer is refused instead, so a
+                # flood cannot push out a client whose hello is on its way.
                 oldest = next(iter(self.unauthenticated))
+                if time.monotonic() - oldest.since < _HELLO_GRACE_S:
+                    log.info("client %s: too many connections without a hello; refused", peer)
+                    conn.close()
+                    continue
                 self.unauthenticated.pop(oldest)
                 log.info(
                     "client %s: no CLIENT_HELLO yet and the queue is full; closed", oldest.peer
                 )
                 oldest.close()
+            s = Session(self, conn, peer)
+            self.sessions.add(s)
             self.unauthenticated[s] = None
             s.task = asyncio.ensure_future(s.run())
+            await asyncio.sleep(0)  # let new connections read their hello between accepts
 
     async def _janitor(self) -> None:
         """Twice a second: the liveness heartbeat; drop expired staged objects and claims."""

@@ -78,6 +78,7 @@ class Session(Requests):
         self.cfg = server.cfg
         self.sock = sock
         self.peer = peer
+        self.since = time.monotonic()  # when it was accepted
         self.ch: tp.Channel | None = None
         self.task: asyncio.Task[None] | None = None
         self.puts: dict[int, PutInFlight] = {}

@@ -1,0 +1,218 @@
+"""The cache server under attack: a well-behaved engine's latency with and without hostile
+clients on loopback, in one run.
+
+One ``hurray-store serve`` process (cpu tier). The engine is a ``remote`` tier that puts
+and gets 1 MiB objects, one at a time, and times each call. It runs once alone (the
+reference), then again while these attackers run from threads of this process:
+
+- silent: 300 connections that never send CLIENT_HELLO, renewed every second;
+- non-readers: 8 clients that ask for a 2 MiB object again and again and never read;
+- empty puts: a client staging zero-byte segment objects as fast as it can;
+- announced: a TENSOR_PUT announcing 512 MiB that sends nothing, renewed as it times out;
+- lookups: X_LOOKUPs with 4,096 sequences of 64 hashes each, back to back.
+
+Everything goes to 127.0.0.1, every loop is bounded in time, and the tool stops by
+itself. It prints p50 and p99 of the engine's put and get, and its failures, per phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from hurray_store import transport as tp
+from hurray_store.config import RemoteTierConfig
+from hurray_store.tiers.remote import RemoteTier
+
+TOKEN = "bench-attack"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(work: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    cfg = {
+        "tiers": [{"type": "cpu", "capacity_bytes": 2 << 30}],
+        "server": {"port": port, "metrics_port": None, "token": TOKEN, "request_timeout_s": 5.0},
+    }
+    (work / "server.yaml").write_text(yaml.safe_dump(cfg))
+    log = open(work / "server.log", "wb")  # noqa: SIM115 - the server's lifetime
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(work / "server.yaml")],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, port
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit(f"the server did not start: {(work / 'server.log').read_text()[-2000:]}")
+
+
+class Raw:
+    def __init__(self, port: int, hello: bool = True) -> None:
+        self.s = socket.create_connection(("127.0.0.1", port), timeout=5.0)
+        if hello:
+            ext = {"extensions": tp.EXTENSION, "token": TOKEN}
+            self.send(tp.Msg.CLIENT_HELLO, 1, tp.Hello(ext=ext).encode())
+            self.s.recv(65536)
+
+    def send(self, kind: int, sid: int, payload: bytes = b"") -> None:
+        self.s.sendall(tp.HEADER.pack(kind, sid, len(payload)) + payload)
+
+    def close(self) -> None:
+        self.s.close()
+
+
+def attacker(stop: threading.Event, body: Callable[[], None]) -> threading.Thread:
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                body()
+            except OSError:
+                time.sleep(0.05)  # the server cut us off: that is its job
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def attacks(port: int, stop: threading.Event) -> list[threading.Thread]:
+    def silent() -> None:
+        conns = [Raw(port, hello=False) for _ in range(300)]
+        stop.wait(1.0)
+        for c in conns:
+            c.close()
+
+    def non_reader() -> None:
+        c = Raw(port)
+        c.s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        for sid in range(3, 3 + 2 * 200, 2):
+            if stop.is_set():
+                break
+            c.send(tp.Msg.TENSOR_REQUEST, sid, tp.encode_request("attack/big"))
+            stop.wait(0.05)
+        c.close()
+
+    def empty_puts() -> None:
+        c = Raw(port)
+        for i in range(2000):
+            if stop.is_set():
+                break
+            sid = 3 + 2 * i
+            c.send(tp.Msg.TENSOR_PUT, sid, tp.encode_put(f"hurray/s/{{{i:032x}}}/0", 0))
+            c.send(tp.Msg.TENSOR_DATA_END, sid)
+        c.close()
+
+    def announced() -> None:
+        c = Raw(port)
+        c.send(tp.Msg.TENSOR_PUT, 3, tp.encode_put("attack/announced", 512 << 20))
+        stop.wait(6.0)
+        c.close()
+
+    def lookups() -> None:
+        c = Raw(port)
+        seqs = [(0, [os.urandom(16) for _ in range(64)]) for _ in range(tp.MAX_LOOKUP_SEQS)]
+        payload = tp.encode_lookup(seqs, claim=False)
+        for i in range(20):
+            if stop.is_set():
+                break
+            c.send(tp.Msg.X_LOOKUP, 3 + 2 * i, payload)
+            c.s.recv(1 << 20)
+        c.close()
+
+    body: list[Callable[[], None]] = [silent, empty_puts, announced, lookups]
+    body += [non_reader] * 8
+    return [attacker(stop, b) for b in body]
+
+
+async def engine(port: int, n: int) -> tuple[list[float], list[float], int]:
+    t = RemoteTier(
+        RemoteTierConfig(url=f"hurray://127.0.0.1:{port}", name="remote", token=TOKEN),
+        "hurray",
+    )
+    await t.open()
+    data = os.urandom(1 << 20)
+    puts, gets, failed = [], [], 0
+    try:
+        for i in range(n):
+            t0 = time.perf_counter()
+            ok = await t.put(f"engine/{i % 16}", [data])
+            puts.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            got = await t.get(f"engine/{i % 16}")
+            gets.append(time.perf_counter() - t0)
+            failed += (not ok) + (got is None or bytes(got) != data)
+    finally:
+        await t.close()
+    return puts, gets, failed
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100)[q - 1] * 1000 if len(xs) > 1 else xs[0] * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--ops", type=int, default=200, help="engine puts (and gets) per phase")
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-attack-"))
+    proc, port = start_server(work)
+    rows = []
+    try:
+        seed = Raw(port)
+        big = os.urandom(2 << 20)
+        seed.send(tp.Msg.TENSOR_PUT, 3, tp.encode_put("attack/big", len(big)))
+        seed.send(tp.Msg.TENSOR_DATA, 3, tp.DATA_OFFSET.pack(0) + big)
+        seed.send(tp.Msg.TENSOR_DATA_END, 3)
+        seed.s.recv(4096)
+        seed.close()
+        for phase in ("alone", "under attack"):
+            stop = threading.Event()
+            threads = attacks(port, stop) if phase != "alone" else []
+            time.sleep(1.0 if threads else 0)
+            puts, gets, failed = asyncio.run(engine(port, a.ops))
+            stop.set()
+            for t in threads:
+                t.join(timeout=10)
+            rows.append((phase, pct(puts, 50), pct(puts, 99), pct(gets, 50), pct(gets, 99), failed))
+            time.sleep(2.0)
+        alive = proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print(f"\nengine: {a.ops} puts and gets of 1 MiB through a remote tier; latency in ms\n")
+    print("| phase        | put p50 | put p99 | get p50 | get p99 | failed calls |")
+    print("|--------------|---------|---------|---------|---------|--------------|")
+    for phase, p50, p99, g50, g99, failed in rows:
+        print(f"| {phase:<12} | {p50:7.2f} | {p99:7.2f} | {g50:7.2f} | {g99:7.2f} | {failed:12d} |")
+    print(f"\nthe server survived the attack: {alive}; exit code on SIGTERM: {proc.returncode}")
+
+
+if __name__ == "__main__":
+    main()

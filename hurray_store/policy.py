@@ -26,7 +26,7 @@ down when it is evicted (and ``flush`` moves groups held only by volatile tiers 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from hurray_store.ledger import Group, Ledger, TierInfo
@@ -109,6 +109,17 @@ class Policy:
         )
         led.begin_write(tier, group, sizes, depth)
         return Admission(True, victims)
+
+    def lower_budget(self, tier: int) -> int | None:
+        """The tier's medium is full before its budget: make what it holds now (less
+        what is being written) its budget, so later writes evict first. Returns the new
+        budget, None when there is nothing to lower to."""
+        held = sum(e.nbytes for _, e in self.ledger.entries(tier) if e.ready)
+        info = self.tiers[tier]
+        if held <= 0 or (info.capacity_bytes is not None and held >= info.capacity_bytes):
+            return None
+        self.tiers[tier] = replace(info, capacity_bytes=held)
+        return held
 
     def _demote_target(self, tier: int, group: Group) -> int | None:
         if self.write_mode != "back" or tier + 1 >= len(self.tiers):

@@ -9,6 +9,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -344,3 +345,35 @@ async def test_object_checksum_is_recomputable_from_the_object_alone(tmp_path: P
             == len(raw)
         )
         assert object_checksum(fixed, ks, vs) == lay.object_checksum
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB file system (tmpfs), where this machine lets the tests mount one."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+async def test_a_disk_that_fills_before_its_budget_evicts_and_keeps_storing(
+    small_disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = {"tiers": [{"type": "disk", "path": str(small_disk), "capacity_bytes": 1 << 30}]}
+    blob = bytes(range(256)) * 800  # 200 KiB: five fill the 1 MiB disk
+    async with await open_store(cfg) as store:
+        with caplog.at_level(logging.WARNING):
+            results = [await store.put_object(f"obj/{i}", blob) for i in range(12)]
+        assert results == [True] * 12, "every put is stored, the oldest evicted for it"
+        assert "that is its budget now" in caplog.text
+        got = await store.get_object("obj/11")
+        assert got is not None and bytes(got) == blob
+        assert await store.get_object("obj/0") is None, "the oldest made room"
+        assert store.stats()["tiers"]["disk"]["capacity_bytes"] < 1 << 20

@@ -25,7 +25,7 @@ from hurray_store.page_io import (
 )
 from hurray_store.store import TieredStore
 from hurray_store.store.plan import Match, cut_at_bad, read_plan, runs, segment_id, split_segments
-from hurray_store.tiers import Buffer
+from hurray_store.tiers import Buffer, open_tier
 from hurray_store.tiers.disk import DiskTier
 from tests.store_helpers import random_pool, shared_batch, spec
 
@@ -341,3 +341,28 @@ async def test_concurrent_puts_never_evict_each_other_or_overrun_the_budget() ->
                 assert got.num_tokens == promised
                 src.free([p for t in b.tables for p in t])  # the source pool is reused
         assert store.stats()["tiers"]["cpu"]["evictions"] > 0, "the budget was exercised"
+
+
+async def test_the_last_put_of_a_key_wins_in_every_tier(tmp_path: Path) -> None:
+    """Two puts of one key while the first one's write-through is held open: the second
+    waits for it, then lands, so after a restart (disk only) the key holds the second."""
+    cfg = load_config(
+        {
+            "tiers": [
+                {"type": "cpu", "capacity_bytes": 1 << 20},
+                {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30},
+            ]
+        },
+        env={},
+    )
+    disk = HeldDisk(cfg.tiers[1], cfg.namespace)  # type: ignore[arg-type]
+    store = await TieredStore(cfg, tiers=[open_tier(cfg.tiers[0], cfg.namespace), disk]).open()
+    assert await store.put_object("k", b"old")
+    await disk.entered.wait()  # the write-through of "old" is under way, held
+    assert await store.put_object("k", b"new")
+    disk.gate.set()
+    await store.close()
+    disk_only = {"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    async with await open_store(disk_only) as again:
+        got = await again.get_object("k")
+        assert got is not None and bytes(got) == b"new"

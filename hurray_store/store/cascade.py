@@ -53,6 +53,9 @@ class TierCascade:
         # delete waits on until they have landed.
         self._flights: dict[Group, tuple[int, asyncio.Event]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Writes under way, by (tier, group): a later write of the same group to the same
+        # tier waits for the earlier one, so the last put wins everywhere.
+        self._writes: dict[tuple[int, Group], asyncio.Event] = {}
         # (tier, group) deleted while a write of it was under way: that write is undone
         # when it ends (and its put goes no further), instead of landing after the delete.
         self._deleted_while_writing: set[tuple[int, Group]] = set()
@@ -158,16 +161,22 @@ class TierCascade:
             c.skipped_writes += 1
             return False
         sizes = {o.key: o.nbytes for o in objects}
+        while (earlier := self._writes.get((tier, group))) is not None:
+            await earlier.wait()
         adm = self.policy.plan_write(tier, group, sizes, depth=depth)
         if not adm.accepted:
             c.skipped_writes += 1
             log.info("tier %s: skipped %s: %s", t.name, group, adm.reason)
             return False
+        done = self._writes[(tier, group)] = asyncio.Event()
         ok = False
         try:
             await self._evict(tier, adm.victims)
             with self.metrics.timed(t.name, "put"):
                 ok = await t.put_group(objects)
+            if not ok and t.out_of_space:
+                t.out_of_space = False
+                ok = await self._after_full(tier, group, objects, sizes, depth)
             if ok and (tier, group) in self._deleted_while_writing:
                 ok = False
                 await t.delete_many(list(sizes))
@@ -181,6 +190,32 @@ class TierCascade:
         finally:
             self._deleted_while_writing.discard((tier, group))
             self.ledger.complete_write(tier, group, ok)
+            del self._writes[(tier, group)]
+            done.set()
+
+    async def _after_full(
+        self,
+        tier: int,
+        group: Group,
+        objects: Sequence[GroupObject],
+        sizes: dict[str, int],
+        depth: int,
+    ) -> bool:
+        """The medium filled up before the tier's budget: the budget becomes what the
+        tier holds, and the write is tried once more after evicting for it."""
+        t = self.tiers[tier]
+        budget = self.policy.lower_budget(tier)
+        if budget is None:
+            return False
+        log.warning(
+            "tier %s: the medium is full at %d bytes held; that is its budget now", t.name, budget
+        )
+        self.ledger.complete_write(tier, group, False)
+        adm = self.policy.plan_write(tier, group, sizes, depth=depth)
+        if not adm.accepted:
+            return False
+        await self._evict(tier, adm.victims)
+        return await t.put_group(objects)
 
     async def _evict(self, tier: int, victims: Iterable[Victim]) -> None:
         t = self.tiers[tier]

@@ -184,6 +184,9 @@ class Tier(ABC):
         # The namespace of the store using the tier; a shared tier checks it against
         # its server's.
         self.namespace = namespace
+        # Set by a tier whose medium filled up before its budget did (a disk): the store
+        # then lowers the budget to what the tier holds, and evicts to make room.
+        self.out_of_space = False
 
     @property
     def available(self) -> bool:

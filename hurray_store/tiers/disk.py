@@ -125,6 +125,7 @@ class DiskTier(Tier):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.out_of_space = True
                 log.warning(
                     "disk tier %s: write of %s skipped: the disk is full (%s)",
                     self.name,

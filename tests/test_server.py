@@ -620,3 +620,24 @@ def test_write_back_engine_flushes_its_segments_to_the_server(tmp_path: Path) ->
         asyncio.run(main())
     finally:
         srv.kill()
+
+
+def test_a_put_that_announces_much_and_sends_nothing_holds_little(tmp_path: Path) -> None:
+    """Budget is taken as bytes arrive: a 1 MiB put announced and never sent does not
+    make another client's put wait, in a server whose budget is 1 MiB."""
+    srv = ServerProc(
+        tmp_path / "srv",
+        max_object_bytes=1 << 20,
+        max_inflight_put_bytes=1 << 20,
+        request_timeout_s=4.0,
+    ).start()
+    try:
+        hog = Raw(srv.port)
+        hog.hello()
+        hog.send(Msg.TENSOR_PUT, 3, tp.encode_put("announced", 1 << 20))  # and nothing else
+        r = Raw(srv.port)
+        r.hello()
+        assert r.put("real", b"y" * (512 << 10))[0] == Msg.TENSOR_PUT_ACK
+        assert r.get("real") == b"y" * (512 << 10)
+    finally:
+        srv.kill()

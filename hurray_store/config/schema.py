@@ -198,8 +198,9 @@ class ServerConfig:
         5.0,
     )
     max_inflight_put_bytes: int = _doc(
-        "bytes of puts being received or staged; a put waits for room (up to "
-        "request_timeout_s), then gets ERROR (busy)",
+        "bytes of puts being received or staged, counted as they arrive, plus each "
+        "object's key and 1 KiB; a frame waits for room (up to half of request_timeout_s), "
+        "then its put gets ERROR (busy)",
         1 << 30,
     )
     staging_timeout_s: float = _doc(

@@ -293,10 +293,11 @@ class Session(Requests):
                 f"an object of {n} bytes; this server takes at most {self.cfg.max_object_bytes}",
             )
             return
-        # An object costs its bytes, its key and what the server keeps per object: many
-        # empty puts are not free.
-        cost = n + len(key.encode()) + PER_OBJECT_BYTES
-        got = await self.server.budget.take(cost, self.cfg.request_timeout_s)
+        # An object costs its key and what the server keeps per object now (many empty
+        # puts are not free), and its bytes as they arrive (a put that announces much and
+        # sends little holds little).
+        cost = len(key.encode()) + PER_OBJECT_BYTES
+        got = await self.server.budget.take(cost, self.cfg.request_timeout_s / 2)
         # The frames' deadline runs from now: the wait for room is not the client's delay.
         put.deadline = time.monotonic() + transfer_timeout_s(self.cfg.request_timeout_s, n)
         if not got:
@@ -328,10 +329,22 @@ class Session(Requests):
             )
         if time.monotonic() > put.deadline:
             raise TimeoutError
-        if put.landing is None:
+        landing = put.landing
+        if landing is not None and not await self.server.budget.take(
+            k, self.cfg.request_timeout_s / 2
+        ):
+            # No room for these bytes: the put is refused; its other frames are dropped.
+            put.landing = None
+            landing.release()
+            landing = None
+            await self._error(
+                sid, Err.BUSY, f"no room for {k} more bytes of puts in flight; the put is dropped"
+            )
+        if landing is None:
             await ch.skip(k)
         else:
-            await ch.read_into(put.landing.view[off : off + k])
+            landing.cost += k  # given back with the rest once the store no longer needs it
+            await ch.read_into(landing.view[off : off + k])
             self.server.metrics.bytes_in.inc(k)
         put.pos += k
 

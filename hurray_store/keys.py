@@ -22,12 +22,17 @@ HASH_LEN = 16
 _ROOT_TAG = b"hurray_store/page-hash/v1"
 
 
-def root_hash(spec: KVSpec, salt: bytes = b"") -> bytes:
+def root_hash(spec: KVSpec, salt: bytes = b"", quantization: str | None = None) -> bytes:
+    """The chain's root: the spec's fingerprint, the salt and the quantization, each a
+    field of its own (length-prefixed), so no salt can stand for another salt or for a
+    quantization. Exact pages (``None``) hash as they always have."""
     if not isinstance(salt, bytes | bytearray):
         raise TypeError(f"salt must be bytes, got {type(salt).__name__}")
-    return hashlib.sha256(
-        _ROOT_TAG + spec.fingerprint() + struct.pack("<I", len(salt)) + bytes(salt)
-    ).digest()
+    fields = _ROOT_TAG + spec.fingerprint() + struct.pack("<I", len(salt)) + bytes(salt)
+    if quantization is not None:
+        q = quantization.encode()
+        fields += b"quantization" + struct.pack("<I", len(q)) + q
+    return hashlib.sha256(fields).digest()
 
 
 def token_array(token_ids: Sequence[int]) -> np.ndarray:
@@ -40,7 +45,9 @@ def token_array(token_ids: Sequence[int]) -> np.ndarray:
     return arr.astype("<u4")
 
 
-def page_hashes(spec: KVSpec, token_ids: Sequence[int], *, salt: bytes = b"") -> list[bytes]:
+def page_hashes(
+    spec: KVSpec, token_ids: Sequence[int], *, salt: bytes = b"", quantization: str | None = None
+) -> list[bytes]:
     """One 16-byte chained hash per FULL page of ``token_ids`` (a partial last page is
     not hashed)."""
     toks = token_array(token_ids)
@@ -48,7 +55,7 @@ def page_hashes(spec: KVSpec, token_ids: Sequence[int], *, salt: bytes = b"") ->
     n = toks.size // p
     raw = toks[: n * p].tobytes()
     step = 4 * p
-    prev = root_hash(spec, salt)
+    prev = root_hash(spec, salt, quantization)
     out = []
     sha = hashlib.sha256
     for i in range(n):

@@ -249,6 +249,26 @@ async def test_tenants_with_different_salts_never_see_each_others_pages() -> Non
         assert r.pages_written == 4 and r.pages_already_stored == 0
 
 
+async def test_salts_with_nul_bytes_never_collide_with_quantized_pages(tmp_path: Path) -> None:
+    """An int8 store under salt "x" and an exact store under salt "x\\x00int8" on one disk:
+    neither sees the other's pages (quantization is its own field of the hash root, not a
+    salt suffix); nor do salts that differ only past a NUL."""
+    sp = spec(dtype=torch.float32)
+    src = random_pool(sp)
+    b = shared_batch(src, PREFIX, [[]])
+    disk = [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]
+    async with await open_store({"tiers": disk, "quantization": "int8", "salt": "x"}) as q:
+        await q.put(src, b.tokens, b.tables)
+        assert await q.lookup(sp, b.tokens) == [16]
+    async with await open_store({"tiers": disk, "salt": "x\x00int8"}) as exact:
+        assert await exact.lookup(sp, b.tokens) == [0]
+        assert (await exact.retrieve(PagedKVPool(sp, 8), b.tokens)).num_tokens == [0]
+        for other in ("x", "x\x00", "x\x00int", "\x00x"):
+            assert await exact.lookup(sp, b.tokens, salt=other) == [0], repr(other)
+    async with await open_store({"tiers": disk, "quantization": "int8", "salt": "x"}) as q:
+        assert await q.lookup(sp, b.tokens) == [16], "the int8 pages are still there"
+
+
 async def test_int8_tier_is_within_the_stated_bound() -> None:
     sp = spec(dtype=torch.float32)
     src = random_pool(sp)

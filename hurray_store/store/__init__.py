@@ -90,7 +90,7 @@ class TieredStore:
             quantization=self.quantization,
             max_segment_bytes=config.max_segment_bytes,
         )
-        self.reader = SegmentReader(self.cascade, self.catalog, self.buffers)
+        self.reader = SegmentReader(self.cascade, self.catalog, self.buffers, self.quantization)
         self._opened = False
 
     @property
@@ -159,9 +159,7 @@ class TieredStore:
 
     def _salt(self, salt: bytes | str | None) -> bytes:
         s = self.config.salt if salt is None else salt
-        b = s.encode() if isinstance(s, str) else bytes(s)
-        # int8 pages are not the exact pages: keep them in a hash space of their own.
-        return b + b"\x00int8" if self.quantization else b
+        return s.encode() if isinstance(s, str) else bytes(s)
 
     async def put(
         self,

@@ -55,7 +55,14 @@ class _Got:
 
 
 class SegmentReader:
-    def __init__(self, cascade: TierCascade, catalog: SegmentCatalog, buffers: BufferPool) -> None:
+    def __init__(
+        self,
+        cascade: TierCascade,
+        catalog: SegmentCatalog,
+        buffers: BufferPool,
+        quantization: str | None = None,
+    ) -> None:
+        self.quantization = quantization  # its pages are hashed in a space of their own
         self.cascade = cascade
         self.catalog = catalog
         self.buffers = buffers
@@ -63,7 +70,9 @@ class SegmentReader:
     async def lookup(
         self, spec: KVSpec, token_ids: Sequence[Sequence[int]], salt: bytes
     ) -> list[int]:
-        hashes = [page_hashes(spec, t, salt=salt) for t in token_ids]
+        hashes = [
+            page_hashes(spec, t, salt=salt, quantization=self.quantization) for t in token_ids
+        ]
         await self.catalog.discover(spec, hashes, claim=False)
         return [self.catalog.longest_prefix(hs).num_pages * spec.page_size for hs in hashes]
 
@@ -96,7 +105,8 @@ class RetrieveRun:
         spec = self.pool.spec
         catalog = self.reader.catalog
         toks = [token_array(t) for t in self.token_ids]
-        hashes = [page_hashes(spec, t, salt=self.salt) for t in toks]  # type: ignore[arg-type]
+        q = self.reader.quantization
+        hashes = [page_hashes(spec, t, salt=self.salt, quantization=q) for t in toks]  # type: ignore[arg-type]
         await catalog.discover(spec, hashes, claim=False)
         found = [catalog.longest_prefix(hs) for hs in hashes]
         matches = [Match(mt.segment_ids, mt.seqs.tolist(), mt.pages.tolist()) for mt in found]

@@ -162,7 +162,10 @@ class SegmentWriter:
         P = spec.page_size
         lens = check_batch(pool, token_ids, block_tables, seq_lens)
         toks = [token_array(t[: (n // P) * P]) for t, n in zip(token_ids, lens, strict=True)]
-        hashes = [page_hashes(spec, t, salt=salt) for t in toks]  # type: ignore[arg-type]
+        hashes = [
+            page_hashes(spec, t, salt=salt, quantization=self.quantization)  # type: ignore[arg-type]
+            for t in toks
+        ]
         await self.catalog.discover(spec, hashes, claim=True)
         await self.inflight.wait_for(hashes)
         firsts = []

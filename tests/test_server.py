@@ -246,6 +246,28 @@ def test_engine_store_runs_with_the_server_down(
         srv.kill()
 
 
+def test_lookup_promises_nothing_the_server_held_once_it_is_down(tmp_path: Path) -> None:
+    """An engine whose only other tier is the server: its pages looked up while the
+    server is up; once it is killed, lookup says 0 tokens, as retrieve delivers."""
+    srv = ServerProc(tmp_path / "srv", token=TOKEN).start()
+
+    async def main() -> None:
+        tier = srv.tier(connect_timeout_s=0.5, timeout_s=1.0, backoff_initial_s=10.0)
+        async with TieredStore(load_config({"tiers": [tier]}, env={})) as engine:
+            seqs = sc.batches(4, 1)[0]
+            pool = PagedKVPool(sc.SPEC, 512)
+            await engine.put(pool, seqs, sc.fill(pool, seqs))
+            await engine.flush()
+            assert all(n > 0 for n in await engine.lookup(sc.SPEC, seqs))
+            srv.kill()
+            await asyncio.sleep(0.2)  # the engine's connections see the server go
+            promised = await engine.lookup(sc.SPEC, seqs)
+            got = await engine.retrieve(PagedKVPool(sc.SPEC, 512), seqs)
+            assert promised == [0] * len(seqs) == got.num_tokens
+
+    asyncio.run(main())
+
+
 # ----------------------------------------------------------------------------- protocol
 
 

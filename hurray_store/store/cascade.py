@@ -70,6 +70,10 @@ class TierCascade:
     def shared(self) -> bool:
         return any(t.shared for t in self.tiers)
 
+    def reachable(self, group: Group) -> bool:
+        """Some tier holding the group READY is up now (not in an outage)."""
+        return any(self.tiers[i].available for i in self.ledger.group_holders(group))
+
     def holds(self, group: Group) -> bool:
         """Some tier holds the group READY, or a write of it is on its way."""
         return bool(self.ledger.group_holders(group)) or group in self._flights

@@ -74,7 +74,21 @@ class SegmentReader:
             page_hashes(spec, t, salt=salt, quantization=self.quantization) for t in token_ids
         ]
         await self.catalog.discover(spec, hashes, claim=False)
-        return [self.catalog.longest_prefix(hs).num_pages * spec.page_size for hs in hashes]
+        out = []
+        reachable: dict[bytes, bool] = {}
+        for hs in hashes:
+            mt = self.catalog.longest_prefix(hs)
+            # A segment only a tier that is down holds counts for nothing: a lookup never
+            # promises what retrieve cannot deliver now.
+            n = mt.num_pages
+            for j, seg in enumerate(mt.segment_ids):
+                if seg not in reachable:
+                    reachable[seg] = self.cascade.reachable(self.catalog.key(seg))
+                if not reachable[seg]:
+                    n = j
+                    break
+            out.append(n * spec.page_size)
+        return out
 
     def start(
         self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], salt: bytes

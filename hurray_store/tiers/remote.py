@@ -104,8 +104,15 @@ class _Call:
 
 
 class _Conn:
-    def __init__(self, ch: tp.Channel, hello: tp.Hello, limit: int) -> None:
+    def __init__(
+        self,
+        ch: tp.Channel,
+        hello: tp.Hello,
+        limit: int,
+        on_lost: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.ch = ch
+        self.on_lost = on_lost  # the server went away under an open connection
         self.hello = hello
         self.limit = limit
         self.pending: dict[int, _Call] = {}
@@ -170,6 +177,8 @@ class _Conn:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a broken stream: every call on it fails, the next reconnects
+            if not self.dead and self.on_lost is not None:
+                self.on_lost(e)
             self.close(
                 e
                 if isinstance(e, _NETWORK)
@@ -245,7 +254,9 @@ class RemoteTier(ServiceTier):
                 theirs,
                 self.namespace,
             )
-        return _Conn(ch, hello, cfg.max_message_bytes)
+        # A connection that breaks is an outage at once: the tier's holdings stop counting
+        # (lookup) before a call has to fail on it.
+        return _Conn(ch, hello, cfg.max_message_bytes, lambda e: self.outage.down("read", e))
 
     async def _conn(self) -> _Conn:
         """The least busy live connection; a missing or dead slot is (re)opened."""

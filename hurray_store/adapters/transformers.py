@@ -62,8 +62,8 @@ def model_id(model: Any) -> str:
     in name order, each as its name, dtype, shape and bytes. Two models whose weights
     differ in any bit never share a page, whatever their names or paths; the same
     weights loaded from another folder, or under another name, do. The cost is one pass
-    over the weights at xxh3's speed (about 1-2 s for a 16 GB checkpoint in memory here,
-    plus the copy off the device for a model on a GPU), once per process."""
+    over the weights at xxh3's speed (23 GiB/s measured here: about 0.7 s for 16 GiB in
+    memory, plus the copy off the device for a model on a GPU), once per process."""
     h = xxhash.xxh3_128()
     named = [*model.named_parameters(), *model.named_buffers()]
     for name, t in sorted(named, key=lambda nt: nt[0]):

@@ -7,10 +7,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from hurray_store.adapters.transformers import model_id, spec_for_model
+from hurray_store.adapters.transformers import check_supported, model_id, spec_for_model
+from hurray_store.errors import SpecError
 from hurray_store.tiny_model import build_tiny_model
 
 
@@ -44,3 +46,28 @@ def test_the_same_weights_from_another_folder_share_an_identity(tmp_path: Path) 
     with torch.no_grad():
         next(b.parameters()).view(-1)[0] += 1  # one value changed
     assert model_id(a) != model_id(b)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "named"),
+    [
+        ("deepseek_v2", "multi-head latent attention"),
+        ("gemma3n_text", "KV shared across layers"),
+        ("qwen3_next", "not attention"),
+        ("falcon_h1", "not attention"),
+        ("lfm2", "not attention"),
+        ("mamba", "not attention"),
+        ("jamba", "not attention"),
+    ],
+)
+def test_an_architecture_that_cannot_be_paged_is_refused_by_name(
+    model_type: str, named: str
+) -> None:
+    with pytest.raises(SpecError, match=named) as e:
+        check_supported(AutoConfig.for_model(model_type))
+    assert repr(model_type) in str(e.value)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "gemma2", "gpt_oss", "phi3"])
+def test_attention_architectures_pass(model_type: str) -> None:
+    check_supported(AutoConfig.for_model(model_type))

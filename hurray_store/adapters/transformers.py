@@ -29,7 +29,7 @@ import torch
 import xxhash
 from transformers import DynamicCache
 
-from hurray_store.errors import PagingError
+from hurray_store.errors import PagingError, SpecError
 from hurray_store.paging import PagedKVPool, allocate_shared, release_shared
 from hurray_store.spec import KVSpec
 
@@ -81,11 +81,49 @@ def model_id(model: Any) -> str:
     return f"{arch}@xxh3-128:{h.hexdigest()}"
 
 
+# Architectures whose cache is not one K and one V per layer of [kv_heads, tokens,
+# head_dim]: state-space and convolution layers, linear attention, hybrids.
+_UNSUPPORTED_TYPES = frozenset(
+    {
+        "bamba", "falcon_h1", "granitemoehybrid", "jamba", "lfm2", "lfm2_moe", "mamba", "mamba2",
+        "minimax", "nemotron_h", "qwen3_next", "recurrent_gemma", "rwkv", "xlstm", "zamba",
+        "zamba2",
+    }
+)  # fmt: skip
+_PAGED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+def check_supported(config: Any) -> None:
+    """Refuse, at once and by name, a model whose KV cache this store cannot page:
+    multi-head latent attention (MLA), KV shared across layers, and layers that are not
+    attention (state-space, convolution, linear attention). SpecError says which."""
+    model_type = str(getattr(config, "model_type", ""))
+    why = ""
+    if getattr(config, "kv_lora_rank", None):
+        why = "multi-head latent attention (MLA: a compressed KV, not K and V per head)"
+    elif getattr(config, "num_kv_shared_layers", 0):
+        why = f"KV shared across layers ({config.num_kv_shared_layers} layers reuse others')"
+    elif model_type in _UNSUPPORTED_TYPES:
+        why = "layers that are not attention (state-space, convolution or linear attention)"
+    else:
+        kinds = set(getattr(config, "layer_types", None) or ()) - _PAGED_LAYER_TYPES
+        if kinds:
+            why = f"layers of kind {sorted(kinds)}, which keep no paged K and V"
+    if why:
+        raise SpecError(
+            f"model type {model_type!r} is not supported: {why}. Supported are models whose "
+            "layers all keep K and V per KV head (full or sliding-window attention)."
+        )
+
+
 def spec_for_model(
     model: Any, *, page_size: int = 16, revision: str = "", tp_rank: int = 0, tp_size: int = 1
 ) -> KVSpec:
-    """The KVSpec of ``model``'s cache, in the dtype the model runs in."""
+    """The KVSpec of ``model``'s cache, in the dtype the model runs in. An architecture
+    the store cannot page is refused at once (``check_supported``), not after a forward
+    pass."""
     cfg = model.config
+    check_supported(cfg)
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)

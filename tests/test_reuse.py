@@ -168,9 +168,49 @@ def test_left_padding_pages_the_right_positions(model_dirs: dict[str, Path]) -> 
         for lay in cache.layers
     ]
     pool = PagedKVPool(spec, 16)
-    (table,) = to_paged(padded, pool, [40], padding_side="left")
+    positions = torch.tensor([[0] * 8 + list(range(40))])
+    (table,) = to_paged(padded, pool, [40], padding_side="left", position_ids=positions)
     back = from_paged(pool, [table], [40])
     assert torch.equal(back.layers[0].keys, k)
+    with pytest.raises(PagingError, match="needs the position_ids"):
+        to_paged(padded, pool, [40], padding_side="left")
+    with pytest.raises(PagingError, match="must be 0..39"):
+        to_paged(padded, pool, [40], padding_side="left", position_ids=torch.arange(48)[None])
+
+
+async def test_a_left_padded_batch_reused_later_gives_recomputes_logits(
+    model_dirs: dict[str, Path],
+) -> None:
+    """Two prompts of different lengths run as one left-padded batch, with the mask and
+    the position ids that count from each prompt's first token; their KV stored through
+    to_paged; a later prompt extending the shorter one reuses it and gets the logits of
+    a full recompute."""
+    model = load(model_dirs["float32"])
+    spec = spec_for_model(model, page_size=16)
+    a, b = REQ1[:64], REQ1[:40]
+    T = len(a)
+    ids = torch.tensor([a, [0] * (T - len(b)) + b])
+    mask = torch.tensor([[1] * T, [0] * (T - len(b)) + [1] * len(b)])
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    pool = PagedKVPool(spec, 64)
+    tables = to_paged(
+        out.past_key_values,
+        pool,
+        [len(a), len(b)],
+        token_ids=[a, b],
+        padding_side="left",
+        position_ids=positions,
+    )
+    async with await open_store({"tiers": [{"type": "cpu", "capacity_bytes": 64 << 20}]}) as store:
+        await store.put(pool, [a, b], tables)
+        later = b + REQ1[64:90]  # extends the padded (shorter) prompt
+        dst = PagedKVPool(spec, 64)
+        logits, _, reused = await prefill_with_cache(model, store, dst, later, store_result=False)
+        assert reused == 32, "the padded prompt's two full pages are reused"
+        full = run_model(model, torch.tensor([later]))[0]
+        assert (logits - full[:, reused:]).abs().max().item() <= 1e-4
 
 
 def test_from_paged_refuses_unequal_lengths(model_dirs: dict[str, Path]) -> None:

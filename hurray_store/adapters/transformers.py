@@ -159,10 +159,16 @@ def to_paged(
     *,
     token_ids: Sequence[Sequence[int]] | None = None,
     padding_side: str = "right",
+    position_ids: Any = None,
 ) -> list[list[int]]:
     """Copy each sequence's first ``seq_lens[b]`` tokens of KV from a cache into newly
     allocated pages of ``pool``; returns the block tables. All or nothing: too few free
-    pages raises PoolExhaustedError before anything is allocated."""
+    pages raises PoolExhaustedError before anything is allocated.
+
+    A left-padded batch (``padding_side="left"``) is stored only with the
+    ``position_ids`` ``[batch, tokens]`` the model ran with, and only when each
+    sequence's tokens were at positions ``0 .. n-1``: KV computed at the padded
+    positions would be wrong for every later prompt that reuses it."""
     spec = pool.spec
     P = spec.page_size
     layers = _cache_layers(past)
@@ -182,6 +188,9 @@ def to_paged(
     for b, n in enumerate(seq_lens):
         if not 0 <= n <= T:
             raise PagingError(f"sequence {b}: seq_len {n} outside [0, {T}] cached tokens")
+    if padding_side == "left":
+        _check_left_positions(position_ids, seq_lens, B, T)
+    for b, n in enumerate(seq_lens):
         if token_ids is not None and len(token_ids[b]) < n:
             raise PagingError(
                 f"sequence {b}: {n} tokens cached but {len(token_ids[b])} token ids given"
@@ -229,6 +238,24 @@ def to_paged(
         release_shared(pool, new_ids, local)
         raise
     return [[new_ids[j] for j in row] for row in local]
+
+
+def _check_left_positions(position_ids: Any, seq_lens: Sequence[int], B: int, T: int) -> None:
+    if position_ids is None:
+        raise PagingError(
+            "a left-padded batch needs the position_ids the model ran with: without them "
+            "its KV is at the padded positions, wrong for any prompt that reuses it"
+        )
+    pos = torch.as_tensor(position_ids)
+    if tuple(pos.shape) != (B, T):
+        raise PagingError(f"position_ids must be [{B}, {T}], got {tuple(pos.shape)}")
+    for b, n in enumerate(seq_lens):
+        got = pos[b, T - n :].tolist()
+        if got != list(range(n)):
+            raise PagingError(
+                f"sequence {b}: its {n} tokens ran at positions {got[:3]}...; they must be "
+                f"0..{n - 1} (run the batch with position_ids counting from each first token)"
+            )
 
 
 def from_paged(

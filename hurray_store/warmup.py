@@ -109,6 +109,15 @@ def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
     return n
 
 
+def pool_pages(prompts: Sequence[Sequence[int]], page_size: int, batch_size: int) -> int:
+    """Pages a warmup of ``prompts`` needs in its pool at most: the ``batch_size``
+    largest prompts' pages (a batch is at most that many prompts; a partial last page
+    counts), plus the longest prompt's pages for the shared prefix read back from the
+    store. What a batch needs, not the longest prompt times the batch size."""
+    pages = sorted((-(-len(p) // page_size) for p in prompts), reverse=True)
+    return max(1, sum(pages[:batch_size]) + (pages[0] if pages else 0))
+
+
 async def warmup(
     model: Any,
     store: Any,

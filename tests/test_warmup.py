@@ -18,7 +18,7 @@ from hurray_store import PagedKVPool, tokenizer
 from hurray_store.cli import main
 from hurray_store.store import open_store
 from hurray_store.tiny_model import build_tiny_model
-from hurray_store.warmup import read_prompts
+from hurray_store.warmup import pool_pages, read_prompts
 from tests.conftest import RedisProc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -301,3 +301,12 @@ def test_ctrl_c_leaves_only_committed_segments(model_dir: Path, tmp_path: Path) 
             return hits
 
     assert asyncio.run(check()) > 0
+
+
+def test_the_pool_is_sized_by_what_a_batch_needs() -> None:
+    """One 20,000-token prompt among short ones, batches of 64: the pool holds the 64
+    largest prompts and the prefix read back, not 20,000 tokens times the batch size."""
+    prompts = [[1] * 20_000] + [[2] * 100] * 500
+    n = pool_pages(prompts, 16, 64)
+    assert n == 1250 + 63 * 7 + 1250
+    assert pool_pages([], 16, 8) == 1 and pool_pages([[1] * 17], 16, 8) == 2 + 2

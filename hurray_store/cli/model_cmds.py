@@ -40,10 +40,9 @@ def _read_corpus(path: str, model: Any, strict: bool) -> list[list[int]] | None:
 
 def _pool_for(spec: Any, prompts: Sequence[Sequence[int]], batch_size: int) -> Any:
     from hurray_store.paging import PagedKVPool
+    from hurray_store.warmup import pool_pages
 
-    longest = max((len(p) for p in prompts), default=1)
-    pages = -(-longest // spec.page_size)
-    return PagedKVPool(spec, pages * (2 * batch_size + 4))
+    return PagedKVPool(spec, pool_pages(prompts, spec.page_size, batch_size))
 
 
 async def _warmup(

@@ -7,6 +7,8 @@ import asyncio
 import itertools
 import logging
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -211,10 +213,31 @@ class TestDiskTier(DiskBase):
         await tier.quarantine(key)
         assert await tier.put("ns/o/" + "k" * 200, [b"fits"]), "a long key that fits is kept"
 
+    async def test_scan_keeps_the_temp_files_of_a_live_writer(self, tier: Tier) -> None:
+        await tier.put("kept", [b"1"])
+        shard = tier.path_of("kept").parent  # type: ignore[attr-defined]
+        live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            writing = shard / f".tmp.{live.pid}.0.being-written"
+            writing.write_bytes(b"partial")
+            found = [k async for k, _ in tier.scan()]
+            assert found == ["kept"] and writing.exists(), "another process's write is left alone"
+        finally:
+            live.kill()
+            live.wait()
+        found = [k async for k, _ in tier.scan()]
+        assert not writing.exists(), "removed once its writer is gone"
+
     async def test_scan_removes_temp_files_of_a_killed_writer(self, tier: Tier) -> None:
         await tier.put("kept", [b"1"])
         shard = tier.path_of("kept").parent  # type: ignore[attr-defined]
-        leftover = shard / ".tmp.999.0.half-written"
+        gone = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        leftover = shard / f".tmp.{int(gone.stdout)}.0.half-written"  # its writer exited
         leftover.write_bytes(b"partial")
         found = [k async for k, _ in tier.scan()]
         assert found == ["kept"] and not leftover.exists()

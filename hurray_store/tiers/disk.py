@@ -34,7 +34,27 @@ from hurray_store.config import DiskTierConfig
 from hurray_store.tiers.base import Blob, Buffer, Range, ReadInto, Tier
 
 log = logging.getLogger(__name__)
-_TMP = ".tmp."
+_TMP = ".tmp."  # then the writer's pid: ".tmp.<pid>.<n>.<name>"
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that is writing a temp file still runs (its pid is in the
+    name). Another process on the same folder keeps its files being written."""
+    try:
+        pid = int(tmp_name[len(_TMP) :].split(".", 1)[0])
+    except ValueError:
+        return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
+
+
 _IO_CHUNK = 8 << 20
 _SFR = hasattr(os, "sync_file_range")
 _counter = itertools.count()
@@ -190,6 +210,8 @@ class DiskTier(Tier):
                 continue
             for e in os.scandir(shard.path):
                 if e.name.startswith(_TMP):
+                    if _writer_alive(e.name):
+                        continue  # another live process is writing it: not ours to remove
                     try:
                         os.unlink(e.path)
                         removed += 1

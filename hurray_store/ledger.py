@@ -77,6 +77,10 @@ class Ledger:
             if (e := b.groups.get(group)) is not None and e.ready
         ]
 
+    def groups_of(self, key: str) -> dict[int, Group]:
+        """Per tier whose books know ``key`` (READY or WRITING), the group it is in."""
+        return {i: g for i, b in enumerate(self._books) if (g := b.key_group.get(key)) is not None}
+
     def group_of(self, tier: int, key: str) -> Group | None:
         return self._books[tier].key_group.get(key)
 

@@ -136,12 +136,19 @@ class Raw:
         e = tp.decode_error(memoryview(payload))
         return e.code, str(e)
 
-    def is_closed(self) -> bool:
-        """True when the server closed this connection (EOF within the timeout)."""
+    def is_closed(self, wait_s: float | None = None) -> bool:
+        """True when the server closed this connection: EOF within the socket's timeout,
+        or within ``wait_s`` (an open connection is then False, not a wait)."""
+        if wait_s is not None:
+            self.s.settimeout(wait_s)
         try:
             return self.s.recv(1) == b""
         except (ConnectionResetError, BrokenPipeError):
             return True
+        except TimeoutError:
+            if wait_s is None:
+                raise
+            return False
 
     def ping(self, sid: int = 99) -> bool:
         self.send(tp.Msg.PING, sid, b"still there?")

@@ -487,17 +487,6 @@ def test_connection_limit(tmp_path: Path) -> None:
         srv.kill()
 
 
-def _closed_now(r: Raw) -> bool:
-    """Whether the server has closed ``r`` already (no waiting for it to)."""
-    r.s.settimeout(0.3)
-    try:
-        return r.s.recv(1) == b""
-    except TimeoutError:
-        return False
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-
-
 def test_connections_that_never_say_hello_cannot_lock_a_client_out(tmp_path: Path) -> None:
     """Silent connections beyond ``max_unauthenticated`` are refused while the queued ones
     are young, and push out the oldest once it had time to say hello; none of them counts
@@ -510,8 +499,10 @@ def test_connections_that_never_say_hello_cannot_lock_a_client_out(tmp_path: Pat
         assert a.hello()[0] == Msg.SERVER_HELLO and a.ping()
         # While the queue held 4 young silent connections, the next 8 were refused; once
         # they were old, the newcomer pushed the oldest out.
-        assert all(_closed_now(r) for r in silent[4:]) and _closed_now(silent[0])
-        assert not _closed_now(silent[3]), "the newest queued one still waits for its hello"
+        assert all(r.is_closed(wait_s=0.3) for r in silent[4:]) and silent[0].is_closed(wait_s=0.3)
+        assert not silent[3].is_closed(wait_s=0.3), (
+            "the newest queued one still waits for its hello"
+        )
         b = Raw(srv.port)
         assert b.hello()[0] == Msg.SERVER_HELLO, "the limit counts served connections only"
         c = Raw(srv.port)

@@ -103,8 +103,8 @@ class ServedStore:
             dict.fromkeys(
                 g
                 for k in keys
-                for i in led.holders(k.stored)
-                if (g := led.group_of(i, k.stored)) is not None
+                for i, g in led.groups_of(k.stored).items()
+                if not led.is_writing(i, g)
             )
         )
         led.pin(groups)

@@ -407,21 +407,18 @@ class TierCascade:
     async def delete(self, key: str) -> None:
         """Delete ``key`` everywhere, with its whole group (a tier never keeps part of
         one). Write-throughs of it still in flight land first: they would put it back."""
-        for g in {self.ledger.group_of(i, key) for i in range(len(self.tiers))} - {None}:
+        for g in set(self.ledger.groups_of(key).values()):
             flight = self._flights.get(g)
             if flight is not None:
                 await flight[1].wait()
-        holders = [i for i in range(len(self.tiers)) if self.ledger.group_of(i, key) is not None]
-        for i in holders:
-            group = self.ledger.group_of(i, key)
-            if group is None:
-                continue
+        holders = self.ledger.groups_of(key)  # again: the books moved while it waited
+        for i, group in holders.items():
             if self.ledger.is_writing(i, group):
                 self._deleted_while_writing.add((i, group))  # undone when its write ends
                 continue
             await self.tiers[i].delete_many(list(self.ledger.forget(i, group)) or [key])
             self._left(group)
-        for i in self.shared_tiers(skip=holders):
+        for i in self.shared_tiers(skip=list(holders)):
             await self.tiers[i].delete(key)
 
     def reserve(

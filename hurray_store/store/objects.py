@@ -99,20 +99,7 @@ class ObjectStore:
     def _groups(self, names: Sequence[str]) -> list[object]:
         """The group of each named object (itself when no tier holds it)."""
         led = self.cascade.ledger
-        out: list[object] = []
-        for n in names:
-            k = self.key(n)
-            out.append(
-                next(
-                    (
-                        g
-                        for i in range(len(self.cascade.tiers))
-                        if (g := led.group_of(i, k.stored)) is not None
-                    ),
-                    k,
-                )
-            )
-        return out
+        return [next(iter(led.groups_of((k := self.key(n)).stored).values()), k) for n in names]
 
     async def delete(self, name: str) -> None:
         """Delete an object everywhere; an object stored with ``put_many`` takes its

@@ -13,6 +13,7 @@ from hurray_store.errors import FormatError
 from hurray_store.format import Manifest
 from hurray_store.keys import SegmentKey
 from hurray_store.server.backing import ServedStore
+from hurray_store.store.space import ObjectSpace
 from hurray_store.transport import Err
 
 log = logging.getLogger(__name__)
@@ -56,27 +57,21 @@ class Landing:
     the store's top tier (the object is then published there without a copy), else a
     resident buffer borrowed from the store's pool."""
 
-    __slots__ = ("store", "budget", "nbytes", "cost", "res", "buf", "view", "released")
+    __slots__ = ("budget", "cost", "res", "space", "view", "released")
 
     def __init__(self, store: ServedStore, budget: PutBudget, nbytes: int, cost: int) -> None:
-        self.store = store
         self.budget = budget
-        self.nbytes = nbytes
         self.cost = cost  # what it holds of the budget: its bytes and its overhead
         self.res = store.reserve(nbytes)
-        self.buf = None if self.res is not None else store.buffers.acquire(nbytes)
-        self.view = self.res.view if self.res is not None else memoryview(self.buf)[:nbytes]  # type: ignore[arg-type]
+        self.space = ObjectSpace(store.buffers, [nbytes], None if self.res is None else [self.res])
+        self.view = self.space.views[0]
         self.released = False
 
     def release(self) -> None:
         """Once no tier write needs the bytes (space a tier published stays there)."""
         if not self.released:
             self.released = True
-            if self.res is not None:
-                self.res.tier.unreserve(self.res)
-            else:
-                assert self.buf is not None
-                self.store.buffers.release(self.buf)
+            self.space.release()
             self.budget.give(self.cost)
 
 

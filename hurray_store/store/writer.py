@@ -30,6 +30,7 @@ from hurray_store.store.cascade import TierCascade
 from hurray_store.store.catalog import SegmentCatalog, depth
 from hurray_store.store.plan import segment_id, split_segments
 from hurray_store.store.results import PutResult
+from hurray_store.store.space import ObjectSpace
 from hurray_store.tiers import Buffer, Reservation
 from hurray_store.tiers.base import GroupObject
 
@@ -248,7 +249,7 @@ class SegmentWriter:
         # a resident buffer borrowed until every tier write is done.
         sizes = [p.nbytes for p in plans]
         reserved = self.cascade.reserve(sizes, group_bytes=sum(sizes) + skeleton.encoded_size())
-        with _ObjectSpace(self.buffers, sizes, reserved) as space:
+        with ObjectSpace(self.buffers, sizes, reserved) as space:
             idx = distinct.to(pool.device)
             layers = [
                 LayerObject(
@@ -276,45 +277,6 @@ class SegmentWriter:
                 release=space.release,
             )
         return (n if where else 0), where, sum(sizes) + skeleton.encoded_size()
-
-
-class _ObjectSpace:
-    """Where a segment's layer objects are built: reserved tier space, else one
-    borrowed resident buffer. ``release()`` gives back what no tier published; it runs
-    once (by the cascade when the last write is done, or on the way out of an error)."""
-
-    def __init__(
-        self, buffers: BufferPool, sizes: list[int], reserved: list[Reservation] | None
-    ) -> None:
-        self.pool = buffers
-        self.reserved = reserved
-        self.buf: bytearray | None = None
-        self.released = False
-        if reserved is not None:
-            self.views = [r.view for r in reserved]
-            return
-        self.buf = buffers.acquire(sum(sizes))
-        self.views, pos = [], 0
-        for size in sizes:
-            self.views.append(memoryview(self.buf)[pos : pos + size])
-            pos += size
-
-    def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
-        if self.buf is not None:
-            self.pool.release(self.buf)
-        for r in self.reserved or []:
-            if not r.committed:
-                r.tier.unreserve(r)
-
-    def __enter__(self) -> _ObjectSpace:
-        return self
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        if exc_type is not None:
-            self.release()
 
 
 def _skeleton(

@@ -25,7 +25,7 @@ down when it is evicted (and ``flush`` moves groups held only by volatile tiers 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -33,7 +33,7 @@ from hurray_store.ledger import Group, Ledger, TierInfo
 
 WriteMode = Literal["through", "back"]
 
-__all__ = ["Admission", "Policy", "TierInfo", "Victim", "WriteMode"]
+__all__ = ["Admission", "Policy", "TierInfo", "Victim", "WriteMode", "quota_victims"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,3 +187,26 @@ class Policy:
                     persisted.add(g)
                     out.append((g, i, dest))
         return out
+
+
+def quota_victims(
+    groups: Iterable[tuple[Group, int]],
+    used: int,
+    quota: int,
+    need: int,
+    pinned: Callable[[Group], bool],
+) -> list[Group] | None:
+    """A tenant's quota: which of its groups (``(group, bytes)``, least recently used
+    first) to delete so ``need`` more bytes fit under ``quota`` with ``used`` held now.
+    Pinned groups (being sent) stay. None: they cannot be made to fit (the object alone
+    exceeds the quota, or what is left is pinned)."""
+    if need > quota:
+        return None
+    out: list[Group] = []
+    for g, n in groups:
+        if used + need <= quota:
+            break
+        if not pinned(g):
+            out.append(g)
+            used -= n
+    return out if used + need <= quota else None

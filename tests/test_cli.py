@@ -7,8 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from hurray_store import KVSpec
 from hurray_store.cli import main
+from hurray_store.cli.model_cmds import _pool_for
 from hurray_store.format import encode_layer
 from tests.helpers import make_layer
 from tests.test_manifest import sample
@@ -162,6 +165,31 @@ def _bad_input_case(case: str, tmp_path: Path) -> list[str]:
         return ["serve", "--config", str(p), "--port", "0"]
     if case == "config_missing":
         return ["serve", "--config", str(tmp_path / "nope.yaml"), "--port", "0"]
+    if case == "serve_port_out_of_range":
+        return ["serve", "--port", "99999"]
+    if case == "serve_metrics_port_out_of_range":
+        return ["serve", "--port", "0", "--metrics-port", "70000"]
+    if case == "warmup_batch_size_zero":
+        return ["warmup", "--model", "m", "--prompts", "p.jsonl", "--batch-size", "0"]
+    if case == "warmup_page_size_not_a_number":
+        return ["warmup", "--model", "m", "--prompts", "p.jsonl", "--page-size", "x"]
+    if case == "warmup_without_a_model":
+        return ["warmup", "--prompts", "p.jsonl"]
+    if case == "demo_negative_layers":
+        return ["codec-demo", "--layers", "-1"]
+    configs = {
+        "config_nested_too_deeply": "tiers: " + "[" * 5000 + "]" * 5000 + "\n",
+        "config_python_tag": "!!python/object:os.system ls\n",
+        "config_nan_timeout": (
+            "tiers: [{type: cpu, capacity_bytes: 1000}]\nserver: {request_timeout_s: .nan}\n"
+        ),
+        "config_nul_in_a_path": 'tiers: [{type: disk, path: "\\0x", capacity_bytes: 1000}]\n',
+        "config_bad_namespace": "namespace: a/o/b\ntiers: [{type: cpu, capacity_bytes: 1000}]\n",
+    }
+    if case in configs:
+        p = tmp_path / "bad.yaml"
+        p.write_text(configs[case])
+        return ["serve", "--config", str(p), "--port", "0"]
     if case == "stats_url_not_hurray":
         return ["stats", "--url", "http://127.0.0.1:1"]
     if case == "stats_url_without_port":
@@ -177,6 +205,17 @@ def _bad_input_case(case: str, tmp_path: Path) -> list[str]:
         "config_missing",
         "stats_url_not_hurray",
         "stats_url_without_port",
+        "serve_port_out_of_range",
+        "serve_metrics_port_out_of_range",
+        "warmup_batch_size_zero",
+        "warmup_page_size_not_a_number",
+        "warmup_without_a_model",
+        "demo_negative_layers",
+        "config_nested_too_deeply",
+        "config_python_tag",
+        "config_nan_timeout",
+        "config_nul_in_a_path",
+        "config_bad_namespace",
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(case: str, tmp_path: Path, capsys) -> None:
@@ -184,3 +223,20 @@ def test_bad_input_is_one_line_and_exit_code_2(case: str, tmp_path: Path, capsys
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"hurray-store {argv[0]}"), err
+
+
+def test_a_pool_the_machine_cannot_allocate_is_a_clear_error() -> None:
+    """warmup/replay with a page size whose pool cannot be allocated: a ValueError that
+    says what was asked for (the CLI prints it as one line, exit code 2)."""
+    spec = KVSpec(
+        model="m",
+        num_layers=2,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=1 << 32,
+        dtype=torch.float16,
+    )
+    with pytest.raises(
+        ValueError, match=r"cannot allocate the KV pool: \d+ pages of 4294967296 tokens"
+    ):
+        _pool_for(spec, [[1, 2, 3]], 1)

@@ -8,10 +8,11 @@ import pytest
 
 from hurray_store import PagedKVPool
 from hurray_store import keys as keymod
-from hurray_store.config import load_config
+from hurray_store.config import ServerConfig, load_config
 from hurray_store.errors import ChecksumError, FormatError
 from hurray_store.keys import ObjectKey, SegmentKey, SegmentPart, parse_key
 from hurray_store.server.backing import ServedStore
+from hurray_store.server.tenants import Tenants
 from hurray_store.store import TieredStore
 from tests import server_client as sc
 
@@ -20,6 +21,12 @@ def _cpu() -> TieredStore:
     return TieredStore(
         load_config({"tiers": [{"type": "cpu", "capacity_bytes": 64 << 20}]}, env={})
     )
+
+
+def _served(store: TieredStore, cfg: ServerConfig | None = None) -> ServedStore:
+    """The server's view of ``store``; with no tenants configured, one admin tenant of
+    the store's namespace (``.tenants.all[0]``)."""
+    return ServedStore(store, Tenants(cfg or ServerConfig(), store.namespace, store.cascade))
 
 
 async def _segment(client: int = 0) -> tuple[SegmentKey, bytes, dict[str, bytes], list[list[int]]]:
@@ -38,15 +45,20 @@ async def _segment(client: int = 0) -> tuple[SegmentKey, bytes, dict[str, bytes]
 async def test_a_good_commit_is_stored_and_found_by_prefix() -> None:
     seg, manifest, objs, seqs = await _segment()
     async with _cpu() as store:
-        server = ServedStore(store)
-        assert await server.commit_segment(seg, manifest, objs)
-        assert await server.commit_segment(seg, manifest, objs), "a second commit of it is a no-op"
+        server = _served(store)
+        me = server.tenants.all[0]
+        assert await server.commit_segment(seg, manifest, objs, me)
+        assert await server.commit_segment(seg, manifest, objs, me), (
+            "a second commit of it is a no-op"
+        )
         hashes = [keymod.page_hashes(sc.SPEC, t) for t in seqs]
-        matched, manifests = await server.find_segments([(0, hs) for hs in hashes], 1 << 20)
+        matched, manifests = await server.find_segments([(0, hs) for hs in hashes], 1 << 20, me)
         assert matched == [len(hs) for hs in hashes] and manifests == [manifest]
-        matched, manifests = await server.find_segments([(len(hs), hs) for hs in hashes], 1 << 20)
+        matched, manifests = await server.find_segments(
+            [(len(hs), hs) for hs in hashes], 1 << 20, me
+        )
         assert manifests == [], "nothing past what the asker has"
-        matched, manifests = await server.find_segments([(0, hs) for hs in hashes], 10)
+        matched, manifests = await server.find_segments([(0, hs) for hs in hashes], 10, me)
         assert manifests == [] and matched == [0] * len(seqs), (
             "a match stops where the manifests that fit stop"
         )
@@ -86,9 +98,10 @@ async def test_a_bad_commit_raises_and_stores_nothing(case: str) -> None:
         seg = SegmentKey("hurray", bytes.fromhex("ab" * 8))
     released = []
     async with _cpu() as store:
-        server = ServedStore(store)
+        server = _served(store)
+        me = server.tenants.all[0]
         with pytest.raises(FormatError) as e:
-            await server.commit_segment(seg, manifest, objs, release=lambda: released.append(1))
+            await server.commit_segment(seg, manifest, objs, me, release=lambda: released.append(1))
         if case == "flipped_page_byte":
             assert isinstance(e.value, ChecksumError)
         assert released == [1], "the caller's buffers are given back"
@@ -97,19 +110,21 @@ async def test_a_bad_commit_raises_and_stores_nothing(case: str) -> None:
 
 async def test_served_keys() -> None:
     async with _cpu() as store:
-        s = ServedStore(store)
+        s = _served(store)
+        me = s.tenants.all[0]
         seg = SegmentKey("hurray", bytes.fromhex("00ff")).layer(3)
-        k = s.key(seg)
+        k = s.key(seg, me)
         assert k.stored == seg and k.segment == SegmentPart(
             SegmentKey("hurray", bytes.fromhex("00ff")), 3
         ), "a segment key of this namespace is kept as it is"
         assert (
-            s.key("my/tensor").stored == "hurray/o/my/tensor" and s.key("my/tensor").segment is None
+            s.key("my/tensor", me).stored == "hurray/o/my/tensor"
+            and s.key("my/tensor", me).segment is None
         )
-        other = s.key(SegmentKey("elsewhere", bytes.fromhex("00ff")).layer(3))
+        other = s.key(SegmentKey("elsewhere", bytes.fromhex("00ff")).layer(3), me)
         assert other.stored.startswith("hurray/o/") and other.segment is None
         with pytest.raises(FormatError):
-            await s.put_key(k, [b"x"])  # a segment object is only stored by its commit
+            await s.put_key(k, [b"x"], me)  # a segment object is only stored by its commit
 
 
 def test_stored_key_parsing() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from hurray_store.cli.format_cmds import cmd_demo, cmd_inspect
 from hurray_store.cli.model_cmds import cmd_replay, cmd_warmup
@@ -20,8 +20,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from hurray_store.config import load_config
     from hurray_store.errors import ConfigError
-    from hurray_store.server import serve
-    from hurray_store.store import TieredStore
+    from hurray_store.server import serve, server_store
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -29,7 +28,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     try:
         cfg = load_config(args.config)
-        store = TieredStore(cfg)
+        store = server_store(cfg)
     except ConfigError as e:
         print(f"hurray-store serve: {e}", file=sys.stderr)
         return 2
@@ -73,6 +72,28 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port (0 picks a free one; -1 for --metrics-port: none)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not -1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (0-65535), got {n}")
+    return n
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", default=None, help="store config (YAML); default: the embedded default"
@@ -84,16 +105,24 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="default: the model's own",
     )
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--page-size", type=_positive, default=16)
+    p.add_argument("--batch-size", type=_positive, default=8)
     p.add_argument(
         "--strict", action="store_true", help="abort on a bad corpus line instead of skipping it"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``prog: error: ...``, exit code 2), not the
+    usage text before it; ``--help`` still prints the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="hurray-store", description="KV-cache storage on Hurray block-paged descriptors"
     )
     sub = p.add_subparsers(dest="command", required=True)
@@ -115,12 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "codec-demo", help="encode, decode and check a synthetic batch with shared prefixes"
     )
-    d.add_argument("--layers", type=int, default=4)
-    d.add_argument("--seqs", type=int, default=16)
-    d.add_argument("--tokens", type=int, default=2048)
-    d.add_argument("--heads", type=int, default=8)
-    d.add_argument("--dim", type=int, default=128)
-    d.add_argument("--page-size", type=int, default=16)
+    d.add_argument("--layers", type=_positive, default=4)
+    d.add_argument("--seqs", type=_positive, default=16)
+    d.add_argument("--tokens", type=_positive, default=2048)
+    d.add_argument("--heads", type=_positive, default=8)
+    d.add_argument("--dim", type=_positive, default=128)
+    d.add_argument("--page-size", type=_positive, default=16)
     d.set_defaults(func=cmd_demo)
     sv = sub.add_parser(
         "serve", help="run the cache server (Hurray network transport) on a config's tiers"
@@ -132,11 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--host", default=None, help="address to listen on (default: server.host)")
     sv.add_argument(
-        "--port", type=int, default=None, help="port (default: server.port; 0 picks a free one)"
+        "--port", type=_port, default=None, help="port (default: server.port; 0 picks a free one)"
     )
     sv.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=None,
         help="HTTP port for /metrics and health (default: server.metrics_port; -1: none)",
     )
@@ -157,7 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a command. Bad input (a config, a file, a URL, a value) is one line on stderr
     and exit code 2, never a traceback."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad argument (its one line is printed)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return int(args.func(args))
     except (HurrayStoreError, OSError, ValueError, RecursionError) as e:

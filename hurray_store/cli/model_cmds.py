@@ -42,7 +42,16 @@ def _pool_for(spec: Any, prompts: Sequence[Sequence[int]], batch_size: int) -> A
     from hurray_store.paging import PagedKVPool
     from hurray_store.warmup import pool_pages
 
-    return PagedKVPool(spec, pool_pages(prompts, spec.page_size, batch_size))
+    pages = pool_pages(prompts, spec.page_size, batch_size)
+    try:
+        return PagedKVPool(spec, pages)
+    except (MemoryError, RuntimeError) as e:  # torch reports a failed allocation so
+        nbytes = pages * spec.page_bytes * 2 * spec.num_layers
+        raise ValueError(
+            f"cannot allocate the KV pool: {pages} pages of {spec.page_size} tokens "
+            f"({nbytes / 2**30:.1f} GiB); use a smaller --page-size or --batch-size "
+            f"({str(e).splitlines()[0][:200]})"
+        ) from None
 
 
 async def _warmup(

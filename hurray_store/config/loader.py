@@ -4,6 +4,7 @@ name the dotted key."""
 from __future__ import annotations
 
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from hurray_store.config.schema import (
     RemoteTierConfig,
     ServerConfig,
     StoreConfig,
+    TenantConfig,
     TierConfig,
     join_key,
     parse_hurray_url,
@@ -65,7 +67,9 @@ def load_config(
         try:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+            raise ConfigError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from e
+        except RecursionError:
+            raise ConfigError(f"{p}: not a config: nested too deeply") from None
         if raw is None:
             raw = {}
         base = p.resolve().parent
@@ -73,11 +77,57 @@ def load_config(
         raise ConfigError(f"a config is a mapping of keys, got {type(raw).__name__}")
     _apply_env(raw, os.environ if env is None else env)
     cfg = _build(StoreConfig, raw, "")
-    _check_server(cfg.server)
+    _check_namespace(cfg.namespace, "namespace")
+    cfg = _replace(cfg, server=_check_server(cfg.server, cfg.namespace))
     return _resolve_paths(cfg, base)
 
 
-def _check_server(s: ServerConfig) -> None:
+# A namespace is the first component of every stored key: no character the key scheme
+# (``<ns>/s/{...}/``, ``<ns>/o/``, ``<ns>/g/``) or a file name could misread.
+_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _check_namespace(ns: str, where: str) -> None:
+    if not _NAMESPACE.fullmatch(ns):
+        raise ConfigError(
+            f"{where}: {ns!r} is not a namespace (1-64 of A-Z a-z 0-9 . _ -, starting with "
+            "a letter or digit)"
+        )
+
+
+def _check_tenants(s: ServerConfig, namespace: str) -> tuple[TenantConfig, ...]:
+    """Tenants with their namespaces filled in; names, tokens and namespaces distinct."""
+    out: list[TenantConfig] = []
+    names: set[str] = set()
+    tokens: set[str] = {s.token} if s.token else set()
+    spaces: set[str] = {namespace} if s.token else set()
+    for i, t in enumerate(s.tenants):
+        where = f"server.tenants.{t.name or i}"
+        if not t.name:
+            raise ConfigError(f"{where}.name: a tenant needs a name")
+        ns = t.namespace or t.name
+        _check_namespace(ns, f"{where}.namespace")
+        if not t.token:
+            raise ConfigError(f"{where}.token: a tenant needs a token (it is how it is known)")
+        if t.quota_bytes is not None and t.quota_bytes < 1:
+            raise ConfigError(f"{where}.quota_bytes: expected a positive number of bytes or null")
+        for what, value, seen in (
+            ("name", t.name, names),
+            ("token", t.token, tokens),
+            ("namespace", ns, spaces),
+        ):
+            if value in seen:
+                shown = "" if what == "token" else f" {value!r}"
+                raise ConfigError(
+                    f"{where}.{what}: another tenant (or server.token's own namespace) has "
+                    f"this {what}{shown}; each tenant needs its own"
+                )
+            seen.add(value)
+        out.append(_replace(t, namespace=ns))
+    return tuple(out)
+
+
+def _check_server(s: ServerConfig, namespace: str) -> ServerConfig:
     for key in ("port", "metrics_port"):
         v = getattr(s, key)
         if v is not None and v > 65535:
@@ -100,6 +150,7 @@ def _check_server(s: ServerConfig) -> None:
             f"server.max_object_bytes: {s.max_object_bytes} exceeds server.max_inflight_put_bytes "
             f"({s.max_inflight_put_bytes}): such an object could never be received"
         )
+    return _replace(s, tenants=_check_tenants(s, namespace))
 
 
 def _plain(x: Any) -> Any:
@@ -198,6 +249,8 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
                 f"{label}.name: two tiers are named {cfg.name!r}; give each a distinct name"
             )
         names.add(cfg.name)
+        if isinstance(cfg, DiskTierConfig) and "\0" in cfg.path:
+            raise ConfigError(f"{label}.path: a NUL character in {cfg.path!r}")
         if isinstance(cfg, RemoteTierConfig):
             try:
                 parse_hurray_url(cfg.url)
@@ -243,13 +296,27 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a non-negative integer, got {value}")
         return value
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ConfigError(f"{where}: expected a non-negative number, got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 <= value < float("inf")  # NaN fails this too
+        ):
+            raise ConfigError(f"{where}: expected a non-negative finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
+    if origin is tuple:
+        (item, _) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        return tuple(
+            _convert(
+                item, v, join_key(where, str(v.get("name") or i) if isinstance(v, dict) else str(i))
+            )
+            for i, v in enumerate(value)
+        )
     if isinstance(tp, type) and hasattr(tp, "__dataclass_fields__"):
         return _build(tp, value, where)
     raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover - schema bug

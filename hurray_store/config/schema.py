@@ -156,6 +156,31 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantConfig:
+    """One tenant of the cache server: a token, the namespace it reads and writes, and
+    its share of the server's tiers."""
+
+    name: str = _doc("the tenant's name in logs, stats and metrics")
+    token: str = _doc(
+        "the secret its clients send in their HELLO; "
+        "HURRAY_STORE__SERVER__TENANTS__<NAME>__TOKEN sets it from the environment"
+    )
+    namespace: str = _doc(
+        "the namespace its keys live in (its clients' store namespace); default: its name", ""
+    )
+    quota_bytes: int | None = _doc(
+        "bytes of objects it may hold on the server; past it, its own least recently used "
+        "groups are deleted to make room (null: no quota)",
+        None,
+    )
+    admin: bool = _doc(
+        "may also read and delete the keys of every other tenant (named in full, "
+        "<namespace>/...) and see every tenant's stats",
+        False,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """``hurray-store serve``: the cache server over this config's tiers (ignored by a
     store opened in-process). Command-line flags override host and ports."""
@@ -171,9 +196,15 @@ class ServerConfig:
         "HTTP port for /metrics and the health checks; null: none", 9471
     )
     token: str = _doc(
-        "shared secret every client must send in its HELLO (empty: no auth); "
-        "HURRAY_STORE__SERVER__TOKEN sets it from the environment",
+        "the admin token of the store's own namespace: a client sending it in its HELLO "
+        "may touch every tenant's keys (empty and no tenants: no auth, every client is "
+        "admin); HURRAY_STORE__SERVER__TOKEN sets it from the environment",
         "",
+    )
+    tenants: tuple[TenantConfig, ...] = _doc(
+        "tenants, each with its own token, namespace and quota; a client is served as the "
+        "tenant whose token it sends",
+        (),
     )
     max_message_bytes: int = _doc(
         "largest message payload accepted; a larger header gets ERROR and the connection closes",
@@ -240,6 +271,8 @@ class StoreConfig:
 
 # Sections of the store config that are dataclasses of their own (env overrides, docs).
 SECTIONS: dict[str, type] = {"policy": PolicyConfig, "server": ServerConfig}
+# Keys holding a list of dataclass entries (documented as ``key[]``).
+LISTS: dict[str, type] = {"tenants": TenantConfig}
 
 
 def join_key(where: str, name: str) -> str:
@@ -260,6 +293,9 @@ def schema() -> list[tuple[str, str, str]]:
                     walk(tcls, f"tiers[type={kind}]")
             elif f.name in SECTIONS:
                 walk(SECTIONS[f.name], key)
+            elif f.name in LISTS:
+                rows.append((key, repr(f.default), f.metadata["doc"]))
+                walk(LISTS[f.name], f"{key}[]")
             else:
                 d = "(required)" if f.default is MISSING else repr(f.default)
                 rows.append((key, d, f.metadata["doc"]))

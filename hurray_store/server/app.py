@@ -36,14 +36,16 @@ import logging
 import signal
 import socket
 import time
+from functools import partial
 from typing import Any
 
-from hurray_store.config import ServerConfig
+from hurray_store.config import ServerConfig, StoreConfig
 from hurray_store.server.backing import ServedStore
 from hurray_store.server.http import HealthEndpoint
 from hurray_store.server.metrics import ServerMetrics
 from hurray_store.server.segments import PutBudget, SegmentDesk
 from hurray_store.server.session import Session
+from hurray_store.server.tenants import Tenants
 from hurray_store.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,10 @@ _HELLO_GRACE_S = 0.25
 
 class CacheServer:
     def __init__(self, store: TieredStore, cfg: ServerConfig) -> None:
-        self.store = ServedStore(store)
+        """``store``: built by ``server_store`` (it keeps every tenant's namespace)."""
+        tenants = Tenants(cfg, store.namespace, store.cascade)
+        tenants.count_held()  # what an opened store found at restart
+        self.store = ServedStore(store, tenants)
         self.cfg = cfg
         self.budget = PutBudget(cfg.max_inflight_put_bytes)
         self.desk = SegmentDesk(self.store, cfg)
@@ -63,6 +68,10 @@ class CacheServer:
         self.metrics = ServerMetrics(self.store.registry)
         self.metrics.inflight.set_function(lambda: self.budget.used)
         self.metrics.staged.set_function(lambda: len(self.desk.staged))
+        for t in tenants.all:
+            self.metrics.tenant_bytes.labels(t.name).set_function(partial(getattr, t, "used"))
+        evictions = self.metrics.tenant_quota_evictions
+        tenants.on_evict = lambda t, n: evictions.labels(t.name).inc(n)
         self.draining = False
         self.beat = time.monotonic()
         self.port = 0
@@ -189,6 +198,12 @@ class CacheServer:
             self.desk.expire(self.beat)
 
 
+def server_store(config: StoreConfig) -> TieredStore:
+    """The store a cache server serves: the config's tiers, keeping the namespace of
+    every tenant of ``config.server`` besides the config's own."""
+    return TieredStore(config, namespaces=[t.namespace for t in config.server.tenants])
+
+
 async def serve(
     store: TieredStore,
     cfg: ServerConfig,
@@ -207,4 +222,4 @@ async def serve(
     await server.serve_forever()
 
 
-__all__ = ["CacheServer", "serve"]
+__all__ = ["CacheServer", "serve", "server_store"]

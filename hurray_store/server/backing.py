@@ -1,9 +1,10 @@
 """ServedStore: what the cache server needs from a store, and nothing else.
 
-Clients name keys as the tiers store them. A client's segment keys in the store's
-namespace stay what they are (a restart finds them as segments); any other key a client
-names is kept as an object-level key. ``key`` parses a client's key once; the rest takes
-the parsed value.
+Clients name keys as the tiers store them, inside their tenant's namespace (see
+``tenants.py``): a client's segment keys in that namespace stay what they are (a restart
+finds them as segments); any other key a client names is kept as an object-level key of
+that namespace. ``key`` parses a client's key once; the rest takes the parsed value.
+Writes are charged to the tenant's quota.
 
 - ``reserve`` / ``buffers``: where a put's bytes land (tier space, else a resident buffer).
 - ``put_key``: one object-level object. ``commit_segment``: a segment, verified first.
@@ -21,6 +22,7 @@ from hurray_store.errors import ChecksumError, FormatError
 from hurray_store.format import Manifest
 from hurray_store.keys import ObjectKey, SegmentKey, SegmentPart, parse_key
 from hurray_store.ledger import Group
+from hurray_store.server.tenants import Tenant, Tenants
 from hurray_store.store import TieredStore
 from hurray_store.store.catalog import depth
 from hurray_store.tiers import Blob, Buffer, Range, Reservation, StoredObject
@@ -35,23 +37,35 @@ class ServedKey:
 
 
 class ServedStore:
-    def __init__(self, store: TieredStore) -> None:
+    def __init__(self, store: TieredStore, tenants: Tenants) -> None:
+        """``store`` keeps every tenant's namespace (``TieredStore(namespaces=...)``)."""
         self.store = store
-        self.namespace = store.namespace
+        self.tenants = tenants
         self.buffers = store.buffers
         self.registry = store.metrics.registry
         self._cascade = store.cascade
-        self._catalog = store.catalog
+        missing = set(tenants.namespaces) - set(store.catalogs)
+        if missing:
+            raise ValueError(f"the store does not keep the tenants' namespaces {sorted(missing)}")
 
     @property
     def tier_names(self) -> list[str]:
         return [t.name for t in self.store.tiers]
 
-    def key(self, client_key: str) -> ServedKey:
+    def key(self, client_key: str, tenant: Tenant, *, write: bool = False) -> ServedKey:
+        """``client_key`` inside the tenant's namespace. An admin's key naming another
+        tenant's namespace is taken as stored there (to read or delete; never to write)."""
         k = parse_key(client_key)
-        if isinstance(k, SegmentPart) and k.segment.namespace == self.namespace:
+        ns = tenant.namespace
+        if k is not None and tenant.admin and not write:
+            other = k.segment.namespace if isinstance(k, SegmentPart) else None
+            if isinstance(k, ObjectKey):
+                other = k.namespace
+            if other is not None and other != ns and other in self.tenants.by_namespace:
+                return ServedKey(client_key, k if isinstance(k, SegmentPart) else None)
+        if isinstance(k, SegmentPart) and k.segment.namespace == ns:
             return ServedKey(client_key, k)
-        return ServedKey(ObjectKey(self.namespace, client_key).stored, None)
+        return ServedKey(ObjectKey(ns, client_key).stored, None)
 
     def reserve(self, nbytes: int) -> Reservation | None:
         """Space in the tier a new object of ``nbytes`` lands in, to receive it in
@@ -64,26 +78,37 @@ class ServedStore:
         self,
         k: ServedKey,
         data: Sequence[Buffer],
+        tenant: Tenant,
         release: Callable[[], None] | None = None,
         reserved: Reservation | None = None,
     ) -> bool:
-        """Store one object-level object (a group of its own); ``release()`` runs once no
-        tier write needs ``data``. ``reserved``: ``data`` lies there, and the top tier
-        publishes it without a copy."""
-        if k.segment is not None:
+        """Store one object-level object of the tenant (a group of its own); ``release()``
+        runs once no tier write needs ``data``. ``reserved``: ``data`` lies there, and the
+        top tier publishes it without a copy. Raises FormatError (nothing stored) for a
+        segment object or past the tenant's quota."""
+        obj = parse_key(k.stored)
+        try:
+            if k.segment is not None or not isinstance(obj, ObjectKey):
+                raise FormatError(
+                    f"{k.stored} is a segment object: it is stored by commit_segment with "
+                    "its manifest"
+                )
+            nbytes = sum(memoryview(d).nbytes for d in data)
+            why = await self.tenants.admit(tenant, obj, nbytes)
+            if why:
+                raise FormatError(why)
+        except BaseException:
             if release is not None:
                 release()
-            raise FormatError(
-                f"{k.stored} is a segment object: it is stored by commit_segment with its manifest"
+            raise
+        try:
+            return bool(
+                await self._cascade.put_group(
+                    obj, [StoredObject(k.stored, data, reserved)], release=release
+                )
             )
-        name = k.stored[len(self.namespace) + 3 :]
-        return bool(
-            await self._cascade.put_group(
-                ObjectKey(self.namespace, name),
-                [StoredObject(k.stored, data, reserved)],
-                release=release,
-            )
-        )
+        finally:
+            self.tenants.written(tenant, obj, nbytes)
 
     async def get_key(self, k: ServedKey) -> Blob | None:
         return await self._cascade.get(k.stored)
@@ -96,8 +121,8 @@ class ServedStore:
         return await self._cascade.size(k.stored)
 
     def pin_keys(self, keys: Sequence[ServedKey]) -> list[Group]:
-        """Pin the groups holding ``keys`` (a segment key pins its segment); returns
-        them, for ``unpin_groups``."""
+        """Pin the groups holding ``keys`` (a segment key pins its segment; they count
+        as used for their tenant's quota); returns them, for ``unpin_groups``."""
         led = self._cascade.ledger
         groups: list[Group] = list(
             dict.fromkeys(
@@ -108,6 +133,7 @@ class ServedStore:
             )
         )
         led.pin(groups)
+        self.tenants.touch(groups)
         return groups
 
     def unpin_groups(self, groups: Sequence[Group]) -> None:
@@ -122,6 +148,7 @@ class ServedStore:
         seg: SegmentKey,
         manifest: Buffer,
         objects: Mapping[str, Buffer],
+        tenant: Tenant,
         release: Callable[[], None] | None = None,
         reserved: Mapping[str, Reservation] | None = None,
         *,
@@ -131,14 +158,15 @@ class ServedStore:
         commit). Everything is verified first: the manifest's checksum and key, each
         object's size and every page's checksum.
 
-        Raises FormatError (nothing stored) when any of it is wrong. Returns False when
-        no tier took it, True when stored or already held. ``parsed``:
+        Raises FormatError (nothing stored) when any of it is wrong, or when it does not
+        fit the tenant's quota. Returns False when no tier took it, True when stored or
+        already held (a committed segment is never replaced). ``parsed``:
         ``Manifest.from_bytes(manifest)``, when the caller has it already.
         """
         try:
-            if seg.namespace != self.namespace:
+            if seg.namespace != tenant.namespace:
                 raise FormatError(
-                    f"namespace {seg.namespace!r} is not this store's ({self.namespace!r})"
+                    f"namespace {seg.namespace!r} is not the tenant's ({tenant.namespace!r})"
                 )
             m = parsed if parsed is not None else Manifest.from_bytes(manifest)
             if m.segment_id != seg.segment_id:
@@ -164,39 +192,53 @@ class ServedStore:
         if self._cascade.ledger.group_holders(seg):
             if release is not None:
                 release()
+            self.tenants.touch([seg])
             return True
+        nbytes = memoryview(manifest).nbytes + sum(memoryview(b).nbytes for b in objects.values())
+        why = await self.tenants.admit(tenant, seg, nbytes)
+        if why:
+            if release is not None:
+                release()
+            raise FormatError(why)
         res = reserved or {}
         group = [StoredObject(k, [objects[k]], res.get(k)) for k in want]
         group.append(StoredObject(seg.manifest, [manifest]))
-        return bool(
-            await self._cascade.put_group(
-                seg,
-                group,
-                depth=depth(m),
-                on_committed=lambda: self._catalog.add(m),
-                release=release,
+        catalog = self.store.catalogs[tenant.namespace]
+        try:
+            return bool(
+                await self._cascade.put_group(
+                    seg,
+                    group,
+                    depth=depth(m),
+                    on_committed=lambda: catalog.add(m),
+                    release=release,
+                )
             )
-        )
+        finally:
+            self.tenants.written(tenant, seg, nbytes)
 
     async def find_segments(
-        self, seqs: Sequence[tuple[int, Sequence[bytes]]], max_bytes: int
+        self, seqs: Sequence[tuple[int, Sequence[bytes]]], max_bytes: int, tenant: Tenant
     ) -> tuple[list[int], list[bytes]]:
-        """Per sequence (pages the asker has, page hashes): the leading pages this store
-        holds, and the manifests of the segments holding them past what the asker has
-        (at most ``max_bytes`` of them; a sequence's match stops where they stop)."""
+        """Per sequence (pages the asker has, page hashes): the leading pages the
+        tenant's namespace holds, and the manifests of the segments holding them past
+        what the asker has (at most ``max_bytes`` of them; a sequence's match stops where
+        they stop)."""
+        catalog = self.store.catalogs[tenant.namespace]
         matched: list[int] = []
         wanted: dict[bytes, None] = {}
         runs: list[Sequence[bytes]] = []
         for have, hashes in seqs:
-            mt = self._catalog.longest_prefix(hashes)
+            mt = catalog.longest_prefix(hashes)
             matched.append(mt.num_pages)
             runs.append(mt.segment_ids)
             for sid in mt.segment_ids[have:]:
                 wanted.setdefault(sid)
         out: dict[bytes, bytes] = {}
         total = 0
+        self.tenants.touch(SegmentKey(tenant.namespace, sid) for sid in wanted)
         for sid in wanted:
-            blob = await self._catalog.manifest_bytes(sid)
+            blob = await catalog.manifest_bytes(sid)
             if blob is None or total + len(blob) > max_bytes:
                 continue
             out[sid] = blob

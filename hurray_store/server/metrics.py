@@ -51,3 +51,15 @@ class ServerMetrics:
             "segments whose layer objects await their commit",
             registry=registry,
         )
+        self.tenant_bytes = Gauge(
+            "hurray_store_server_tenant_bytes",
+            "bytes of objects a tenant holds on the server (what its quota counts)",
+            ["tenant"],
+            registry=registry,
+        )
+        self.tenant_quota_evictions = Counter(
+            "hurray_store_server_tenant_quota_evictions",
+            "groups of a tenant deleted to make room under its quota",
+            ["tenant"],
+            registry=registry,
+        )

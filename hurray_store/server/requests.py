@@ -12,6 +12,7 @@ from hurray_store import transport as tp
 from hurray_store.errors import ProtocolError
 from hurray_store.keys import HASH_LEN
 from hurray_store.server.backing import ServedKey
+from hurray_store.server.tenants import Tenant
 from hurray_store.tiers import host_view, transfer_timeout_s
 from hurray_store.transport import Err, Msg
 
@@ -31,6 +32,7 @@ class Requests:
     frame: int
     client_max: int
     peer: str
+    tenant: Tenant
 
     async def _error(self, stream: int, code: int, message: str) -> None:
         raise NotImplementedError
@@ -69,7 +71,7 @@ class Requests:
             )
             return
         store = self.server.store
-        k = store.key(req.key)
+        k = store.key(req.key, self.tenant)
 
         async def read() -> list[Any] | None:
             # The whole object as one range: a view of the tier's memory where it has
@@ -94,31 +96,31 @@ class Requests:
                 f"ranges of {total} bytes; at most {self.cfg.max_object_bytes}",
             )
             return
-        k = self.server.store.key(key)
+        k = self.server.store.key(key, self.tenant)
         await self._send_object(sid, k, lambda: self.server.store.get_key_ranges(k, ranges))
 
     async def _on_x_contains(self, sid: int, payload: memoryview) -> None:
         keys = _stream(tp.decode_keys, payload)
         store = self.server.store
-        sizes = [await store.key_size(store.key(k)) for k in keys]
+        sizes = [await store.key_size(store.key(k, self.tenant)) for k in keys]
         await self._reply(sid, Msg.X_CONTAINS_REPLY, tp.encode_sizes(sizes))
 
     async def _on_x_delete(self, sid: int, payload: memoryview) -> None:
         store = self.server.store
         for k in _stream(tp.decode_keys, payload):
-            await store.delete_key(store.key(k))
+            await store.delete_key(store.key(k, self.tenant))
         await self._reply(sid, Msg.X_DELETE_ACK, b"")
 
     async def _on_x_lookup(self, sid: int, payload: memoryview) -> None:
         claim, wait_ms, seqs = _stream(lambda p: tp.decode_lookup(p, HASH_LEN), payload)
         matched, manifests = await self.server.desk.lookup(
-            self, claim, wait_ms / 1000, seqs, self.client_max - 4096
+            self, claim, wait_ms / 1000, seqs, self.client_max - 4096, self.tenant
         )
         await self._reply(sid, Msg.X_LOOKUP_REPLY, tp.encode_lookup_reply(matched, manifests))
 
     async def _on_x_commit(self, sid: int, payload: memoryview) -> None:
         key, manifest = _stream(lambda p: tp.decode_commit(p, self.cfg.max_message_bytes), payload)
-        failed = await self.server.desk.commit(key, manifest)
+        failed = await self.server.desk.commit(key, manifest, self.tenant)
         if failed is None:
             await self._reply(sid, Msg.X_COMMIT_ACK, b"")
         else:
@@ -126,8 +128,15 @@ class Requests:
             await self._error(sid, *failed)
 
     async def _on_x_stats(self, sid: int, payload: memoryview) -> None:
+        """An admin sees the whole server; another tenant its own books only."""
         srv = self.server
+        tenants = srv.store.tenants
+        if not self.tenant.admin:
+            own = {"tenant": {"name": self.tenant.name, **self.tenant.stats()}}
+            await self._reply(sid, Msg.X_STATS_REPLY, tp.encode_json(own))
+            return
         stats = srv.store.stats()
+        stats["tenants"] = tenants.stats()
         stats["server"] = {
             "connections": len(srv.sessions),
             "inflight_put_bytes": srv.budget.used,

@@ -13,6 +13,7 @@ from hurray_store.errors import FormatError
 from hurray_store.format import Manifest
 from hurray_store.keys import SegmentKey
 from hurray_store.server.backing import ServedStore
+from hurray_store.server.tenants import Tenant
 from hurray_store.store.space import ObjectSpace
 from hurray_store.transport import Err
 
@@ -97,7 +98,7 @@ class SegmentDesk:
         self.store = store
         self.cfg = cfg
         self.staged: dict[SegmentKey, Staged] = {}  # a segment's staged layer objects
-        self.claims: dict[bytes, ClaimSet] = {}
+        self.claims: dict[tuple[str, bytes], ClaimSet] = {}  # (namespace, page hash)
 
     def stage(self, seg: SegmentKey, key: str, landing: Landing) -> None:
         """Hold a segment's layer object until its commit (a second put of it replaces
@@ -132,7 +133,7 @@ class SegmentDesk:
         for landing in st.objects.values() if st else ():
             landing.release()
 
-    def end_claim(self, h: bytes) -> None:
+    def end_claim(self, h: tuple[str, bytes]) -> None:
         c = self.claims.pop(h, None)
         if c is not None:
             c.left -= 1
@@ -150,12 +151,15 @@ class SegmentDesk:
         wait_s: float,
         seqs: list[tuple[int, list[bytes]]],
         max_bytes: int,
+        tenant: Tenant,
     ) -> tuple[list[int], list[bytes]]:
-        """Matched pages and manifests; with ``claim``, first wait (at most ``wait_s``)
-        for pages other connections claimed, then claim what is still missing."""
+        """Matched pages and manifests of the tenant's namespace; with ``claim``, first
+        wait (at most ``wait_s``) for pages other connections of the namespace claimed,
+        then claim what is still missing."""
+        ns = tenant.namespace
         deadline = time.monotonic() + min(wait_s, self.cfg.request_timeout_s)
         while True:
-            matched, manifests = await self.store.find_segments(seqs, max_bytes)
+            matched, manifests = await self.store.find_segments(seqs, max_bytes, tenant)
             if not claim:
                 return matched, manifests
             now = time.monotonic()
@@ -163,7 +167,7 @@ class SegmentDesk:
                 c.fut
                 for (_, hs), m in zip(seqs, matched, strict=True)
                 for h in hs[m:]
-                if (c := self.claims.get(h)) is not None
+                if (c := self.claims.get((ns, h))) is not None
                 and c.owner is not session
                 and c.deadline > now
             }
@@ -171,10 +175,10 @@ class SegmentDesk:
                 break
             await asyncio.wait(waits, timeout=max(0.0, deadline - now))
         todo = {
-            h
+            (ns, h)
             for (_, hs), m in zip(seqs, matched, strict=True)
             for h in hs[m:]
-            if h not in self.claims
+            if (ns, h) not in self.claims
         }
         if todo:
             cs = ClaimSet(
@@ -187,15 +191,17 @@ class SegmentDesk:
                 self.claims[h] = cs
         return matched, manifests
 
-    async def commit(self, manifest_key: str, manifest: memoryview) -> tuple[int, str] | None:
-        """Store a segment from its manifest and staged objects; None when stored, else
-        (error code, why)."""
-        seg = self.store.key(manifest_key).segment
+    async def commit(
+        self, manifest_key: str, manifest: memoryview, tenant: Tenant
+    ) -> tuple[int, str] | None:
+        """Store a segment of the tenant from its manifest and staged objects; None when
+        stored, else (error code, why)."""
+        seg = self.store.key(manifest_key, tenant, write=True).segment
         if seg is None or not seg.is_manifest:
             return (
                 Err.REJECTED,
-                f"{manifest_key!r} is not a manifest key of this server's namespace "
-                f"({self.store.namespace!r})",
+                f"{manifest_key!r} is not a manifest key of this client's namespace "
+                f"({tenant.namespace!r})",
             )
         st = self.staged.pop(seg.segment, None)
         landings = st.objects if st else {}
@@ -214,11 +220,11 @@ class SegmentDesk:
             reserved = {k: v.res for k, v in landings.items() if v.res is not None}
             views = {k: v.view for k, v in landings.items()}
             ok = await self.store.commit_segment(
-                seg.segment, data, views, release, reserved, parsed=m
+                seg.segment, data, views, tenant, release, reserved, parsed=m
             )
         except FormatError as e:
             return Err.REJECTED, str(e)
         finally:
             for h in (h for sq in m.sequences for h in sq.page_hashes):
-                self.end_claim(h)
+                self.end_claim((tenant.namespace, h))
         return None if ok else (Err.NOT_STORED, "no tier of the server took the segment")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import socket
 import time
@@ -21,7 +20,7 @@ from typing import Any, Protocol
 
 from hurray_store import transport as tp
 from hurray_store.config import ServerConfig
-from hurray_store.errors import ProtocolError
+from hurray_store.errors import FormatError, ProtocolError
 from hurray_store.server.backing import ServedStore
 from hurray_store.server.metrics import ServerMetrics
 from hurray_store.server.requests import Requests
@@ -192,11 +191,11 @@ class Session(Requests):
                 f"protocol version {hello.version}; this server speaks {tp.PROTOCOL_VERSION}",
             )
             return False
-        if self.cfg.token:
-            given = (hello.ext or {}).get("token", "")
-            if not hmac.compare_digest(given.encode(), self.cfg.token.encode()):
-                await self._fatal(sid, Err.AUTH_FAILED, "missing or wrong token")
-                return False
+        tenant = self.server.store.tenants.match((hello.ext or {}).get("token", ""))
+        if tenant is None:
+            await self._fatal(sid, Err.AUTH_FAILED, "missing or wrong token")
+            return False
+        self.tenant = tenant
         if self.server.draining:
             await self._fatal(sid, Err.SHUTTING_DOWN, "the server is shutting down")
             return False
@@ -215,7 +214,7 @@ class Session(Requests):
             ext = {
                 "extensions": tp.EXTENSION,
                 "server": "hurray_store",
-                "namespace": self.server.store.namespace,
+                "namespace": tenant.namespace,
                 "max_object_bytes": str(self.cfg.max_object_bytes),
             }
         reply = tp.Hello(max_message_size=self.cfg.max_message_bytes, ext=ext)
@@ -366,7 +365,7 @@ class Session(Requests):
 
     async def _put_store(self, sid: int, key: str, landing: Landing) -> None:
         store = self.server.store
-        k = store.key(key)
+        k = store.key(key, self.tenant, write=True)
         seg = k.segment
         if seg is not None and seg.is_manifest:
             landing.release()
@@ -378,7 +377,13 @@ class Session(Requests):
             self.server.desk.stage(seg.segment, k.stored, landing)
             ok = True
         else:
-            ok = await store.put_key(k, [landing.view], landing.release, landing.res)
+            try:
+                ok = await store.put_key(
+                    k, [landing.view], self.tenant, landing.release, landing.res
+                )
+            except FormatError as e:
+                await self._error(sid, Err.NOT_STORED, str(e))
+                return
         assert self.ch is not None
         if ok:
             async with self.ch.send_lock:

@@ -53,9 +53,17 @@ __all__ = ["PutResult", "RetrieveResult", "RetrievedLayer", "TieredStore", "open
 
 
 class TieredStore:
-    def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        tiers: Sequence[Tier] | None = None,
+        namespaces: Sequence[str] = (),
+    ) -> None:
         """``tiers``: tiers already built, one per ``config.tiers`` entry and in its
-        order (default: built from the config)."""
+        order (default: built from the config). ``namespaces``: more namespaces kept
+        beside ``config.namespace`` (a cache server's tenants), each with its own index
+        in ``catalogs`` and object level in ``object_levels``, found again at restart."""
         self.config = config
         self.namespace = config.namespace
         if tiers is None:
@@ -81,8 +89,11 @@ class TieredStore:
         self.cascade = TierCascade(
             tiers, self.policy, self.metrics, max_pending_bytes=config.policy.max_pending_bytes
         )
-        self.catalog = SegmentCatalog(config.namespace, self.cascade)
-        self.objects = ObjectStore(config.namespace, self.cascade)
+        spaces = list(dict.fromkeys([config.namespace, *namespaces]))
+        self.catalogs = {ns: SegmentCatalog(ns, self.cascade) for ns in spaces}
+        self.object_levels = {ns: ObjectStore(ns, self.cascade) for ns in spaces}
+        self.catalog = self.catalogs[config.namespace]
+        self.objects = self.object_levels[config.namespace]
         self.writer = SegmentWriter(
             self.cascade,
             self.catalog,
@@ -137,20 +148,21 @@ class TieredStore:
     async def _rebuild(self, tier: int) -> None:
         """Books and index from what a persistent tier holds; what was never committed
         (a writer killed mid-segment or mid-group) is deleted."""
-        segs: dict[SegmentKey, dict[str, int]] = {}
-        objs: dict[str, int] = {}
-        records: dict[ObjectKey, int] = {}
+        segs: dict[str, dict[SegmentKey, dict[str, int]]] = {ns: {} for ns in self.catalogs}
+        objs: dict[str, dict[str, int]] = {ns: {} for ns in self.catalogs}
+        records: dict[str, dict[ObjectKey, int]] = {ns: {} for ns in self.catalogs}
         async for key, size in self.tiers[tier].scan():
             k = parse_key(key)
-            if isinstance(k, SegmentPart) and k.segment.namespace == self.namespace:
-                segs.setdefault(k.segment, {})[key] = size
-            elif isinstance(k, ObjectKey) and k.namespace == self.namespace:
-                objs[key] = size
-            elif isinstance(k, GroupRecordKey) and k.group.namespace == self.namespace:
-                records[k.group] = size
-        orphans = await self.catalog.rebuild(tier, segs) + await self.objects.rebuild(
-            tier, objs, records
-        )
+            if isinstance(k, SegmentPart) and k.segment.namespace in segs:
+                segs[k.segment.namespace].setdefault(k.segment, {})[key] = size
+            elif isinstance(k, ObjectKey) and k.namespace in objs:
+                objs[k.namespace][key] = size
+            elif isinstance(k, GroupRecordKey) and k.group.namespace in records:
+                records[k.group.namespace][k.group] = size
+        orphans: list[str] = []
+        for ns, catalog in self.catalogs.items():
+            orphans += await catalog.rebuild(tier, segs[ns])
+            orphans += await self.object_levels[ns].rebuild(tier, objs[ns], records[ns])
         if orphans:
             await self.tiers[tier].delete_many(orphans)
         log.info("tier %s: removed %d uncommitted objects", self.tiers[tier].name, len(orphans))

@@ -1,0 +1,180 @@
+"""Tenants of the cache server: who a client is, which keys it may touch, and how many
+bytes it may hold.
+
+A client is known by the token it sends in its CLIENT_HELLO, and served as that token's
+tenant. A tenant reads and writes one namespace only: every key it names is taken inside
+its namespace, so another tenant's segments and objects are out of its reach (it can
+neither read, replace nor delete them). An admin tenant may also name other tenants'
+keys in full (``<namespace>/...``) to read or delete them.
+
+With no tenants configured the server has one: the store's own namespace, admin,
+reached with ``server.token`` (or by anyone when the token is empty).
+
+Quota: the bytes of a tenant's groups (each counted once, whichever tiers hold it, and
+counted from the moment its write starts). A put past the quota first deletes the
+tenant's own least recently used groups (``policy.quota_victims``); it never touches
+another tenant's. Groups that leave the server for other reasons (tier eviction, a
+delete) leave the tenant's books through the cascade's group-left event.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from hurray_store.config import ServerConfig
+from hurray_store.keys import ObjectKey, SegmentKey
+from hurray_store.ledger import Group
+from hurray_store.policy import quota_victims
+from hurray_store.store.cascade import TierCascade
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class Tenant:
+    name: str
+    namespace: str
+    admin: bool
+    quota: int | None
+    token: bytes = b""
+    groups: OrderedDict[Group, int] = field(default_factory=OrderedDict)  # LRU first
+    writing: dict[Group, int] = field(default_factory=dict)  # writes under way
+    used: int = 0  # bytes of ``groups`` and ``writing``
+    evicted: int = 0  # groups its quota deleted
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "namespace": self.namespace,
+            "admin": self.admin,
+            "quota_bytes": self.quota,
+            "used_bytes": self.used,
+            "groups": len(self.groups),
+            "quota_evictions": self.evicted,
+        }
+
+
+def namespace_of(group: Group) -> str | None:
+    return group.namespace if isinstance(group, SegmentKey | ObjectKey) else None
+
+
+def delete_key_of(group: Group) -> str:
+    """A key whose delete removes ``group`` whole."""
+    if isinstance(group, SegmentKey):
+        return group.manifest
+    assert isinstance(group, ObjectKey)
+    return group.stored
+
+
+class Tenants:
+    def __init__(self, cfg: ServerConfig, namespace: str, cascade: TierCascade) -> None:
+        self.cascade = cascade
+        self.open = not cfg.token and not cfg.tenants  # no auth: every client is admin
+        self.all: list[Tenant] = []
+        if cfg.token or self.open:
+            self.all.append(
+                Tenant(namespace, namespace, admin=True, quota=None, token=cfg.token.encode())
+            )
+        for t in cfg.tenants:
+            self.all.append(Tenant(t.name, t.namespace, t.admin, t.quota_bytes, t.token.encode()))
+        self.by_namespace = {t.namespace: t for t in self.all}
+        self.on_evict: Callable[[Tenant, int], None] = lambda tenant, n: None
+        cascade.subscribe(self._on_group_left)
+
+    @property
+    def namespaces(self) -> list[str]:
+        return list(self.by_namespace)
+
+    def match(self, token: str) -> Tenant | None:
+        """The tenant whose token this is (every token compared, in constant time each,
+        so the answer's timing says nothing about which one came close)."""
+        if self.open:
+            return self.all[0]
+        given = token.encode()
+        found = None
+        for t in self.all:
+            if hmac.compare_digest(given, t.token) and found is None:
+                found = t
+        return found
+
+    # ------------------------------------------------------------------ the books
+
+    def count_held(self) -> None:
+        """At start: charge each tenant for the groups the store found in its namespace."""
+        led = self.cascade.ledger
+        for i in range(len(self.cascade.tiers)):
+            for g, e in led.entries(i):
+                t = self.by_namespace.get(namespace_of(g) or "")
+                if t is not None and e.ready and t.groups.get(g, -1) < e.nbytes:
+                    t.used += e.nbytes - t.groups.get(g, 0)
+                    t.groups[g] = e.nbytes
+
+    def touch(self, groups: Iterable[Group]) -> None:
+        for g in groups:
+            t = self.by_namespace.get(namespace_of(g) or "")
+            if t is not None and g in t.groups:
+                t.groups.move_to_end(g)
+
+    async def admit(self, tenant: Tenant, group: Group, nbytes: int) -> str:
+        """Make room for a write of ``group`` (``nbytes``) under the tenant's quota,
+        deleting its own least recently used groups; charge it. "" when admitted (then
+        ``written`` must follow), else why not."""
+        old = tenant.groups.get(group, 0)  # a group written again replaces itself
+        victims: list[Group] = []
+        if tenant.quota is not None:
+            led = self.cascade.ledger
+            chosen = quota_victims(
+                ((g, n) for g, n in tenant.groups.items() if g != group),
+                tenant.used - old,
+                tenant.quota,
+                nbytes,
+                led.is_pinned,
+            )
+            if chosen is None:
+                return (
+                    f"tenant {tenant.name}: {nbytes} bytes do not fit its quota of "
+                    f"{tenant.quota} bytes ({tenant.used} held, the rest being sent)"
+                )
+            # Off the books first, so a put admitted while these deletes run does not
+            # count the same bytes freed twice.
+            victims = chosen
+            for g in victims:
+                self._forget(tenant, g)
+            tenant.evicted += len(victims)
+            if victims:
+                self.on_evict(tenant, len(victims))
+        tenant.writing[group] = tenant.writing.get(group, 0) + nbytes
+        tenant.used += nbytes
+        for g in victims:
+            await self.cascade.delete(delete_key_of(g))
+        return ""
+
+    def written(self, tenant: Tenant, group: Group, nbytes: int) -> None:
+        """The write ``admit`` charged for ended: the books take what the tiers hold."""
+        left = tenant.writing.pop(group, 0) - nbytes
+        if left > 0:
+            tenant.writing[group] = left
+        tenant.used -= nbytes
+        self._forget(tenant, group)
+        led = self.cascade.ledger
+        held = max(
+            (sum(led.group_keys(i, group).values()) for i in led.group_holders(group)),
+            default=0,
+        )
+        if held:
+            tenant.groups[group] = held
+            tenant.used += held
+
+    def _forget(self, tenant: Tenant, group: Group) -> None:
+        tenant.used -= tenant.groups.pop(group, 0)
+
+    def _on_group_left(self, group: Group) -> None:
+        t = self.by_namespace.get(namespace_of(group) or "")
+        if t is not None:
+            self._forget(t, group)
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        return {t.name: t.stats() for t in self.all}

@@ -377,3 +377,41 @@ async def test_a_disk_that_fills_before_its_budget_evicts_and_keeps_storing(
         assert got is not None and bytes(got) == blob
         assert await store.get_object("obj/0") is None, "the oldest made room"
         assert store.stats()["tiers"]["disk"]["capacity_bytes"] < 1 << 20
+
+
+@pytest.mark.parametrize("medium", ["disk", "redis"])
+async def test_an_object_lost_behind_the_stores_back_is_healed_on_read(
+    medium: str, tmp_path: Path, redis_server: RedisProc
+) -> None:
+    """A layer object removed by someone else (Redis eviction, another process's cleanup
+    of a shared folder): the retrieve that finds it gone delivers what is left, and the
+    segment leaves the index and the books, so lookup stops promising it."""
+    import redis as redis_py
+
+    sp = spec(num_layers=2)
+    src = random_pool(sp)
+    b = shared_batch(src, PREFIX, [[1] * 8])
+    if medium == "disk":
+        tier: dict[str, Any] = {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}
+    else:
+        tier = {"type": "redis", "url": redis_server.url, "capacity_bytes": 1 << 30}
+    cfg = {"namespace": f"lost-{medium}", "tiers": [tier]}
+    async with await open_store(cfg) as store:
+        await store.put(src, b.tokens, b.tables)
+        (seg,) = store.catalog.segments()
+        victim = store.catalog.cached_manifest(seg).layers[1].key
+        full = await store.lookup(sp, b.tokens)
+        assert full == [24]
+        if medium == "disk":
+            store.tiers[0].path_of(victim).unlink()  # type: ignore[attr-defined]
+        else:
+            r = redis_py.Redis.from_url(redis_server.url)
+            assert r.delete(store.tiers[0].prefix + victim) == 1  # type: ignore[attr-defined]
+            r.close()
+        dst = PagedKVPool(sp, 16)
+        got = await store.retrieve(dst, b.tokens)
+        assert got.num_tokens == [0], "the segment is the whole prefix: nothing is left"
+        assert dst.num_free == 16, "no page of the pool is left claimed"
+        assert await store.lookup(sp, b.tokens) == [0], "lookup no longer promises it"
+        assert store.stats()["segments"] == 0
+        assert store.ledger.used_bytes(0) == 0, "the books no longer count its other objects"

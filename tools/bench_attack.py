@@ -1,15 +1,19 @@
 """The cache server under attack: a well-behaved engine's latency with and without hostile
 clients on loopback, in one run.
 
-One ``hurray-store serve`` process (cpu tier). The engine is a ``remote`` tier that puts
-and gets 1 MiB objects, one at a time, and times each call. It runs once alone (the
+One ``hurray-store serve`` process (a 128 MiB cpu tier) with two tenants: the engine's,
+and the attackers' (their own token, a 32 MiB quota). The engine is a ``remote`` tier that
+puts and gets 1 MiB objects, one at a time, and times each call. It runs once alone (the
 reference), then again while these attackers run from threads of this process:
 
 - silent: 300 connections that never send CLIENT_HELLO, renewed every second;
 - non-readers: 8 clients that ask for a 2 MiB object again and again and never read;
 - empty puts: a client staging zero-byte segment objects as fast as it can;
 - announced: a TENSOR_PUT announcing 512 MiB that sends nothing, renewed as it times out;
-- lookups: X_LOOKUPs with 4,096 sequences of 64 hashes each, back to back.
+- lookups: X_LOOKUPs with 4,096 sequences of 64 hashes each, back to back;
+- flood: 1 MiB puts under new keys as fast as the server takes them (more than the whole
+  tier in a run): the quota keeps them from evicting the engine's KV.
+  Before the attack the engine stores 64 objects; the tool counts those left after it.
 
 Everything goes to 127.0.0.1, every loop is bounded in time, and the tool stops by
 itself. It prints p50 and p99 of the engine's put and get, and its failures, per phase.
@@ -37,7 +41,10 @@ from hurray_store import transport as tp
 from hurray_store.config import RemoteTierConfig
 from hurray_store.tiers.remote import RemoteTier
 
-TOKEN = "bench-attack"
+TOKEN = "bench-attack"  # the engine's tenant
+ATTACKER = "bench-attacker"  # the attackers' tenant
+KEPT = 64  # 1 MiB objects the engine stores before the attack
+TIER_BYTES = 128 << 20  # the server's cpu tier; the attackers' quota is a quarter of it
 
 
 def free_port() -> int:
@@ -46,11 +53,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(work: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start_server(work: Path, quota: int | None) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     cfg = {
-        "tiers": [{"type": "cpu", "capacity_bytes": 2 << 30}],
-        "server": {"port": port, "metrics_port": None, "token": TOKEN, "request_timeout_s": 5.0},
+        "tiers": [{"type": "cpu", "capacity_bytes": TIER_BYTES}],
+        "server": {
+            "port": port,
+            "metrics_port": None,
+            "request_timeout_s": 5.0,
+            "tenants": [
+                {"name": "engine", "token": TOKEN, "namespace": "hurray"},
+                {"name": "attacker", "token": ATTACKER, "quota_bytes": quota},
+            ],
+        },
     }
     (work / "server.yaml").write_text(yaml.safe_dump(cfg))
     log = open(work / "server.log", "wb")  # noqa: SIM115 - the server's lifetime
@@ -73,7 +88,7 @@ class Raw:
     def __init__(self, port: int, hello: bool = True) -> None:
         self.s = socket.create_connection(("127.0.0.1", port), timeout=5.0)
         if hello:
-            ext = {"extensions": tp.EXTENSION, "token": TOKEN}
+            ext = {"extensions": tp.EXTENSION, "token": ATTACKER}
             self.send(tp.Msg.CLIENT_HELLO, 1, tp.Hello(ext=ext).encode())
             self.s.recv(65536)
 
@@ -95,6 +110,9 @@ def attacker(stop: threading.Event, body: Callable[[], None]) -> threading.Threa
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+FLOODED = [0]  # bytes the flood put
 
 
 def attacks(port: int, stop: threading.Event) -> list[threading.Thread]:
@@ -141,16 +159,52 @@ def attacks(port: int, stop: threading.Event) -> list[threading.Thread]:
             c.s.recv(1 << 20)
         c.close()
 
-    body: list[Callable[[], None]] = [silent, empty_puts, announced, lookups]
+    def flood() -> None:
+        c = Raw(port)
+        data = os.urandom(1 << 20)
+        for i in range(100_000):
+            if stop.is_set():
+                break
+            sid = 3 + 2 * (i % 1000)
+            c.send(tp.Msg.TENSOR_PUT, sid, tp.encode_put(f"flood/{os.getpid()}/{i}", len(data)))
+            c.send(tp.Msg.TENSOR_DATA, sid, tp.DATA_OFFSET.pack(0) + data)
+            c.send(tp.Msg.TENSOR_DATA_END, sid)
+            c.s.recv(4096)  # its ACK (or ERROR): one put at a time
+            FLOODED[0] += len(data)
+        c.close()
+
+    body: list[Callable[[], None]] = [silent, empty_puts, announced, lookups, flood]
     body += [non_reader] * 8
     return [attacker(stop, b) for b in body]
 
 
-async def engine(port: int, n: int) -> tuple[list[float], list[float], int]:
-    t = RemoteTier(
+def engine_tier(port: int) -> RemoteTier:
+    return RemoteTier(
         RemoteTierConfig(url=f"hurray://127.0.0.1:{port}", name="remote", token=TOKEN),
         "hurray",
     )
+
+
+async def keep(port: int) -> int:
+    """Store the engine's ``KEPT`` objects; how many were stored."""
+    t = engine_tier(port)
+    try:
+        return sum([await t.put(f"kept/{i}", [os.urandom(1 << 20)]) for i in range(KEPT)])
+    finally:
+        await t.close()
+
+
+async def kept(port: int) -> int:
+    """How many of the engine's ``KEPT`` objects the server still holds."""
+    t = engine_tier(port)
+    try:
+        return sum(n is not None for n in await t.sizes([f"kept/{i}" for i in range(KEPT)]))
+    finally:
+        await t.close()
+
+
+async def engine(port: int, n: int) -> tuple[list[float], list[float], int]:
+    t = engine_tier(port)
     await t.open()
     data = os.urandom(1 << 20)
     puts, gets, failed = [], [], 0
@@ -177,9 +231,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--ops", type=int, default=200, help="engine puts (and gets) per phase")
+    ap.add_argument(
+        "--no-quota",
+        action="store_true",
+        help="give the attackers' tenant no quota (to see what the quota prevents)",
+    )
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-attack-"))
-    proc, port = start_server(work)
+    proc, port = start_server(work, None if a.no_quota else TIER_BYTES // 4)
     rows = []
     try:
         seed = Raw(port)
@@ -189,6 +248,7 @@ def main() -> None:
         seed.send(tp.Msg.TENSOR_DATA_END, 3)
         seed.s.recv(4096)
         seed.close()
+        stored = asyncio.run(keep(port))
         for phase in ("alone", "under attack"):
             stop = threading.Event()
             threads = attacks(port, stop) if phase != "alone" else []
@@ -199,6 +259,7 @@ def main() -> None:
                 t.join(timeout=10)
             rows.append((phase, pct(puts, 50), pct(puts, 99), pct(gets, 50), pct(gets, 99), failed))
             time.sleep(2.0)
+        left = asyncio.run(kept(port))
         alive = proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -211,7 +272,12 @@ def main() -> None:
     print("|--------------|---------|---------|---------|---------|--------------|")
     for phase, p50, p99, g50, g99, failed in rows:
         print(f"| {phase:<12} | {p50:7.2f} | {p99:7.2f} | {g50:7.2f} | {g99:7.2f} | {failed:12d} |")
-    print(f"\nthe server survived the attack: {alive}; exit code on SIGTERM: {proc.returncode}")
+    print(
+        f"\nthe flood sent {FLOODED[0] >> 20} MiB of puts to a {TIER_BYTES >> 20} MiB tier; "
+        f"the engine's objects stored before the attack: {stored} of {KEPT}, still held "
+        f"after it: {left}"
+    )
+    print(f"the server survived the attack: {alive}; exit code on SIGTERM: {proc.returncode}")
 
 
 if __name__ == "__main__":

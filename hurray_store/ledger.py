@@ -88,6 +88,12 @@ class Ledger:
         e = self._books[tier].groups.get(group)
         return dict(e.sizes) if e else {}
 
+    def size_in(self, tier: int, key: str) -> int | None:
+        """The size the books give ``key`` in ``tier`` (None: not there)."""
+        b = self._books[tier]
+        g = b.key_group.get(key)
+        return None if g is None else b.groups[g].sizes[key]
+
     def key_size(self, key: str) -> int | None:
         """The size of ``key`` in the fastest tier holding it READY."""
         for i in self.holders(key):

@@ -523,6 +523,7 @@ async def test_object_groups_survive_a_restart_and_half_written_ones_are_deleted
         assert await store.get_object("solo") is not None
         await store.delete_object("c1/0")
         assert [await store.contains_object(k) for k in ("c1/0", "c1/1", "c1/r")] == [False] * 3
-    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [
+    objects = tmp_path / "objects"  # beside it: the folder's lock and journal
+    assert sorted(p.name for p in objects.rglob("*") if p.is_file()) == [
         p.name for p in [disk.path_of("hurray/o/solo")]
     ]  # type: ignore[attr-defined]

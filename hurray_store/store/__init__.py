@@ -163,9 +163,30 @@ class TieredStore:
         for ns, catalog in self.catalogs.items():
             orphans += await catalog.rebuild(tier, segs[ns])
             orphans += await self.object_levels[ns].rebuild(tier, objs[ns], records[ns])
+        orphans = await self.tiers[tier].removable_orphans(orphans)
         if orphans:
             await self.tiers[tier].delete_many(orphans)
         log.info("tier %s: removed %d uncommitted objects", self.tiers[tier].name, len(orphans))
+
+    async def sync(self) -> None:
+        """Hear what other processes sharing a tier's medium (a disk folder) committed
+        and removed since the last call: their segments join the index, their objects
+        the books; what they removed leaves the books. Every operation calls it first;
+        it costs one ``fstat`` per such tier when nothing changed."""
+        for i, t in enumerate(self.tiers):
+            for added, key in t.changes():
+                if not added:
+                    self.cascade.lost(i, key)
+                    continue
+                k = parse_key(key)
+                if (
+                    isinstance(k, SegmentPart)
+                    and k.is_manifest
+                    and k.segment.namespace in self.catalogs
+                ):
+                    await self.catalogs[k.segment.namespace].adopt(i, k.segment)
+                elif isinstance(k, ObjectKey) and k.namespace in self.object_levels:
+                    await self.object_levels[k.namespace].adopt(i, k)
 
     # ------------------------------------------------------------------ prefix level
 
@@ -189,12 +210,14 @@ class TieredStore:
         pages are stored (only they can be matched). Raises PagingError for malformed
         input; a tier failing is a skipped write, never an exception.
         """
+        await self.sync()
         return await self.writer.put(pool, token_ids, block_tables, seq_lens, self._salt(salt))
 
     async def lookup(
         self, spec: KVSpec, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None
     ) -> list[int]:
         """Per sequence, the leading tokens (whole pages) ``retrieve`` can deliver now."""
+        await self.sync()
         return await self.reader.lookup(spec, token_ids, self._salt(salt))
 
     async def retrieve(
@@ -205,6 +228,7 @@ class TieredStore:
         salt: bytes | str | None = None,
     ) -> RetrieveResult:
         """Re-page the longest stored prefix of each sequence into ``pool``."""
+        await self.sync()
         run = self.reader.start(pool, token_ids, self._salt(salt))
         stream = run.layers()
         try:
@@ -224,6 +248,7 @@ class TieredStore:
     ) -> AsyncIterator[RetrievedLayer]:
         """``retrieve``, one layer at a time: each item says that layer is in the pool.
         Closing the iteration early gives every allocated page back to ``pool``."""
+        await self.sync()
         stream = self.reader.start(pool, token_ids, self._salt(salt)).layers()
         try:
             async for layer in stream:
@@ -236,24 +261,30 @@ class TieredStore:
     async def put_object(self, key: str, data: Data) -> bool:
         """Store one object (the concatenation of ``data`` when it is a list); False:
         stored nowhere."""
+        await self.sync()
         return await self.objects.put(key, data)
 
     async def put_objects(self, items: Sequence[tuple[str, Data]]) -> bool:
         """Store several objects as one group, the last written after the others."""
+        await self.sync()
         return await self.objects.put_many(items)
 
     async def get_object(self, key: str) -> Blob | None:
+        await self.sync()
         return await self.objects.get(key)
 
     async def get_object_ranges(self, key: str, ranges: Sequence[Range]) -> list[Blob] | None:
+        await self.sync()
         return await self.objects.get_ranges(key, ranges)
 
     async def read_object_into(
         self, key: str, ranges: Sequence[Range], buffers: Sequence[memoryview]
     ) -> bool:
+        await self.sync()
         return await self.objects.read_into(key, ranges, buffers)
 
     async def contains_object(self, key: str) -> bool:
+        await self.sync()
         return await self.objects.contains(key)
 
     def has_object(self, key: str) -> bool:
@@ -267,6 +298,7 @@ class TieredStore:
         self.objects.unpin(keys)
 
     async def delete_object(self, key: str) -> None:
+        await self.sync()
         await self.objects.delete(key)
 
     # ------------------------------------------------------------------ stats

@@ -188,6 +188,7 @@ class TierCascade:
                 return None
             if ok:
                 c.bytes_written += sum(sizes.values())
+                t.announce(added=[objects[-1].key])  # its last key: the group is whole
             else:
                 c.skipped_writes += 1
             return ok
@@ -229,6 +230,7 @@ class TierCascade:
                 if objs is not None:
                     await self._write(v.demote_to, v.group, objs, self.ledger.depth(v.group))
             await t.delete_many(list(v.sizes))
+            t.announce(removed=list(v.sizes)[:1])
             self.metrics.tiers[t.name].evictions += len(v.sizes)
             self._left(v.group)
 
@@ -310,6 +312,18 @@ class TierCascade:
             if got is None:
                 self.missing(i, key)
                 continue
+            if (
+                op == "get"
+                and self.tiers[i].persistent
+                and nbytes(got) != self.ledger.size_in(i, key)
+            ):
+                # Another process replaced it with an object of another size: not what
+                # the books know (the journal brings the new one).
+                log.info(
+                    "tier %s: %s is not the size the books say; a miss", self.tiers[i].name, key
+                )
+                self.missing(i, key)
+                continue
             self.hit(i, nbytes(got))
             self.ledger.touch([self.ledger.group_of(i, key) or key])
             return got
@@ -375,12 +389,14 @@ class TierCascade:
         by Redis, deleted by hand): its group leaves the books there, unless the tier
         is down (then nothing is known)."""
         self.metrics.tiers[self.tiers[tier].name].misses += 1
+        if self.tiers[tier].available:
+            self.lost(tier, key)
+
+    def lost(self, tier: int, key: str) -> None:
+        """``key`` is gone from ``tier`` (another process removed it, or a read found it
+        missing): its group leaves the books there, unless this store is writing it."""
         group = self.ledger.group_of(tier, key)
-        if (
-            group is not None
-            and not self.ledger.is_writing(tier, group)
-            and self.tiers[tier].available
-        ):
+        if group is not None and not self.ledger.is_writing(tier, group):
             self.ledger.forget(tier, group)
             self._left(group)
 
@@ -399,6 +415,7 @@ class TierCascade:
     async def _quarantine(self, tier: int, key: str, others: list[str]) -> None:
         t = self.tiers[tier]
         await t.quarantine(key)
+        t.announce(removed=[key])
         if others:
             await t.delete_many(others)
 
@@ -417,6 +434,7 @@ class TierCascade:
                 self._deleted_while_writing.add((i, group))  # undone when its write ends
                 continue
             await self.tiers[i].delete_many(list(self.ledger.forget(i, group)) or [key])
+            self.tiers[i].announce(removed=[key])
             self._left(group)
         for i in self.shared_tiers(skip=list(holders)):
             await self.tiers[i].delete(key)

@@ -208,6 +208,24 @@ class SegmentCatalog:
                 self.cascade.ledger.record(i, seg, sizes, depth=depth(m))
                 self.add(m)
 
+    # ------------------------------------------------------------------ other processes
+
+    async def adopt(self, tier: int, seg: SegmentKey) -> None:
+        """Another process committed ``seg`` to ``tier`` (a disk folder both use): read
+        and check its manifest, record the segment as held there, and index it."""
+        if self.cascade.ledger.held(tier, seg):
+            return
+        blob = await self.cascade.tiers[tier].get(seg.manifest)
+        if blob is None:
+            return  # removed again already
+        m = self.parse(tier, seg, blob)
+        if m is None or self.cascade.ledger.held(tier, seg):
+            return
+        sizes = {lay.key: lay.object_size for lay in m.layers}
+        sizes[seg.manifest] = len(host_view(blob))
+        self.cascade.ledger.record(tier, seg, sizes, depth=depth(m))
+        self.add(m)
+
     # ------------------------------------------------------------------ restart
 
     async def rebuild(self, tier: int, found: dict[SegmentKey, dict[str, int]]) -> list[str]:

@@ -7,6 +7,12 @@ written together, the last after the others, evicted and deleted together), ``ge
 A group of several objects also stores its member list (``<ns>/g/<last name>``, written
 with the others, before the last), so a restart finds the group again; a group whose
 members are not all there (a writer killed mid-group) is deleted whole at restart.
+
+Reads are checked: a whole read must have the size the books give (another process on
+the same folder may have replaced the object), and an object this store ``put`` is
+checked against the xxh3-64 it had (kept while the store holds it). A mismatch is a
+miss, and the object leaves the books. ``put_many`` groups carry their own checks (the
+LMCache adapters' records hold each object's size and checksum).
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
+from hurray_store.format import checksum
 from hurray_store.keys import ObjectKey, decode_group_record, encode_group_record
 from hurray_store.store.cascade import TierCascade
-from hurray_store.tiers import Blob, Buffer, Range
+from hurray_store.tiers import Blob, Buffer, Range, host_view
 from hurray_store.tiers.base import GroupObject, StoredObject
 
 log = logging.getLogger(__name__)
@@ -34,6 +41,12 @@ class ObjectStore:
     def __init__(self, namespace: str, cascade: TierCascade) -> None:
         self.namespace = namespace
         self.cascade = cascade
+        self._sums: dict[str, int] = {}  # stored key -> xxh3-64, for objects put here
+        cascade.subscribe(self._on_group_left)
+
+    def _on_group_left(self, group: object) -> None:
+        if isinstance(group, ObjectKey) and group.namespace == self.namespace:
+            self._sums.pop(group.stored, None)
 
     def key(self, name: str) -> ObjectKey:
         return ObjectKey(self.namespace, name)
@@ -42,7 +55,12 @@ class ObjectStore:
         """Store one object (the concatenation of ``data`` when it is a list) in the top
         tier that can hold it, and write-through below. False: stored nowhere."""
         k = self.key(name)
-        return bool(await self.cascade.put_group(k, [StoredObject(k.stored, _bufs(data))]))
+        bufs = _bufs(data)
+        sum_ = checksum(*(host_view(b) for b in bufs))
+        ok = bool(await self.cascade.put_group(k, [StoredObject(k.stored, bufs)]))
+        if ok:
+            self._sums[k.stored] = sum_
+        return ok
 
     async def put_many(self, items: Sequence[tuple[str, Data]]) -> bool:
         """Store several objects as one group: they enter and leave every tier together,
@@ -62,7 +80,17 @@ class ObjectStore:
         )
 
     async def get(self, name: str) -> Blob | None:
-        return await self.cascade.get(self.key(name).stored)
+        key = self.key(name).stored
+        got = await self.cascade.get(key)
+        want = self._sums.get(key)
+        if got is not None and want is not None and checksum(host_view(got)) != want:
+            log.warning(
+                "object %s: not the bytes this store put (replaced elsewhere); a miss", name
+            )
+            for i in self.cascade.ledger.holders(key):
+                self.cascade.lost(i, key)
+            return None
+        return got
 
     async def get_ranges(self, name: str, ranges: Sequence[Range]) -> list[Blob] | None:
         got = await self.cascade.get_ranges(self.key(name).stored, ranges)
@@ -105,6 +133,37 @@ class ObjectStore:
         """Delete an object everywhere; an object stored with ``put_many`` takes its
         whole group with it."""
         await self.cascade.delete(self.key(name).stored)
+
+    async def adopt(self, tier: int, obj: ObjectKey) -> None:
+        """Another process stored the group ``obj`` ends (a single object, or the last
+        of a ``put_many`` group with its member list) in ``tier``: record what the tier
+        holds of it now, in place of what the books knew."""
+        t = self.cascade.tiers[tier]
+        led = self.cascade.ledger
+        old = led.group_of(tier, obj.stored)
+        if old is not None and led.is_writing(tier, old):
+            return  # this store is writing it too: its own write decides
+        blob = await t.get(obj.group_record)
+        members = None
+        if blob is not None:
+            members = decode_group_record(bytes(host_view(blob)))
+            if not members or members[-1][0] != obj.stored:
+                members = None  # a member list of an older group of that name
+        keys = [k for k, _ in members] if members else [obj.stored]
+        have = await t.sizes(keys)
+        if members and [n for _, n in members] != have:
+            return  # not all there (yet, or any more)
+        if have[0] is None:
+            return
+        sizes = dict(zip(keys, have, strict=True))
+        if members:
+            sizes[obj.group_record] = len(host_view(blob))  # type: ignore[arg-type]
+        if old is not None:
+            self.cascade.lost(tier, obj.stored)
+        for k in sizes:  # a key of another group the books know: that group is gone
+            if (g := led.group_of(tier, k)) is not None and g != obj:
+                self.cascade.lost(tier, k)
+        led.record(tier, obj, sizes)  # type: ignore[arg-type]
 
     async def rebuild(
         self, tier: int, objects: dict[str, int], records: dict[ObjectKey, int]

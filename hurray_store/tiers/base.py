@@ -238,6 +238,24 @@ class Tier(ABC):
         """Take a corrupt object out of service (default: delete it)."""
         await self.delete(key)
 
+    # ------------------------------------------------------------------ other processes
+
+    # A medium several processes may open at once (a disk folder) tells each what the
+    # others added and removed: ``announce`` after a group is written (its last key) or
+    # a key is removed, ``changes`` to hear the others'. Default: no feed.
+
+    def announce(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:  # noqa: B027
+        """Tell the other processes using this medium."""
+
+    def changes(self) -> list[tuple[bool, str]]:
+        """What the other processes announced since the last call: ``(added, key)``."""
+        return []
+
+    async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
+        """Of the uncommitted keys a restart scan found, those no live writer may still
+        be committing (default: all; a medium other processes share keeps young ones)."""
+        return list(keys)
+
     async def sizes(self, keys: Sequence[str]) -> list[int | None]:
         """The size of each key, None where absent."""
         out: list[int | None] = []

@@ -5,6 +5,8 @@
     <path>/objects/<2 hex of xxh3(key)>/<key, %-quoted>     published objects
     <path>/objects/<..>/.tmp.<pid>.<n>.<name>              writes in progress
     <path>/quarantine/<name>.<unix time>                   objects that failed verification
+    <path>/lock                                            held (flock) by every store open on it
+    <path>/journal                                         what each store added and removed
 
 A write goes to a temp file in the object's own folder, optionally fsyncs it, and is
 published by ``os.replace`` (atomic on POSIX), then the folder is fsynced when
@@ -12,13 +14,25 @@ published by ``os.replace`` (atomic on POSIX), then the folder is fsynced when
 8 MiB per system call (see ``_IO_CHUNK``). ``open`` removes temp files a
 killed process left behind. Each operation is one trip to aiofiles' thread pool
 (``aiofiles.os.wrap``): about 80 us a trip, so never one trip per page.
+
+Several processes may open one folder at once (vLLM's scheduler and workers, several
+engines on a host). Each holds a shared ``flock`` on ``lock``; a store that gets it
+exclusively at open is alone, and only then empties the journal and lets the restart
+scan delete every uncommitted object; otherwise only those older than
+``ORPHAN_AGE_S`` (no live writer takes that long between a segment's first object and
+its manifest). Each store appends a line to ``journal`` per group it commits (its last
+key) and per group it removes, with one ``O_APPEND`` write; the others read the lines
+they have not seen before each operation (one ``fstat`` when there are none), so each
+finds the others' segments and forgets what they evicted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import itertools
+import json
 import logging
 import os
 import time
@@ -64,6 +78,11 @@ _counter = itertools.count()
 MAX_NAME_BYTES = 230
 
 
+# A committed group's objects are all published within seconds of each other: an object
+# of an uncommitted one this old has no live writer.
+ORPHAN_AGE_S = 600.0
+
+
 class KeyTooLongError(FileNotFoundError):
     """A key too long to be a file name: this tier cannot hold it."""
 
@@ -83,6 +102,12 @@ class DiskTier(Tier):
         self._ranges = aiofiles.os.wrap(self._ranges_sync)
         self._scan = aiofiles.os.wrap(self._scan_sync)
         self._read_many = aiofiles.os.wrap(self._read_many_sync)
+        self.alone = True  # no other store had the folder open when this one opened it
+        self._lock_fd: int | None = None
+        self._journal_fd: int | None = None
+        self._journal_path = self.root / "journal"
+        self._seen = 0  # bytes of the journal read
+        self._me = os.urandom(6).hex()  # this store's lines, skipped when read back
 
     def path_of(self, key: str) -> Path:
         """Where ``key`` lives. A key whose file name would pass the file system's limit
@@ -100,6 +125,94 @@ class DiskTier(Tier):
     async def open(self) -> None:
         await aiofiles.os.makedirs(self.objects, exist_ok=True)
         await aiofiles.os.makedirs(self.quarantine_dir, exist_ok=True)
+        if self._lock_fd is None:
+            await aiofiles.os.wrap(self._share_sync)()
+
+    def _share_sync(self) -> None:
+        """Join the stores using the folder: alone when the lock is ours exclusively
+        (then the journal starts empty), then hold it shared like the others."""
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.alone = True
+        except BlockingIOError:
+            self.alone = False
+        jfd = os.open(self._journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if self.alone:
+            os.ftruncate(jfd, 0)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a newcomer holds it exclusively
+        self._lock_fd, self._journal_fd = fd, jfd
+        self._seen = os.fstat(jfd).st_size  # before the restart scan: nothing is missed
+        if not self.alone:
+            log.info("disk tier %s: %s is open in another process too", self.name, self.root)
+
+    async def close(self) -> None:
+        for fd in (self._journal_fd, self._lock_fd):
+            if fd is not None:
+                os.close(fd)
+        self._journal_fd = self._lock_fd = None
+
+    # ------------------------------------------------------------------ other processes
+
+    def announce(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:
+        if self._journal_fd is None or not (added or removed):
+            return
+        lines = [json.dumps([self._me, "+", k]) for k in added]
+        lines += [json.dumps([self._me, "-", k]) for k in removed]
+        try:
+            os.write(self._journal_fd, ("\n".join(lines) + "\n").encode())
+        except OSError as e:
+            log.warning("disk tier %s: journal write failed: %s", self.name, e)
+
+    def changes(self) -> list[tuple[bool, str]]:
+        try:
+            size = os.stat(self._journal_path).st_size
+        except OSError:
+            return []
+        if size < self._seen:  # emptied by hand: read it again from the start
+            self._seen = 0
+        if size == self._seen:
+            return []
+        try:
+            with open(self._journal_path, "rb") as f:
+                f.seek(self._seen)
+                data = f.read(size - self._seen)
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line being appended now is read next time
+        self._seen += end
+        out: list[tuple[bool, str]] = []
+        for line in data[:end].splitlines():
+            try:
+                who, op, key = json.loads(line)
+            except (ValueError, TypeError):
+                continue  # not a journal line: ignored
+            if who != self._me and op in ("+", "-") and isinstance(key, str):
+                out.append((op == "+", key))
+        return out
+
+    async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
+        if self.alone:
+            return list(keys)
+        old: list[str] = await aiofiles.os.wrap(self._older_sync)(keys, ORPHAN_AGE_S)
+        if len(old) < len(keys):
+            log.info(
+                "disk tier %s: %d uncommitted objects kept: another process may be writing them",
+                self.name,
+                len(keys) - len(old),
+            )
+        return old
+
+    def _older_sync(self, keys: Sequence[str], age_s: float) -> list[str]:
+        now = time.time()
+        out = []
+        for k in keys:
+            try:
+                if now - os.stat(self.path_of(k)).st_mtime > age_s:
+                    out.append(k)
+            except OSError:
+                pass
+        return out
 
     # ------------------------------------------------------------------ sync bodies
 

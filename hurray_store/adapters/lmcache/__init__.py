@@ -13,7 +13,7 @@ See docs/lmcache.md.
 from hurray_store.adapters.lmcache.l2 import HurrayL2Adapter, HurrayL2AdapterConfig
 from hurray_store.adapters.lmcache.plugin import HurrayStoragePlugin
 from hurray_store.adapters.lmcache.records import layout_fingerprint
-from hurray_store.adapters.lmcache.store_thread import StoreThread
+from hurray_store.adapters.store_thread import StoreThread
 
 __all__ = [
     "HurrayL2Adapter",

@@ -23,7 +23,7 @@ from hurray_store.adapters.lmcache.records import (
     pack_l2_record,
     parse_l2_record,
 )
-from hurray_store.adapters.lmcache.store_thread import StoreThread
+from hurray_store.adapters.store_thread import StoreThread
 from hurray_store.errors import FormatError
 from hurray_store.format import checksum
 from hurray_store.store import TieredStore

@@ -43,7 +43,7 @@ from hurray_store.adapters.lmcache.records import (
     pack_chunk_record,
     parse_chunk_record,
 )
-from hurray_store.adapters.lmcache.store_thread import StoreThread, pin_objects
+from hurray_store.adapters.store_thread import StoreThread, pin_objects
 from hurray_store.errors import FormatError
 from hurray_store.format import LayerKV, checksum, encode_layer_buffers
 from hurray_store.store import TieredStore

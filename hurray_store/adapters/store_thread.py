@@ -1,4 +1,5 @@
-"""A hurray_store TieredStore on an event loop of its own thread, for LMCache's threads."""
+"""A hurray_store TieredStore on an event loop of its own thread, for engines' threads
+(LMCache's, vLLM's)."""
 
 from __future__ import annotations
 

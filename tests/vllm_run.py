@@ -1,0 +1,66 @@
+"""One vLLM instance of the connector tests (run as ``python -m tests.vllm_run`` in the
+vLLM environment, each instance in its own process): it generates greedy tokens for
+the prompts of a JSON file, one request at a time, and prints per prompt the tokens and
+``num_cached_tokens`` as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True, help="JSON: a list of token id lists")
+    ap.add_argument("--config", default=None, help="hurray_store config: the connector on")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-batched-tokens", type=int, default=None)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--stats", default="", help="where the connector's worker writes its counts")
+    a = ap.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if a.config:
+        kv = KVTransferConfig(
+            kv_connector="HurrayConnector",
+            kv_connector_module_path="hurray_store.adapters.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"config": a.config, "stats_file": a.stats},
+        )
+    extra = {}
+    if a.max_batched_tokens:
+        extra = {"max_num_batched_tokens": a.max_batched_tokens, "enable_chunked_prefill": True}
+    llm = LLM(
+        model=a.model,
+        skip_tokenizer_init=True,
+        dtype=a.dtype,
+        max_model_len=1024,
+        block_size=a.block_size,
+        enforce_eager=True,
+        enable_prefix_caching=not a.no_prefix_caching,
+        max_num_seqs=4,
+        seed=0,
+        kv_cache_memory_bytes=64 << 20,
+        kv_transfer_config=kv,
+        **extra,
+    )
+    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=a.max_tokens, detokenize=False)
+    out = []
+    with open(a.prompts) as f:
+        prompts = json.load(f)
+    for ids in prompts:
+        (r,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        out.append({"tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens or 0})
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

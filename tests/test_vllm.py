@@ -251,3 +251,29 @@ def test_the_readme_llm_form_runs(fp32_model: Path, tmp_path: Path) -> None:
     )
     assert p.returncode == 0 and "TOKENS" in p.stdout, (p.stdout + p.stderr)[-3000:]
     assert (tmp_path / "cache" / "journal").read_text().count("+") >= 1, "the prompt was saved"
+
+
+def test_two_instances_share_one_cache_server_and_serve_with_it_down(
+    fp32_model: Path, tmp_path: Path
+) -> None:
+    """The second instance's first request loads the first one's prefix from the
+    cache server; with the server gone, an instance serves the same tokens, computing
+    everything."""
+    from tests.server_helpers import ServerProc
+
+    srv = ServerProc(tmp_path / "srv", token="vllm-test").start()
+    try:
+        tier = json.dumps(srv.tier(connect_timeout_s=0.5, timeout_s=5.0))
+        cfg = tmp_path / "remote.yaml"
+        cfg.write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: 268435456}}\n  - {tier}\n")
+        prompts = _prompts(150, [20], seed=2)
+        first, saved = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
+        assert saved["blocks_saved"] == 5, saved  # 170 tokens: 5 full blocks of 32
+        second, loaded = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
+        assert [r["tokens"] for r in second] == [r["tokens"] for r in first]
+        assert second[0]["cached"] == 160 and loaded["blocks_loaded"] == 5, loaded
+    finally:
+        srv.kill()
+    down, counts = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
+    assert [r["tokens"] for r in down] == [r["tokens"] for r in first]
+    assert down[0]["cached"] == 0 and counts["blocks_loaded"] == 0

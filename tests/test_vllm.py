@@ -80,13 +80,23 @@ def fp32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def fp32_baseline(
+    fp32_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[list[int]], list[Any]]:
+    """Prompts sharing 6 blocks of 32, then one more block each, and vLLM's greedy
+    output for them without the connector."""
+    prompts = _prompts(200, [30, 45])
+    base, _ = _vllm(tmp_path_factory.mktemp("vllm-base"), fp32_model, prompts)
+    return prompts, base
+
+
 def test_greedy_output_is_the_same_with_the_connector_and_loaded_from_the_store(
-    fp32_model: Path, tmp_path: Path
+    fp32_model: Path, fp32_baseline: tuple[list[list[int]], list[Any]], tmp_path: Path
 ) -> None:
-    prompts = _prompts(200, [30, 45])  # 6 shared blocks of 32, then one more each
+    prompts, base = fp32_baseline
     cache = tmp_path / "cache"
     cfg = _config(tmp_path / "hs.yaml", cache)
-    base, _ = _vllm(tmp_path, fp32_model, prompts)
     cold, saved = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
     assert [r["tokens"] for r in cold] == [r["tokens"] for r in base]
     assert saved["disabled"] == "" and saved["blocks_loaded"] == 0
@@ -277,3 +287,31 @@ def test_two_instances_share_one_cache_server_and_serve_with_it_down(
     down, counts = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
     assert [r["tokens"] for r in down] == [r["tokens"] for r in first]
     assert down[0]["cached"] == 0 and counts["blocks_loaded"] == 0
+
+
+def test_a_cache_warmed_by_vllm_is_loaded_by_a_fresh_instance(
+    fp32_model: Path, fp32_baseline: tuple[list[list[int]], list[Any]], tmp_path: Path
+) -> None:
+    """``hurray-store warmup --engine vllm`` (run from the vLLM environment) fills the
+    cache vLLM serving reads: a fresh instance's first request for each prompt loads the
+    warmed blocks, and the greedy output is the baseline's."""
+    prompts, base = fp32_baseline
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in prompts))
+    cfg = _config(tmp_path / "hs.yaml", tmp_path / "cache")
+    cli = ROOT / ".venv-vllm" / "bin" / "hurray-store"
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
+    args = ["warmup", "--engine", "vllm", "--model", str(fp32_model), "--prompts", str(corpus)]
+    p = subprocess.run(
+        [str(cli), *args, "--config", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert p.returncode == 0 and "warmup (vLLM)" in p.stdout, (p.stdout + p.stderr)[-3000:]
+    warm, loaded = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
+    assert [r["tokens"] for r in warm] == [r["tokens"] for r in base]
+    assert [r["cached"] for r in warm] == [224, 224]
+    assert loaded["blocks_loaded"] == 8 and loaded["load_errors"] == 0, loaded

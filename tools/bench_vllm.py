@@ -11,6 +11,10 @@ cache off so that every prompt is served by the configuration measured), timing
 medians:
 
 - ``no connector``: the reference;
+- ``connector, nothing to load, no saves``: the connector as a ``kv_consumer`` of an
+  empty store: vLLM's code path with a connector, without any store I/O (vLLM runs
+  measurably faster here with a connector than without one; this row is the
+  reference for what saving costs);
 - ``connector, cold store``: an empty disk store, every prompt computed and its full
   blocks saved (the cost of saving on the no-hit path);
 - ``connector, warm disk``: a fresh process, prompts with new tails behind the same
@@ -65,7 +69,7 @@ def instance(a: argparse.Namespace) -> None:
         kv = KVTransferConfig(
             kv_connector="HurrayConnector",
             kv_connector_module_path="hurray_store.adapters.vllm",
-            kv_role="kv_both",
+            kv_role=a.kv_role,
             kv_connector_extra_config={"config": a.config},
         )
     llm = LLM(
@@ -94,13 +98,18 @@ def instance(a: argparse.Namespace) -> None:
 
 
 def run(
-    a: argparse.Namespace, model: Path, prompts: list[list[int]], config: Path | None, work: Path
+    a: argparse.Namespace,
+    model: Path,
+    prompts: list[list[int]],
+    config: Path | None,
+    work: Path,
+    kv_role: str = "kv_both",
 ) -> dict:
     pf = work / f"prompts-{time.monotonic_ns()}.json"
     pf.write_text(json.dumps(prompts))
     cmd = [sys.executable, __file__, "--instance", "--model", str(model), "--prompts", str(pf)]
     if config is not None:
-        cmd += ["--config", str(config)]
+        cmd += ["--config", str(config), "--kv-role", kv_role]
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -123,6 +132,7 @@ def main() -> None:
     ap.add_argument("--model", default="")
     ap.add_argument("--prompts", default="")
     ap.add_argument("--config", default="")
+    ap.add_argument("--kv-role", default="kv_both", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=896)
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -166,6 +176,12 @@ def main() -> None:
     rows = []
     base = run(a, model, prompts(), None, work)
     rows.append(("no connector", base))
+    empty = work / "empty.yaml"
+    empty.write_text(
+        f"tiers:\n  - {{type: disk, path: {work / 'empty'}, capacity_bytes: 1000000}}\n"
+    )
+    quiet = run(a, model, prompts(), empty, work, "kv_consumer")
+    rows.append(("connector, nothing to load, no saves (kv_consumer)", quiet))
     rows.append(("connector, cold store", run(a, model, prompts(), disk, work)))
     rows.append(("connector, warm disk", run(a, model, prompts(), disk, work)))
     srv = subprocess.Popen(

@@ -125,6 +125,10 @@ class HurrayConnector(KVConnectorBase_V1):
                 "hurray_store YAML config"
             )
         self.block_size = int(vllm_config.cache_config.block_size)
+        # kv_role: kv_both loads and saves; kv_consumer only loads (a read-only
+        # instance); kv_producer only saves.
+        self.loads = bool(self._kv_transfer_config.is_kv_consumer)
+        self.saves = bool(self._kv_transfer_config.is_kv_producer)
         self.spec = spec_for_vllm(vllm_config)
         self.salt = str(extra.get("salt", "")) or None
         # A JSON file the worker writes its counts to at shutdown (tests, debugging).
@@ -154,7 +158,7 @@ class HurrayConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         toks = list(request.prompt_token_ids or [])
         limit = (len(toks) - 1) // self.block_size * self.block_size  # never the last token
-        if limit <= num_computed_tokens:
+        if not self.loads or limit <= num_computed_tokens:
             return 0, False
         try:
             (n,) = self.st.call(
@@ -209,7 +213,7 @@ class HurrayConnector(KVConnectorBase_V1):
         """Save the prompt blocks this step fills (computed before it ends)."""
         done = computed + int(so.num_scheduled_tokens.get(req_id, 0))
         full = min(done, len(t.prompt)) // self.block_size * self.block_size
-        if full > t.saved:
+        if full > t.saved and self.saves:
             first = t.saved // self.block_size
             meta.saves.append(Transfer(req_id, t.prompt[:full], list(t.block_ids), first))
             t.saved = full

@@ -153,22 +153,6 @@ def test_greedy_output_is_the_same_with_the_connector_and_loaded_from_the_store(
     assert counts["load_errors"] > 0, counts
 
 
-def test_bf16_block_128_and_chunked_prefill(tmp_path: Path) -> None:
-    model = tmp_path / "llama-bf16"
-    build_tiny_model(str(model), dtype="bfloat16")
-    prompts = _prompts(300, [40, 90], seed=1)  # 2 full blocks of 128 shared, then tails
-    cfg = _config(tmp_path / "hs.yaml", tmp_path / "cache")
-    args = ["--dtype", "bfloat16", "--block-size", "128", "--max-batched-tokens", "96"]
-    base, _ = _vllm(tmp_path, model, prompts, *args)
-    cold, saved = _vllm(tmp_path, model, prompts, *args, "--config", str(cfg))
-    assert [r["tokens"] for r in cold] == [r["tokens"] for r in base]
-    assert saved["blocks_saved"] == 3, saved  # 2 and 3 full blocks, the first 2 shared
-    warm, loaded = _vllm(tmp_path, model, prompts, *args, "--config", str(cfg))
-    assert [r["tokens"] for r in warm] == [r["tokens"] for r in base]
-    assert [r["cached"] for r in warm] == [256, 384]
-    assert loaded["blocks_loaded"] == 2 + 1 and loaded["load_errors"] == 0, loaded
-
-
 def _readme_block(after: str, fence: str) -> str:
     text = (ROOT / "README.md").read_text()
     start = text.index(f"```{fence}\n", text.index(after)) + len(fence) + 4
@@ -263,30 +247,39 @@ def test_the_readme_llm_form_runs(fp32_model: Path, tmp_path: Path) -> None:
     assert (tmp_path / "cache" / "journal").read_text().count("+") >= 1, "the prompt was saved"
 
 
-def test_two_instances_share_one_cache_server_and_serve_with_it_down(
-    fp32_model: Path, tmp_path: Path
+def test_two_instances_share_one_cache_server_in_bf16_with_chunked_prefill(
+    tmp_path: Path,
 ) -> None:
-    """The second instance's first request loads the first one's prefix from the
-    cache server; with the server gone, an instance serves the same tokens, computing
+    """bfloat16, block size 128, chunked prefill (a step budget of 96 tokens), two
+    instances on one cache server: the second instance's first requests load the first
+    one's blocks and give its greedy tokens (the first one's equal a run without the
+    connector); with the server gone, an instance serves the same tokens, computing
     everything."""
     from tests.server_helpers import ServerProc
 
+    model = tmp_path / "llama-bf16"
+    build_tiny_model(str(model), dtype="bfloat16")
+    prompts = _prompts(300, [40, 90], seed=1)  # 2 full blocks of 128 shared, then tails
+    args = ["--dtype", "bfloat16", "--block-size", "128", "--max-batched-tokens", "96"]
+    base, _ = _vllm(tmp_path, model, prompts, *args)
     srv = ServerProc(tmp_path / "srv", token="vllm-test").start()
     try:
         tier = json.dumps(srv.tier(connect_timeout_s=0.5, timeout_s=5.0))
         cfg = tmp_path / "remote.yaml"
         cfg.write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: 268435456}}\n  - {tier}\n")
-        prompts = _prompts(150, [20], seed=2)
-        first, saved = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
-        assert saved["blocks_saved"] == 5, saved  # 170 tokens: 5 full blocks of 32
-        second, loaded = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
-        assert [r["tokens"] for r in second] == [r["tokens"] for r in first]
-        assert second[0]["cached"] == 160 and loaded["blocks_loaded"] == 5, loaded
+        first, saved = _vllm(tmp_path, model, prompts, *args, "--config", str(cfg))
+        assert [r["tokens"] for r in first] == [r["tokens"] for r in base]
+        assert saved["blocks_saved"] == 3, saved  # 2 and 3 full blocks, the first 2 shared
+        second, loaded = _vllm(tmp_path, model, prompts, *args, "--config", str(cfg))
+        assert [r["tokens"] for r in second] == [r["tokens"] for r in base]
+        assert [r["cached"] for r in second] == [256, 384]
+        assert loaded["blocks_loaded"] == 2 + 1 and loaded["load_errors"] == 0, loaded
     finally:
         srv.kill()
-    down, counts = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
-    assert [r["tokens"] for r in down] == [r["tokens"] for r in first]
-    assert down[0]["cached"] == 0 and counts["blocks_loaded"] == 0
+    down, counts = _vllm(tmp_path, model, prompts, *args, "--config", str(cfg))
+    assert [r["tokens"] for r in down] == [r["tokens"] for r in base]
+    assert [r["cached"] for r in down] == [0, 256] and counts["blocks_loaded"] == 0
+    # (the second prompt's 256 are vLLM's own prefix cache: the first prompt's blocks)
 
 
 def test_a_cache_warmed_by_vllm_is_loaded_by_a_fresh_instance(
@@ -302,6 +295,7 @@ def test_a_cache_warmed_by_vllm_is_loaded_by_a_fresh_instance(
     cli = ROOT / ".venv-vllm" / "bin" / "hurray-store"
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
     args = ["warmup", "--engine", "vllm", "--model", str(fp32_model), "--prompts", str(corpus)]
+    args += ["--dtype", "float32"]  # as the serving instances run it (vLLM's auto: bf16)
     p = subprocess.run(
         [str(cli), *args, "--config", str(cfg)],
         cwd=ROOT,

@@ -37,6 +37,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _bench import free_port, wait_port  # noqa: E402
+
 from hurray_store import transport as tp
 from hurray_store.config import RemoteTierConfig
 from hurray_store.tiers.remote import RemoteTier
@@ -45,12 +48,6 @@ TOKEN = "bench-attack"  # the engine's tenant
 ATTACKER = "bench-attacker"  # the attackers' tenant
 KEPT = 64  # 1 MiB objects the engine stores before the attack
 TIER_BYTES = 128 << 20  # the server's cpu tier; the attackers' quota is a quarter of it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_server(work: Path, quota: int | None) -> tuple[subprocess.Popen[bytes], int]:
@@ -74,14 +71,12 @@ def start_server(work: Path, quota: int | None) -> tuple[subprocess.Popen[bytes]
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, port
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit(f"the server did not start: {(work / 'server.log').read_text()[-2000:]}")
+    try:
+        wait_port(port, proc, "the server")
+    except RuntimeError as e:
+        proc.kill()
+        raise SystemExit(f"{e}: {(work / 'server.log').read_text()[-2000:]}") from None
+    return proc, port
 
 
 class Raw:

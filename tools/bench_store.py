@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _bench import gbps, table, timeit  # noqa: E402
+from _bench import free_port, gbps, table, timeit, wait_port  # noqa: E402
 
 from hurray_store import KVSpec, PagedKVPool  # noqa: E402
 from hurray_store.store import TieredStore, open_store  # noqa: E402
@@ -54,17 +53,8 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 # ---------------------------------------------------------------------- setup
 
 
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = int(s.getsockname()[1])
-        if p < 55000:
-            return p
-
-
 def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
+    port = free_port(55000)
     proc = subprocess.Popen(
         [
             "redis-server",
@@ -81,13 +71,8 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
         ],
         stdout=subprocess.DEVNULL,
     )
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            return proc, port
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit("redis-server did not start")
+    wait_port(port, proc, "redis-server")
+    return proc, port
 
 
 def make_batch(

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from _bench import free_port, wait_port  # noqa: E402
 
 
 def build_model(out: Path, a: argparse.Namespace) -> None:
@@ -118,12 +119,6 @@ def run(
     return json.loads(lines[-1][7:])  # type: ignore[no-any-return]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -190,12 +185,7 @@ def main() -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        for _ in range(200):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_port(port, srv, "hurray-store serve")
         run(a, model, prompts(), remote, work)  # fills the server
         rows.append(("connector, warm server", run(a, model, prompts(), remote, work)))
     finally:

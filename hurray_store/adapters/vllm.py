@@ -144,7 +144,6 @@ class HurrayConnector(KVConnectorBase_V1):
                 log.info("HurrayConnector: kv_load_failure_policy set to recompute")
         self.st = StoreThread(extra["config"], f"hurray-{role.name.lower()}")
         # scheduler
-        self._hits: dict[str, int] = {}  # req -> tokens the store can deliver
         self._loads: dict[str, int] = {}  # req -> tokens to load (past vLLM's own hit)
         self._tracked: dict[str, _Tracked] = {}
         # worker
@@ -169,7 +168,6 @@ class HurrayConnector(KVConnectorBase_V1):
             return 0, False
         if n <= num_computed_tokens:
             return 0, False
-        self._hits[request.request_id] = n
         return n - num_computed_tokens, False
 
     def update_state_after_alloc(
@@ -185,7 +183,6 @@ class HurrayConnector(KVConnectorBase_V1):
             prompt = list(new.prompt_token_ids or [])
             blocks = list(new.block_ids[0])
             ext = self._loads.pop(new.req_id, 0)
-            self._hits.pop(new.req_id, None)
             if ext:
                 end = new.num_computed_tokens  # vLLM's own hit plus the store's
                 first = (end - ext) // self.block_size
@@ -224,7 +221,6 @@ class HurrayConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
-        self._hits.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
         return False, None
 

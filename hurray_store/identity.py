@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
+from contextlib import ExitStack
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -103,15 +104,13 @@ def checkpoint_id(model: str) -> str:
         return f"name:{model}"
     entries = _safetensors_entries(folder)
     if entries:
-        opened: dict[Path, Any] = {}
-
-        def tensors() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, (f, _, _) in entries.items():
-                if f not in opened:
-                    opened[f] = safe_open(str(f), framework="pt").__enter__()
-                yield name, opened[f].get_tensor(name)
-
-        return tensors_id(_model_type(folder), tensors())
+        with ExitStack() as stack:
+            files = {
+                f: stack.enter_context(safe_open(str(f), framework="pt"))
+                for f in {f for f, _, _ in entries.values()}
+            }
+            tensors = ((n, files[f].get_tensor(n)) for n, (f, _, _) in entries.items())
+            return tensors_id(_model_type(folder), tensors)
     h = xxhash.xxh3_128()
     for f in sorted(p for p in folder.iterdir() if p.is_file()):
         h.update(f"{f.name}|".encode())

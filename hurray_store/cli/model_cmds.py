@@ -24,10 +24,12 @@ def _load_model(path: str, dtype: str | None) -> Any:
     return model.eval()
 
 
-def _read_corpus(path: str, model: Any, strict: bool) -> list[list[int]] | None:
+def _read_corpus(path: str, vocab_size: int, strict: bool) -> list[list[int]] | None:
+    """The corpus's prompts, each bad line reported as ``file:line: reason``; None when
+    one is bad and ``strict``."""
     from hurray_store.warmup import read_prompts
 
-    prompts, bad = read_prompts(path, vocab_size=int(model.config.vocab_size))
+    prompts, bad = read_prompts(path, vocab_size=vocab_size)
     for e in bad:
         print(
             f"{path}:{e.line}: {e.reason}; {'aborting (--strict)' if strict else 'skipped'}",
@@ -106,13 +108,10 @@ def _warmup_vllm(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from hurray_store.adapters.vllm import warm_with_vllm
-    from hurray_store.warmup import read_prompts
 
     vocab = int(AutoConfig.from_pretrained(args.model).vocab_size)
-    prompts, bad = read_prompts(args.prompts, vocab_size=vocab)
-    for e in bad:
-        print(f"{args.prompts}:{e.line}: {e.reason}; skipped", file=sys.stderr)
-    if bad and args.strict:
+    prompts = _read_corpus(args.prompts, vocab, args.strict)
+    if prompts is None:
         return 2
     res = warm_with_vllm(
         args.model,
@@ -137,7 +136,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     if vllm:
         return _warmup_vllm(args)
     model = _load_model(args.model, args.dtype)
-    prompts = _read_corpus(args.prompts, model, args.strict)
+    prompts = _read_corpus(args.prompts, int(model.config.vocab_size), args.strict)
     if prompts is None:
         return 2
 
@@ -168,8 +167,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.page_size is None:
         args.page_size = 16
     model = _load_model(args.model, args.dtype)
-    warm = _read_corpus(args.warmup_prompts, model, args.strict) if args.warmup_prompts else []
-    requests = _read_corpus(args.prompts, model, args.strict)
+    warm = (
+        _read_corpus(args.warmup_prompts, int(model.config.vocab_size), args.strict)
+        if args.warmup_prompts
+        else []
+    )
+    requests = _read_corpus(args.prompts, int(model.config.vocab_size), args.strict)
     if warm is None or requests is None:
         return 2
     spec = spec_for_model(model, page_size=args.page_size)

@@ -34,6 +34,7 @@ class ServedKey:
 
     stored: str  # the key the tiers hold
     segment: SegmentPart | None  # set for one of this store's segment objects
+    obj: ObjectKey | None = None  # set for an object-level key (a group of its own)
 
 
 class ServedStore:
@@ -62,10 +63,13 @@ class ServedStore:
             if isinstance(k, ObjectKey):
                 other = k.namespace
             if other is not None and other != ns and other in self.tenants.by_namespace:
-                return ServedKey(client_key, k if isinstance(k, SegmentPart) else None)
+                if isinstance(k, SegmentPart):
+                    return ServedKey(client_key, k)
+                return ServedKey(client_key, None, k if isinstance(k, ObjectKey) else None)
         if isinstance(k, SegmentPart) and k.segment.namespace == ns:
             return ServedKey(client_key, k)
-        return ServedKey(ObjectKey(ns, client_key).stored, None)
+        obj = ObjectKey(ns, client_key)
+        return ServedKey(obj.stored, None, obj)
 
     def reserve(self, nbytes: int) -> Reservation | None:
         """Space in the tier a new object of ``nbytes`` lands in, to receive it in
@@ -86,9 +90,9 @@ class ServedStore:
         runs once no tier write needs ``data``. ``reserved``: ``data`` lies there, and the
         top tier publishes it without a copy. Raises FormatError (nothing stored) for a
         segment object or past the tenant's quota."""
-        obj = parse_key(k.stored)
+        obj = k.obj
         try:
-            if k.segment is not None or not isinstance(obj, ObjectKey):
+            if obj is None:
                 raise FormatError(
                     f"{k.stored} is a segment object: it is stored by commit_segment with "
                     "its manifest"

@@ -8,8 +8,10 @@ which ``make test`` builds), on a tiny random-weight Llama built here.
 - The stored objects are honest block-paged Hurray objects: pyhurray reads them,
   ``hurray-store inspect`` prints them, and their K and V are transformers' own K and V
   for the same tokens.
-- A stored object corrupted on disk: the load reports its blocks, vLLM recomputes them,
-  and the greedy output is the baseline's.
+- What a lookup promised and the load cannot deliver (a stored object corrupted on
+  disk, the store emptied or the cache server killed between lookup and load): the
+  load reports its blocks, vLLM recomputes them, and the greedy output is the
+  baseline's.
 - bf16, block size 128, chunked prefill (a prompt longer than the step's token budget).
 """
 
@@ -106,6 +108,9 @@ def test_greedy_output_is_the_same_with_the_connector_and_loaded_from_the_store(
     assert [r["tokens"] for r in warm] == [r["tokens"] for r in base]
     assert [r["cached"] for r in warm] == [224, 224], "every full block but the last token's"
     assert loaded["blocks_loaded"] == 7 + 1 and loaded["load_errors"] == 0, loaded
+    # Loaded layer by layer: each of the 4 attention layers of each loading step (one
+    # per prompt) waited for its own layer's KV.
+    assert loaded["layer_waits"] == 4 * 2, loaded
     # The first prompt: its blocks came from the store; the second found 6 of them in
     # vLLM's own prefix cache and loaded the seventh.
 
@@ -253,8 +258,9 @@ def test_two_instances_share_one_cache_server_in_bf16_with_chunked_prefill(
     """bfloat16, block size 128, chunked prefill (a step budget of 96 tokens), two
     instances on one cache server: the second instance's first requests load the first
     one's blocks and give its greedy tokens (the first one's equal a run without the
-    connector); with the server gone, an instance serves the same tokens, computing
-    everything."""
+    connector). A third instance's scheduler finds the first prompt's blocks, then the
+    cache server is killed before the worker loads them: vLLM recomputes them, serves
+    the same tokens, and goes on serving with the server gone."""
     from tests.server_helpers import ServerProc
 
     model = tmp_path / "llama-bf16"
@@ -274,12 +280,16 @@ def test_two_instances_share_one_cache_server_in_bf16_with_chunked_prefill(
         assert [r["tokens"] for r in second] == [r["tokens"] for r in base]
         assert [r["cached"] for r in second] == [256, 384]
         assert loaded["blocks_loaded"] == 2 + 1 and loaded["load_errors"] == 0, loaded
+        assert srv.proc is not None
+        kill = json.dumps({"kill": srv.proc.pid})
+        down, counts = _vllm(
+            tmp_path, model, prompts, *args, "--config", str(cfg), "--after-first-hit", kill
+        )
     finally:
         srv.kill()
-    down, counts = _vllm(tmp_path, model, prompts, *args, "--config", str(cfg))
     assert [r["tokens"] for r in down] == [r["tokens"] for r in base]
-    assert [r["cached"] for r in down] == [0, 256] and counts["blocks_loaded"] == 0
-    # (the second prompt's 256 are vLLM's own prefix cache: the first prompt's blocks)
+    assert counts["blocks_loaded"] == 0 and counts["load_errors"] == 2, counts
+    assert down[1]["cached"] == 256  # vLLM's own prefix cache: the first prompt's blocks
 
 
 def test_a_cache_warmed_by_vllm_is_loaded_by_a_fresh_instance(
@@ -309,6 +319,26 @@ def test_a_cache_warmed_by_vllm_is_loaded_by_a_fresh_instance(
     assert [r["tokens"] for r in warm] == [r["tokens"] for r in base]
     assert [r["cached"] for r in warm] == [224, 224]
     assert loaded["blocks_loaded"] == 8 and loaded["load_errors"] == 0, loaded
+
+    # The store emptied between the scheduler's lookup hit and the worker's load: vLLM
+    # recomputes the blocks, serves the baseline's tokens, and the blocks recomputed
+    # are saved again (a fresh store finds both prompts' full blocks).
+    empty = json.dumps({"empty": str(tmp_path / "cache" / "objects")})
+    again, counts = _vllm(
+        tmp_path, fp32_model, prompts, "--config", str(cfg), "--after-first-hit", empty
+    )
+    assert [r["tokens"] for r in again] == [r["tokens"] for r in base]
+    assert counts["blocks_loaded"] == 0 and counts["load_errors"] >= 7, counts
+    assert counts["blocks_saved"] == 8, counts
+
+    async def found() -> list[int]:
+        async with TieredStore(load_config(cfg, env={})) as store:
+            spec = KVSpec(checkpoint_id(str(fp32_model)), 4, 2, 64, 32, torch.float32)
+            return await store.lookup(spec, prompts)
+
+    import asyncio
+
+    assert asyncio.run(found()) == [224, 224]
 
 
 def test_a_cache_warmed_by_transformers_is_loaded_by_vllm(

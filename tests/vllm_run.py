@@ -21,6 +21,11 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=None)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--stats", default="", help="where the connector's worker writes its counts")
+    ap.add_argument(
+        "--after-first-hit",
+        default="",
+        help="JSON: what tests/vllm_hooks.py's LosingConnector does after its first lookup hit",
+    )
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
 
@@ -29,15 +34,20 @@ def main() -> None:
 
     kv = None
     if a.config:
+        extra = {"config": a.config, "stats_file": a.stats}
+        connector = ("HurrayConnector", "hurray_store.adapters.vllm")
+        if a.after_first_hit:
+            extra["after_first_hit"] = json.loads(a.after_first_hit)
+            connector = ("LosingConnector", "tests.vllm_hooks")
         kv = KVTransferConfig(
-            kv_connector="HurrayConnector",
-            kv_connector_module_path="hurray_store.adapters.vllm",
+            kv_connector=connector[0],
+            kv_connector_module_path=connector[1],
             kv_role="kv_both",
-            kv_connector_extra_config={"config": a.config, "stats_file": a.stats},
+            kv_connector_extra_config=extra,
         )
-    extra = {}
+    chunking = {}
     if a.max_batched_tokens:
-        extra = {"max_num_batched_tokens": a.max_batched_tokens, "enable_chunked_prefill": True}
+        chunking = {"max_num_batched_tokens": a.max_batched_tokens, "enable_chunked_prefill": True}
     llm = LLM(
         model=a.model,
         skip_tokenizer_init=True,
@@ -50,7 +60,7 @@ def main() -> None:
         seed=0,
         kv_cache_memory_bytes=64 << 20,
         kv_transfer_config=kv,
-        **extra,
+        **chunking,
     )
     sp = SamplingParams(
         temperature=0, ignore_eos=True, max_tokens=a.max_tokens, detokenize=False, logprobs=3

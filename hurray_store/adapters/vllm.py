@@ -16,13 +16,16 @@ vLLM's two processes, each with the store of the same config on a thread of its 
   store can deliver now; ``update_state_after_alloc`` notes the blocks vLLM gave the
   hit; ``build_connector_meta`` tells the worker which blocks to load, and which prompt
   blocks became full this step and are to be saved (decode blocks are not saved).
-- **Worker**: vLLM's per-layer KV tensors are the pool. ``start_load_kv`` retrieves the
-  hit and writes it into exactly the blocks vLLM allocated; a block it cannot fill (the
-  object gone, corrupt, the server down) is reported by ``get_block_ids_with_load_errors``
-  and vLLM recomputes it. ``wait_for_save`` puts the newly full prompt blocks (the store
-  skips pages it holds, so a prefix shared by several requests is stored once) and
-  waits for the write-through, so the scheduler of any instance sharing the cache finds
-  them at its next lookup.
+- **Worker**: vLLM's per-layer KV tensors are the pool. ``start_load_kv`` starts one
+  retrieve for the step's hits on the store's thread, which writes each layer into
+  exactly the blocks vLLM allocated as it arrives; ``wait_for_layer_load`` holds each
+  attention layer until its KV is there, so the first layers compute while later ones
+  are read. A block it cannot fill (the object gone, corrupt, the server down) is
+  reported by ``get_block_ids_with_load_errors`` and vLLM recomputes it.
+  ``wait_for_save`` puts the newly full prompt blocks (the store skips pages it holds,
+  so a prefix shared by several requests is stored once) and waits for the
+  write-through, so the scheduler of any instance sharing the cache finds them at its
+  next lookup.
 
 Stored objects are honest block-paged Hurray objects (K and V ``[pages, page_size,
 kv_heads, head_dim]``), whatever the attention backend packs: on the CPU backend with
@@ -44,6 +47,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +100,15 @@ class _Tracked:
     saved: int  # prompt tokens (whole blocks) already handed to the worker to save
 
 
+@dataclass(slots=True)
+class _Loading:
+    """A step's loads in flight on the store's thread."""
+
+    loads: list[Transfer]
+    ready: list[threading.Event]  # per layer: its KV is in vLLM's blocks
+    future: Future[list[int]]  # tokens delivered per load
+
+
 def spec_for_vllm(vllm_config: Any) -> KVSpec:
     """The KVSpec of a vLLM instance's cache: its model's checkpoint identity, layers,
     KV heads, head size and dtype, and its block size as the page size."""
@@ -133,7 +147,13 @@ class HurrayConnector(KVConnectorBase_V1):
         self.salt = str(extra.get("salt", "")) or None
         # A JSON file the worker writes its counts to at shutdown (tests, debugging).
         self.stats_file = str(extra.get("stats_file", ""))
-        self.counts = {"blocks_loaded": 0, "blocks_saved": 0, "load_errors": 0, "saves_failed": 0}
+        self.counts = {
+            "blocks_loaded": 0,
+            "blocks_saved": 0,
+            "load_errors": 0,
+            "saves_failed": 0,
+            "layer_waits": 0,  # attention layers that waited for their load (or found it)
+        }
         self.disabled = ""  # why the worker serves without the cache ("" = it does not)
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "") != "recompute":
             # A cache that cannot deliver a block is a miss: vLLM recomputes it (its
@@ -146,8 +166,11 @@ class HurrayConnector(KVConnectorBase_V1):
         # scheduler
         self._loads: dict[str, int] = {}  # req -> tokens to load (past vLLM's own hit)
         self._tracked: dict[str, _Tracked] = {}
+        self._unconfirmed: set[str] = set()  # loads planned, their outcome not yet reported
         # worker
         self._layers: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
+        self._loading: _Loading | None = None  # this step's loads, while they run
         self._load_errors: set[int] = set()
 
     # ================================================================== scheduler
@@ -187,6 +210,7 @@ class HurrayConnector(KVConnectorBase_V1):
                 end = new.num_computed_tokens  # vLLM's own hit plus the store's
                 first = (end - ext) // self.block_size
                 meta.loads.append(Transfer(new.req_id, prompt[:end], blocks, first))
+                self._unconfirmed.add(new.req_id)
             tracked = _Tracked(prompt, blocks, new.num_computed_tokens)
             self._tracked[new.req_id] = tracked
             self._save_if_due(meta, new.req_id, tracked, new.num_computed_tokens, so)
@@ -214,14 +238,39 @@ class HurrayConnector(KVConnectorBase_V1):
             first = t.saved // self.block_size
             meta.saves.append(Transfer(req_id, t.prompt[:full], list(t.block_ids), first))
             t.saved = full
-        if t.saved >= len(t.prompt) // self.block_size * self.block_size:
-            self._tracked.pop(req_id, None)  # every full prompt block is on its way
+        self._untrack_if_done(req_id, t)
+
+    def _untrack_if_done(self, req_id: str, t: _Tracked) -> None:
+        """Every full prompt block is on its way, and no load of it may still fail."""
+        if (
+            req_id not in self._unconfirmed
+            and t.saved >= len(t.prompt) // self.block_size * self.block_size
+        ):
+            self._tracked.pop(req_id, None)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The worker's report of the last step: a block it could not load is
+        recomputed by vLLM, and then saved again (it counted as saved when the load was
+        planned)."""
+        bad = connector_output.invalid_block_ids or set()
+        for req_id in self._unconfirmed:
+            t = self._tracked.get(req_id)
+            if t is None:
+                continue
+            lost = [i for i, b in enumerate(t.block_ids) if b in bad]
+            if lost:
+                t.saved = min(t.saved, lost[0] * self.block_size)
+        unconfirmed, self._unconfirmed = self._unconfirmed, set()
+        for req_id in unconfirmed:
+            if (t := self._tracked.get(req_id)) is not None:
+                self._untrack_if_done(req_id, t)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        self._unconfirmed.discard(request.request_id)
         return False, None
 
     # ================================================================== worker
@@ -249,6 +298,7 @@ class HurrayConnector(KVConnectorBase_V1):
             self._dump_counts()
             return
         self._layers = [t for _, t in layers]
+        self._layer_index = {name: i for i, (name, _) in enumerate(layers)}
 
     def _vec_views(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K ``[blocks, heads, head_dim, block_size]`` and V ``[blocks, heads,
@@ -273,24 +323,71 @@ class HurrayConnector(KVConnectorBase_V1):
         return PagedKVPool.from_tensors(self.spec, out)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Start this step's loads on the store's thread, one retrieve for all of them:
+        each layer is written into vLLM's blocks as it arrives, and
+        ``wait_for_layer_load`` holds each attention layer until its own KV is there, so
+        the first layers compute while the later ones are still read."""
         meta = self._connector_metadata
-        if not isinstance(meta, HurrayMetadata) or not meta.loads or self.disabled:
-            for tr in meta.loads if isinstance(meta, HurrayMetadata) else ():
+        loads = meta.loads if isinstance(meta, HurrayMetadata) else []
+        if not loads:
+            return
+        if self.disabled:
+            for tr in loads:
                 self._load_errors.update(self._blocks_of(tr, len(tr.token_ids)))
             return
-        for tr in meta.loads:
-            try:
-                got = self._load(tr)
-            except Exception as e:
-                log.warning(
-                    "HurrayConnector: load of %s failed (%s); recomputed",
-                    tr.req_id,
-                    e,
-                    exc_info=True,
-                )
-                got = tr.first_block * self.block_size
-            if got < len(tr.token_ids):
-                bad = self._blocks_of(tr, len(tr.token_ids), got)
+        ready = [threading.Event() for _ in self._layers]
+        self._loading = _Loading(loads, ready, self.st.submit(self._load_layers(loads, ready)))
+
+    async def _load_layers(self, loads: list[Transfer], ready: list[threading.Event]) -> list[int]:
+        """Retrieve every load's prefix into a staging pool and, layer by layer, write
+        its pages from each transfer's ``first_block`` on into vLLM's blocks, setting
+        that layer's event. Returns the tokens delivered per transfer."""
+        got = [tr.first_block * self.block_size for tr in loads]
+        try:
+            pages = sum(len(tr.token_ids) // self.block_size for tr in loads)
+            pool = PagedKVPool(self.spec, pages)
+            seqs = [tr.token_ids for tr in loads]
+            layers = self.st.store.retrieve_layers(pool, seqs, salt=self.salt)
+            async for layer in layers:
+                with torch.inference_mode():  # vLLM's KV tensors are inference tensors
+                    self._scatter_layer(pool, layer.layer_index, layer.block_tables, loads)
+                ready[layer.layer_index].set()
+                got = layer.num_tokens  # the last layer's counts are the final word
+        finally:
+            for e in ready:  # a failed load: the forward goes on, the blocks are reported
+                e.set()
+        return got
+
+    def _scatter_layer(
+        self, pool: PagedKVPool, li: int, tables: list[list[int]], loads: list[Transfer]
+    ) -> None:
+        k, v = self._vec_views(self._layers[li])
+        src: list[int] = []
+        dst: list[int] = []
+        for tr, table in zip(loads, tables, strict=True):
+            src += table[tr.first_block :]
+            dst += tr.block_ids[tr.first_block : len(table)]
+        if src:
+            s = torch.tensor(src, dtype=torch.long)
+            d = torch.tensor(dst, dtype=torch.long)
+            k[d] = pool.layers[li][0][s].permute(0, 2, 3, 1)
+            v[d] = pool.layers[li][1][s].permute(0, 2, 1, 3)
+
+    def _finish_load(self) -> None:
+        """Wait for this step's loads; report every block they did not fill."""
+        loading, self._loading = self._loading, None
+        if loading is None:
+            return
+        try:
+            got = loading.future.result(_TIMEOUT_S)
+        except Exception as e:
+            loading.future.cancel()
+            log.warning("HurrayConnector: load failed (%s); its blocks are recomputed", e)
+            got = [tr.first_block * self.block_size for tr in loading.loads]
+        for tr, n in zip(loading.loads, got, strict=True):
+            self.counts["blocks_loaded"] += max(0, n // self.block_size - tr.first_block)
+            if n < len(tr.token_ids):
+                bad = self._blocks_of(tr, len(tr.token_ids), n)
                 self.counts["load_errors"] += len(bad)
                 self._load_errors.update(bad)
         self._dump_counts()
@@ -300,31 +397,14 @@ class HurrayConnector(KVConnectorBase_V1):
         a = max(tr.first_block, start // self.block_size)
         return tr.block_ids[a : end // self.block_size]
 
-    def _load(self, tr: Transfer) -> int:
-        """Retrieve ``tr``'s prefix into a staging pool, then write its pages from
-        ``first_block`` on into vLLM's blocks. Returns the tokens delivered."""
-        n_pages = len(tr.token_ids) // self.block_size
-        with torch.inference_mode(False):  # the store's thread writes into it
-            pool = PagedKVPool(self.spec, n_pages)
-        res = self.st.call(self.st.store.retrieve(pool, [tr.token_ids], salt=self.salt), _TIMEOUT_S)
-        got = res.num_tokens[0]
-        pages = got // self.block_size
-        self.counts["blocks_loaded"] += max(0, pages - tr.first_block)
-        if pages > tr.first_block:
-            src = torch.tensor(res.block_tables[0][tr.first_block : pages], dtype=torch.long)
-            dst = torch.tensor(tr.block_ids[tr.first_block : pages], dtype=torch.long)
-            with torch.inference_mode():  # vLLM's KV tensors are inference tensors
-                self._scatter(pool, src, dst)
-        return got
-
-    def _scatter(self, pool: PagedKVPool, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for li, t in enumerate(self._layers):
-            k, v = self._vec_views(t)
-            k[dst] = pool.layers[li][0][src].permute(0, 2, 3, 1)
-            v[dst] = pool.layers[li][1][src].permute(0, 2, 1, 3)
-
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer before the forward pass
+        loading = self._loading
+        li = self._layer_index.get(layer_name)
+        if loading is None or li is None:
+            return
+        self.counts["layer_waits"] += 1
+        if not loading.ready[li].wait(_TIMEOUT_S):
+            log.warning("HurrayConnector: layer %s not loaded in %.0f s", layer_name, _TIMEOUT_S)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -332,6 +412,7 @@ class HurrayConnector(KVConnectorBase_V1):
         return  # the layers are registered; wait_for_save reads them once the step is done
 
     def wait_for_save(self) -> None:
+        self._finish_load()  # the loads are done before a save reads those blocks
         meta = self._connector_metadata
         if not isinstance(meta, HurrayMetadata) or not meta.saves or self.disabled:
             return
@@ -354,6 +435,7 @@ class HurrayConnector(KVConnectorBase_V1):
         self._dump_counts()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_load()
         out, self._load_errors = self._load_errors, set()
         return out
 

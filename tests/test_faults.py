@@ -17,9 +17,8 @@ import pytest
 
 from hurray_store import PagedKVPool
 from hurray_store.format import Manifest
-from hurray_store.keys import page_hashes
 from hurray_store.store import open_store
-from tests.conftest import RedisProc
+from tests.conftest import RedisProc, SeaweedProc
 from tests.store_helpers import assert_pages_equal, random_pool, shared_batch, spec
 
 PREFIX = list(range(500, 516))
@@ -56,57 +55,59 @@ async def stored_segment(tmp_path: Path, tails: list[list[int]], **spec_kw: Any)
         return Stored(sp, src, b.tokens, b.tables, seg, store.catalog.cached_manifest(seg), paths)
 
 
-async def test_redis_killed_mid_run_degrades_to_misses_and_recovers(
-    redis_fresh: RedisProc, tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("service", ["redis", "s3"])
+async def test_a_service_killed_mid_run_degrades_to_misses_and_recovers(
+    service: str, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Redis or the S3 endpoint killed while the store runs: puts and retrieves go on
+    (the cpu tier serves), one warning; once it is back, writes to it resume."""
     sp = spec()
     src = random_pool(sp, 512)
-    cfg = {
-        "tiers": [
-            {"type": "cpu", "capacity_bytes": 1 << 30},
-            {
-                "type": "redis",
-                "url": redis_fresh.url,
-                "timeout_s": 0.5,
-                "backoff_initial_s": 0.05,
-                "backoff_max_s": 0.1,
-            },
-        ]
-    }
+    outage = {"timeout_s": 0.5, "backoff_initial_s": 0.05, "backoff_max_s": 0.1}
+    proc: RedisProc | SeaweedProc
+    if service == "redis":
+        proc = request.getfixturevalue("redis_fresh")
+        lower: dict[str, Any] = {"type": "redis", "url": proc.url, "name": service, **outage}
+    else:
+        proc = request.getfixturevalue("s3_fresh")
+        lower = proc.tier("killed", name=service, **outage)
+    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, lower]}
     batches = [shared_batch(src, [g] * 16, [[g] * 4]) for g in range(4)]
     async with await open_store(cfg) as store:
         await store.put(src, batches[0].tokens, batches[0].tables)
         await store.flush()
-        assert store.stats()["tiers"]["redis"]["objects"] == 4
-        redis_fresh.stop()
+        assert store.stats()["tiers"][service]["objects"] == 4
+        proc.stop()
         with caplog.at_level(logging.WARNING):
             await store.put(src, batches[1].tokens, batches[1].tables)  # no exception
             await store.flush()
             got = await store.retrieve(PagedKVPool(sp, 16), batches[1].tokens)
             assert got.num_tokens == [20]  # the cpu tier keeps serving
-        st = store.stats()["tiers"]["redis"]
+        st = store.stats()["tiers"][service]
         assert st["skipped_writes"] >= 1 and not st["available"]
         assert caplog.text.count("unreachable") == 1
-        redis_fresh.start()
+        proc.start()
         with caplog.at_level(logging.WARNING):
             for i in range(200):  # the backoff is at most 0.1 s: the probe comes soon
                 await asyncio.sleep(0.02)
                 b = shared_batch(src, [100 + i] * 16, [[]])
                 await store.put(src, b.tokens, b.tables)
                 await store.flush()
-                if store.stats()["tiers"]["redis"]["available"]:
+                if store.stats()["tiers"][service]["available"]:
                     break
         assert "reachable again" in caplog.text
-        assert store.stats()["tiers"]["redis"]["available"]
+        assert store.stats()["tiers"][service]["available"]
         await store.put(src, batches[3].tokens, batches[3].tables)
         await store.flush()
-        (seg3,) = store.catalog.longest_prefix(page_hashes(sp, batches[3].tokens[0])).segment_ids[
-            :1
-        ]
-        keys = redis_fresh.cli("--scan", "--pattern", "hurray:*").split()
-        assert f"hurray:{store.catalog.key(seg3).manifest}" in keys, (
-            "writes resumed after Redis came back"
-        )
+    # A store with only that tier (nothing in memory) finds what was written after the
+    # outage; on S3 also what was written before it (the test Redis persists nothing).
+    async with await open_store({"tiers": [lower]}) as fresh:
+        assert await fresh.lookup(sp, batches[3].tokens) == [20], "writes resumed"
+        if service == "s3":
+            assert await fresh.lookup(sp, batches[0].tokens) == [20]
+        dst = PagedKVPool(sp, 16)
+        got = await fresh.retrieve(dst, batches[3].tokens)
+        assert_pages_equal(src, batches[3].tables, dst, got.block_tables, got.num_tokens)
 
 
 async def test_corrupt_layer_object_on_disk_is_a_miss_quarantined_and_counted(
@@ -133,6 +134,40 @@ async def test_corrupt_layer_object_on_disk_is_a_miss_quarantined_and_counted(
     ]
     assert not path.exists()
     async with await open_store(disk_cfg(tmp_path)) as store:
+        assert await store.lookup(sp, b.tokens) == [0]
+
+
+async def test_corrupt_layer_object_on_s3_is_a_miss_quarantined_and_counted(
+    s3_server: SeaweedProc, tmp_path: Path
+) -> None:
+    """One byte flipped in a layer object in the bucket: the pages before it are
+    delivered, the object moves to quarantine/, and no restart finds the segment."""
+    import obstore
+
+    sp = spec(num_layers=2)
+    src = random_pool(sp)
+    b = shared_batch(src, PREFIX, [[1] * 8])  # 6 pages, one segment
+    cfg = {"tiers": [s3_server.tier(f"corrupt-{tmp_path.name}")]}
+    async with await open_store(cfg) as store:
+        await store.put(src, b.tokens, b.tables)
+        (seg,) = store.catalog.segments()
+        m = store.catalog.cached_manifest(seg)
+        t: Any = store.tiers[0]
+    key = m.layers[1].key
+    raw = bytearray(bytes(obstore.get(t.store, t.path(key)).bytes()))
+    raw[m.layers[1].key_pool_offset + 3 * m.page_bytes + 5] ^= 0xFF  # page 3's keys
+    obstore.put(t.store, t.path(key), bytes(raw))
+    async with await open_store(cfg) as store:
+        dst = PagedKVPool(sp, 16)
+        got = await store.retrieve(dst, b.tokens)
+        assert got.num_tokens == [12]  # pages 0-2 delivered, a miss from page 3 on
+        assert_pages_equal(src, b.tables, dst, got.block_tables, got.num_tokens)
+        stats = store.stats()
+        assert stats["tiers"]["s3"]["verification_failures"] == 1 and stats["segments"] == 0
+        await store.flush()
+    q = bytes(obstore.get(t.store, t.quarantined + key).bytes())
+    assert q == bytes(raw), "the corrupt object is kept in quarantine/"
+    async with await open_store(cfg) as store:
         assert await store.lookup(sp, b.tokens) == [0]
 
 
@@ -238,7 +273,7 @@ async def test_a_manifest_with_a_bad_checksum_is_quarantined_at_open(tmp_path: P
     assert len(list((tmp_path / "quarantine").iterdir())) == 1
 
 
-@pytest.mark.parametrize("backend", ["disk", "redis"])
+@pytest.mark.parametrize("backend", ["disk", "redis", "s3"])
 async def test_restart_finds_every_committed_segment(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -246,9 +281,12 @@ async def test_restart_finds_every_committed_segment(
     src = random_pool(sp, 1024)
     if backend == "disk":
         lower = {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}
-    else:
+    elif backend == "redis":
         r: RedisProc = request.getfixturevalue("redis_fresh")
         lower = {"type": "redis", "url": r.url}
+    else:
+        s3: SeaweedProc = request.getfixturevalue("s3_server")
+        lower = s3.tier(f"restart-{tmp_path.name}")
     cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}, lower]}
     batches = [
         shared_batch(src, [g, g + 1] * 10, [[g] * 7, [g + 3] * 9, []]) for g in range(0, 40, 2)
@@ -379,9 +417,9 @@ async def test_a_disk_that_fills_before_its_budget_evicts_and_keeps_storing(
         assert store.stats()["tiers"]["disk"]["capacity_bytes"] < 1 << 20
 
 
-@pytest.mark.parametrize("medium", ["disk", "redis"])
+@pytest.mark.parametrize("medium", ["disk", "redis", "s3"])
 async def test_an_object_lost_behind_the_stores_back_is_healed_on_read(
-    medium: str, tmp_path: Path, redis_server: RedisProc
+    medium: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """A layer object removed by someone else (Redis eviction, another process's cleanup
     of a shared folder): the retrieve that finds it gone delivers what is left, and the
@@ -393,8 +431,12 @@ async def test_an_object_lost_behind_the_stores_back_is_healed_on_read(
     b = shared_batch(src, PREFIX, [[1] * 8])
     if medium == "disk":
         tier: dict[str, Any] = {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}
-    else:
+    elif medium == "redis":
+        redis_server: RedisProc = request.getfixturevalue("redis_server")
         tier = {"type": "redis", "url": redis_server.url, "capacity_bytes": 1 << 30}
+    else:
+        s3: SeaweedProc = request.getfixturevalue("s3_server")
+        tier = s3.tier(f"lost-{tmp_path.name}", capacity_bytes=1 << 30)
     cfg = {"namespace": f"lost-{medium}", "tiers": [tier]}
     async with await open_store(cfg) as store:
         await store.put(src, b.tokens, b.tables)
@@ -404,6 +446,11 @@ async def test_an_object_lost_behind_the_stores_back_is_healed_on_read(
         assert full == [24]
         if medium == "disk":
             store.tiers[0].path_of(victim).unlink()  # type: ignore[attr-defined]
+        elif medium == "s3":
+            import obstore
+
+            t = store.tiers[0]
+            obstore.delete(t.store, t.path(victim))  # type: ignore[attr-defined]
         else:
             r = redis_py.Redis.from_url(redis_server.url)
             assert r.delete(store.tiers[0].prefix + victim) == 1  # type: ignore[attr-defined]
@@ -415,3 +462,77 @@ async def test_an_object_lost_behind_the_stores_back_is_healed_on_read(
         assert await store.lookup(sp, b.tokens) == [0], "lookup no longer promises it"
         assert store.stats()["segments"] == 0
         assert store.ledger.used_bytes(0) == 0, "the books no longer count its other objects"
+
+
+async def test_a_redis_cluster_master_failover_loses_no_acknowledged_segment(
+    redis_cluster_replicated: list[RedisProc],
+) -> None:
+    """3 masters with a replica each, ``wait_replicas: 1``. A master is killed while puts
+    and retrieves run: no exception reaches the caller, every page a retrieve delivers
+    is the page put, the store stores and serves again once the replica took over, and
+    a fresh store finds every segment whose put was acknowledged, before, during and
+    after the failover."""
+    nodes = redis_cluster_replicated
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes)
+    tier = {
+        "type": "redis",
+        "url": url,
+        "wait_replicas": 1,
+        "wait_timeout_s": 1.0,
+        "timeout_s": 1.0,
+        "backoff_initial_s": 0.05,
+        "backoff_max_s": 0.2,
+    }
+    cfg = {"tiers": [tier]}
+    sp = spec()
+    src = random_pool(sp, 4096)
+    batches = iter(shared_batch(src, [g, g + 1] * 8, [[g] * 4]) for g in range(0, 1200, 2))
+    acked: list[Any] = []
+    after_failover = 0
+    masters = [n for n in nodes if "role:master" in n.cli("info", "replication")]
+    victim = masters[0]
+    loop = asyncio.get_running_loop()
+    async with await open_store(cfg) as store:
+
+        async def put_one() -> bool:
+            b = next(batches)
+            await store.put(src, b.tokens, b.tables)
+            if await store.lookup(sp, b.tokens) == [20]:  # committed: acknowledged
+                acked.append(b)
+                return True
+            return False
+
+        async def check_one(i: int) -> None:
+            b = acked[i % len(acked)]
+            dst = PagedKVPool(sp, 16)
+            got = await store.retrieve(dst, b.tokens)
+            assert_pages_equal(src, b.tables, dst, got.block_tables, got.num_tokens)
+
+        for _ in range(20):
+            assert await put_one()
+        victim.stop()  # SIGKILL
+        killed_at = loop.time()
+        live = [n for n in nodes if n is not victim]
+
+        def failed_over() -> bool:
+            """A replica took the dead master's slots, and the cluster says so."""
+            roles = [n.cli("info", "replication") for n in live]
+            return sum("role:master" in r for r in roles) == 3 and all(
+                "cluster_state:ok" in n.cli("cluster", "info") for n in live
+            )
+
+        i = 0
+        while after_failover < 20:
+            assert loop.time() - killed_at < 60, "the store did not store again after failover"
+            i += 1
+            ok = await put_one()
+            await check_one(i)
+            after_failover += ok and (after_failover > 0 or failed_over())
+            await asyncio.sleep(0.01)
+    async with await open_store(cfg) as fresh:
+        for b in acked:
+            assert await fresh.lookup(sp, b.tokens) == [20]
+            dst = PagedKVPool(sp, 16)
+            got = await fresh.retrieve(dst, b.tokens)
+            assert got.num_tokens == [20]
+            assert_pages_equal(src, b.tables, dst, got.block_tables, got.num_tokens)

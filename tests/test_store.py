@@ -15,13 +15,13 @@ from prometheus_client import generate_latest
 from hurray_store import PagedKVPool, PoolExhaustedError
 from hurray_store.keys import ObjectKey
 from hurray_store.store import open_store
-from tests.conftest import RedisProc
+from tests.conftest import RedisProc, SeaweedProc
 from tests.store_helpers import Batch, assert_pages_equal, random_pool, shared_batch, spec
 
 PREFIX = list(range(1000, 1018))  # 4 full pages + 2 tokens
 
 
-@pytest.fixture(params=["cpu", "cpu+disk", "gpu+cpu", "disk", "redis", "cpu+cluster"])
+@pytest.fixture(params=["cpu", "cpu+disk", "gpu+cpu", "disk", "redis", "cpu+cluster", "s3"])
 def tiers(request: pytest.FixtureRequest, tmp_path: Path) -> list[dict[str, Any]]:
     disk = {"type": "disk", "path": str(tmp_path / "disk"), "capacity_bytes": 1 << 30}
     cpu = {"type": "cpu", "capacity_bytes": 1 << 30}
@@ -38,6 +38,9 @@ def tiers(request: pytest.FixtureRequest, tmp_path: Path) -> list[dict[str, Any]
     if name == "redis":
         r: RedisProc = request.getfixturevalue("redis_server")
         return [{"type": "redis", "url": r.url, "key_prefix": prefix}]
+    if name == "s3":
+        s3: SeaweedProc = request.getfixturevalue("s3_server")
+        return [s3.tier(prefix.rstrip(":"))]
     nodes: list[RedisProc] = request.getfixturevalue("redis_cluster")
     url = "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes)
     return [cpu, {"type": "redis", "url": url, "key_prefix": prefix}]

@@ -12,6 +12,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -24,11 +25,12 @@ from hurray_store.config import (
     GpuTierConfig,
     RedisTierConfig,
     RemoteTierConfig,
+    S3TierConfig,
 )
 from hurray_store.tiers import StoredObject, Tier, blob_nbytes, host_view, open_tier
 from hurray_store.tiers.redis import RedisTier
 from hurray_store.transport import Msg
-from tests.conftest import RedisProc
+from tests.conftest import S3_BUCKET, S3_KEY, S3_SECRET, RedisProc, SeaweedProc
 from tests.server_helpers import Raw, ServerProc
 
 _n = itertools.count()
@@ -58,6 +60,7 @@ class TierContract:
         assert await tier.get("nope") is None
         assert await tier.get_ranges("nope", [(0, 1)]) is None
         assert not await tier.contains("nope")
+        assert tier.available, "a missing object says nothing about the service"
 
     async def test_ranges_are_exact_and_out_of_bounds_is_a_miss(self, tier: Tier) -> None:
         data = bytes(range(256)) * 40
@@ -405,6 +408,105 @@ class TestRedisClusterTier(RedisBase):
         await t.close()
 
 
+class TestValkeyTier(TestRedisTier):
+    """The same tier against a real valkey-server."""
+
+    def config(self, request: pytest.FixtureRequest) -> RedisTierConfig:
+        r: RedisProc = request.getfixturevalue("valkey_server")
+        return RedisTierConfig(
+            url=r.url, name="redis", key_prefix=f"v{next(_n)}-{uuid.uuid4().hex[:6]}:"
+        )
+
+    async def test_it_is_valkey(self, valkey_server: RedisProc) -> None:
+        assert "valkey_version" in valkey_server.cli("info", "server")
+
+
+class TestRedisTlsTier(RedisBase):
+    """rediss:// against a redis-server that speaks TLS only, its certificate checked
+    against the CA the config names."""
+
+    def raw_client(self, tier: Tier) -> redis.Redis:
+        return redis.Redis.from_url(tier.cfg.url, ssl_ca_certs=tier.cfg.tls_ca_file)
+
+    def config(self, request: pytest.FixtureRequest) -> RedisTierConfig:
+        r: RedisProc = request.getfixturevalue("redis_tls")
+        assert r.tls is not None
+        return RedisTierConfig(
+            url=r.url,
+            name="redis",
+            key_prefix=f"s{next(_n)}-{uuid.uuid4().hex[:6]}:",
+            tls_ca_file=str(r.tls / "ca.pem"),
+        )
+
+    async def test_plain_redis_url_to_a_tls_server_is_an_outage(self, redis_tls: RedisProc) -> None:
+        t = RedisTier(
+            RedisTierConfig(url=f"redis://127.0.0.1:{redis_tls.port}/0", name="r", timeout_s=0.5)
+        )
+        await t.open()
+        assert not t.available and await t.put("k", [b"v"]) is False
+        await t.close()
+
+    async def test_a_certificate_from_another_ca_is_one_clear_warning_then_misses(
+        self, redis_tls: RedisProc, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        from tests.conftest import make_certs
+
+        other = make_certs(tmp_path / "other-ca")
+        t = RedisTier(
+            RedisTierConfig(
+                url=redis_tls.url,
+                name="redis",
+                timeout_s=1.0,
+                backoff_initial_s=0.01,
+                tls_ca_file=str(other / "ca.pem"),
+            )
+        )
+        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.base"):
+            await t.open()
+            for _ in range(3):
+                assert await t.put("k", [b"v"]) is False
+                assert await t.get("k") is None and not await t.contains("k")
+        assert not t.available
+        assert caplog.text.count("unreachable") == 1
+        assert "certificate verify failed" in caplog.text, caplog.text
+        await t.close()
+
+    def test_a_missing_ca_file_is_a_config_error(
+        self, redis_tls: RedisProc, tmp_path: Path
+    ) -> None:
+        from hurray_store.config import load_config
+        from hurray_store.errors import ConfigError
+
+        raw = {"tiers": [{"type": "redis", "url": redis_tls.url, "tls_ca_file": "nope.pem"}]}
+        with pytest.raises(ConfigError, match=r"tiers\.redis\.tls_ca_file: no such file"):
+            load_config(raw, env={})
+
+
+async def test_wait_replicas_acknowledges_each_group_or_skips_it(
+    redis_replicated: tuple[RedisProc, RedisProc], caplog: pytest.LogCaptureFixture
+) -> None:
+    """With wait_replicas, a group written counts only once a replica holds it: it is
+    on the replica when put_group returns; with the replica gone, the write is skipped
+    and nothing of the group stays on the master."""
+    master, replica = redis_replicated
+    t = RedisTier(
+        RedisTierConfig(url=master.url, name="redis", wait_replicas=1, wait_timeout_s=0.3)
+    )
+    await t.open()
+    objs = [StoredObject(f"s/{{g}}/{i}", [os.urandom(1000)]) for i in range(3)]
+    assert await t.put_group(objs)
+    on_replica = redis.Redis(port=replica.port)
+    assert [on_replica.get("hurray:" + o.key) for o in objs] == [bytes(o.data[0]) for o in objs]
+    replica.stop()
+    lost = [StoredObject(f"s/{{h}}/{i}", [b"x" * 100]) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.redis"):
+        assert await t.put_group(lost) is False
+    assert "0 of 1 replicas acknowledged" in caplog.text
+    assert [await t.contains(o.key) for o in lost] == [False] * 3
+    assert t.available, "a replica missing is not an outage of the master"
+    await t.close()
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -548,4 +650,150 @@ class TestRemoteTier(MediumContract):
         )
         await t.open()
         assert "the server's namespace is 'hurray', this store's 'not-hurray'" in caplog.text
+        await t.close()
+
+
+# --------------------------------------------------------------------------- S3
+
+
+def _raw_s3(server: SeaweedProc) -> Any:
+    import obstore.store
+
+    return obstore.store.S3Store(
+        S3_BUCKET,
+        endpoint=server.endpoint,
+        region="us-east-1",
+        access_key_id=S3_KEY,
+        secret_access_key=S3_SECRET,
+        client_options={"allow_http": True},
+    )
+
+
+def _s3_tier(server: SeaweedProc, prefix: str, **kw: Any) -> Tier:
+    from hurray_store.config.loader import _tiers
+
+    (cfg,) = _tiers([server.tier(prefix, **kw)], "tiers")
+    return open_tier(cfg)
+
+
+class TestS3Tier(MediumContract):
+    """An s3 tier against SeaweedFS's S3 gateway, read and written around the tier
+    with obstore's own client."""
+
+    def raw_put(self, tier: Tier, key: str, data: bytes) -> None:
+        import obstore
+
+        obstore.put(self.raw, tier.path(key), data)  # type: ignore[attr-defined]
+
+    def raw_get(self, tier: Tier, key: str) -> bytes | None:
+        import obstore
+
+        try:
+            return bytes(obstore.get(self.raw, tier.path(key)).bytes())  # type: ignore[attr-defined]
+        except FileNotFoundError:
+            return None
+
+    @pytest.fixture
+    async def tier(self, s3_server: SeaweedProc) -> Tier:
+        self.raw = _raw_s3(s3_server)
+        t = _s3_tier(s3_server, f"t{next(_n)}-{uuid.uuid4().hex[:6]}")
+        await t.open()
+        assert t.available, "the test S3 should be reachable"
+        yield t
+        await t.close()
+
+    async def test_keys_with_odd_characters_roundtrip_through_scan(self, tier: Tier) -> None:
+        keys = ["ns/s/{ab}/m", "100%/x", "ünï cödé", "a..b", "q?x=1&y#z", "ns/s/{ab}/0"]
+        for k in keys:
+            assert await tier.put(k, [k.encode()])
+        found = {k: n async for k, n in tier.scan()}
+        assert found == {k: len(k.encode()) for k in keys}
+        assert [as_bytes(await tier.get(k)) for k in keys] == [k.encode() for k in keys]  # type: ignore[arg-type]
+
+    async def test_scan_lists_only_this_prefix_and_not_the_quarantine(
+        self, tier: Tier, s3_server: SeaweedProc
+    ) -> None:
+        other = _s3_tier(s3_server, tier.root + "deeper")  # type: ignore[attr-defined]
+        await other.put("x", [b"other"])
+        await tier.put("kept", [b"12345"])
+        await tier.put("bad", [b"corrupt"])
+        await tier.quarantine("bad")
+        assert {k: n async for k, n in tier.scan()} == {"kept": 5}
+        assert not await tier.contains("bad")
+        import obstore
+
+        q = bytes(obstore.get(self.raw, tier.quarantined + "bad").bytes())  # type: ignore[attr-defined]
+        assert q == b"corrupt", "a quarantined object is kept aside for a post-mortem"
+
+    async def test_an_object_larger_than_a_part_goes_up_in_parts(
+        self, s3_server: SeaweedProc
+    ) -> None:
+        t = _s3_tier(s3_server, f"mp{next(_n)}", multipart_bytes=5 << 20)
+        await t.open()
+        parts = [os.urandom(3 << 20), os.urandom(4 << 20), os.urandom(5 << 20)]
+        assert await t.put("big", parts)
+        whole = b"".join(parts)
+        got = await t.get("big")
+        assert got is not None and as_bytes(got) == whole
+        ranges = [(0, 10), ((5 << 20) - 3, 7), (len(whole) - 5, 5)]
+        got_r = await t.get_ranges("big", ranges)
+        assert got_r is not None and [as_bytes(p) for p in got_r] == [
+            whole[o : o + n] for o, n in ranges
+        ]
+        await t.close()
+
+    async def test_wrong_credentials_are_one_clear_warning_then_misses(
+        self, s3_server: SeaweedProc, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        t = _s3_tier(s3_server, "creds", secret_access_key="wrong", backoff_initial_s=0.01)
+        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.base"):
+            await t.open()
+            assert await t.put("k", [b"v"]) is False
+            assert await t.get("k") is None and not await t.contains("k")
+        assert not t.available
+        assert caplog.text.count("unreachable") == 1
+        assert "SignatureDoesNotMatch" in caplog.text or "403" in caplog.text, caplog.text
+
+    async def test_down_endpoint_is_a_miss_with_one_warning_then_recovers(
+        self, s3_fresh: SeaweedProc, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        t = _s3_tier(s3_fresh, "down", timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.2)
+        await t.open()
+        assert await t.put("k", [b"v"])
+        s3_fresh.stop()
+        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.base"):
+            for _ in range(5):
+                assert await t.get("k") is None
+                assert await t.put("k2", [b"v"]) is False
+                assert await t.get_ranges("k", [(0, 1)]) is None
+                assert not await t.contains("k")
+        assert not t.available
+        assert caplog.text.count("unreachable") == 1
+        s3_fresh.start()
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if await t.put("k3", [b"back"]):
+                break
+        got = await t.get("k3")
+        assert t.available and got is not None and as_bytes(got) == b"back"
+        got = await t.get("k")
+        assert got is not None and as_bytes(got) == b"v", "what was stored before is still there"
+        await t.close()
+
+    async def test_open_with_nothing_listening_does_not_raise(self) -> None:
+        from tests.conftest import free_port
+
+        t = open_tier(
+            S3TierConfig(
+                url="s3://kvcache/x",
+                name="s3",
+                endpoint=f"http://127.0.0.1:{free_port()}",
+                region="us-east-1",
+                access_key_id="a",
+                secret_access_key="b",
+                timeout_s=0.3,
+            )
+        )
+        await t.open()
+        assert not t.available and await t.get("k") is None
         await t.close()

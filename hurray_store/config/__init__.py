@@ -30,6 +30,7 @@ from hurray_store.config.schema import (
     StoreConfig,
     TierConfig,
     parse_hurray_url,
+    parse_s3_url,
     schema,
 )
 
@@ -49,5 +50,6 @@ __all__ = [
     "default_config_dict",
     "load_config",
     "parse_hurray_url",
+    "parse_s3_url",
     "schema",
 ]

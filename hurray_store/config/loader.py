@@ -18,13 +18,16 @@ from hurray_store.config.schema import (
     ENV_PREFIX,
     TIER_CONFIGS,
     DiskTierConfig,
+    RedisTierConfig,
     RemoteTierConfig,
+    S3TierConfig,
     ServerConfig,
     StoreConfig,
     TenantConfig,
     TierConfig,
     join_key,
     parse_hurray_url,
+    parse_s3_url,
 )
 from hurray_store.errors import ConfigError
 
@@ -256,6 +259,18 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
                 parse_hurray_url(cfg.url)
             except ConfigError as e:
                 raise ConfigError(f"{label}.url: {e}") from None
+        if isinstance(cfg, S3TierConfig):
+            try:
+                parse_s3_url(cfg.url)
+            except ConfigError as e:
+                raise ConfigError(f"{label}.url: {e}") from None
+            if cfg.multipart_bytes < 5 << 20:
+                raise ConfigError(
+                    f"{label}.multipart_bytes: S3 parts are at least 5 MiB (5242880), "
+                    f"got {cfg.multipart_bytes}"
+                )
+        if isinstance(cfg, RedisTierConfig) and cfg.wait_replicas < 0:
+            raise ConfigError(f"{label}.wait_replicas: expected 0 or more, got {cfg.wait_replicas}")
         cap = getattr(cfg, "capacity_bytes", None)
         if cap is not None and cap < 1:
             raise ConfigError(
@@ -322,9 +337,26 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover - schema bug
 
 
+_TLS_FILES = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+
+
 def _resolve_paths(cfg: StoreConfig, base: Path) -> StoreConfig:
-    tiers = tuple(
-        _replace(t, path=str((base / t.path).resolve())) if isinstance(t, DiskTierConfig) else t
-        for t in cfg.tiers
-    )
-    return _replace(cfg, tiers=tiers)
+    """Relative paths in tiers resolve against ``base`` (the config file's folder); the
+    TLS files a Redis tier names must exist."""
+    tiers: list[TierConfig] = []
+    for t in cfg.tiers:
+        if isinstance(t, DiskTierConfig):
+            t = _replace(t, path=str((base / t.path).resolve()))
+        if isinstance(t, RedisTierConfig):
+            files = {k: getattr(t, k) for k in _TLS_FILES if getattr(t, k)}
+            files = {k: str((base / v).resolve()) for k, v in files.items()}
+            for k, v in files.items():
+                if not Path(v).is_file():
+                    raise ConfigError(f"tiers.{t.name}.{k}: no such file: {v}")
+            if bool(t.tls_cert_file) != bool(t.tls_key_file):
+                raise ConfigError(
+                    f"tiers.{t.name}: tls_cert_file and tls_key_file go together; one is missing"
+                )
+            t = _replace(t, **files)
+        tiers.append(t)
+    return _replace(cfg, tiers=tuple(tiers))

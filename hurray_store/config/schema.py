@@ -176,7 +176,12 @@ class RemoteTierConfig:
 
 
 TierConfig = (
-    GpuTierConfig | CpuTierConfig | DiskTierConfig | RedisTierConfig | RemoteTierConfig | S3TierConfig
+    GpuTierConfig
+    | CpuTierConfig
+    | DiskTierConfig
+    | RedisTierConfig
+    | RemoteTierConfig
+    | S3TierConfig
 )
 # The tier kinds, by the ``type:`` a config entry names; each tier class names its config
 # class (``tiers.register``).
@@ -203,6 +208,15 @@ def parse_hurray_url(url: str) -> tuple[str, int]:
     if u.scheme != "hurray" or not u.hostname or port is None:
         raise ConfigError(f"expected hurray://host:port, got {url!r}")
     return u.hostname, port
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``(bucket, prefix)`` of an ``s3://bucket[/prefix]`` URL (the prefix without
+    slashes at its ends); ConfigError otherwise."""
+    u = urlsplit(url)
+    if u.scheme != "s3" or not u.netloc:
+        raise ConfigError(f"expected s3://bucket/prefix, got {url!r}")
+    return u.netloc, u.path.strip("/")
 
 
 # --------------------------------------------------------------------------- store

@@ -42,6 +42,10 @@ def open_tier(cfg: TierConfig, namespace: str | None = None) -> Tier:
         from hurray_store.tiers.redis import RedisTier  # redis-py loads only when used
 
         register(RedisTier)
+    if kind == "s3" and kind not in TIER_TYPES:
+        from hurray_store.tiers.s3 import S3Tier  # obstore loads only when used
+
+        register(S3Tier)
     return TIER_TYPES[kind](cfg, namespace)
 
 

@@ -107,13 +107,25 @@ class RedisTier(ServiceTier):
             "max_connections": cfg.max_connections,
             "socket_read_size": 1 << 20,
         }
+        if scheme.startswith("rediss"):
+            common["ssl_ca_certs"] = cfg.tls_ca_file or None
+            if cfg.tls_cert_file:
+                common["ssl_certfile"] = cfg.tls_cert_file
+                common["ssl_keyfile"] = cfg.tls_key_file
         self.client: Any
+        # WAIT in a cluster goes to the master holding the keys, on the connection that
+        # wrote them: a plain client per master (host:port), made when first needed.
+        self._masters: dict[str, aioredis.Redis] = {}
+        self._master_kwargs: dict[str, Any] = {}
         if self.is_cluster:
             if scheme.endswith("+cluster"):
                 nodes, auth = _cluster_nodes(cfg.url)
                 self.client = RedisCluster(startup_nodes=nodes, **auth, **common)
             else:
+                u = urlsplit(cfg.url)
+                auth = {"username": u.username, "password": u.password, "ssl": u.scheme == "rediss"}
                 self.client = RedisCluster.from_url(cfg.url, **common)
+            self._master_kwargs = {**{k: v for k, v in auth.items() if v}, **common}
         else:
             self.client = aioredis.Redis.from_url(cfg.url, **common)
         # redis-py's asyncio pools raise when exhausted instead of waiting: queue here.
@@ -126,14 +138,20 @@ class RedisTier(ServiceTier):
     # ------------------------------------------------------------------ outage guard
 
     async def _guard(
-        self, what: str, call: Callable[[], Awaitable[T]], default: T, nbytes: int = 0
+        self,
+        what: str,
+        call: Callable[[], Awaitable[T]],
+        default: T,
+        nbytes: int = 0,
+        extra_s: float = 0.0,
     ) -> T:
         """Run one Redis call under the outage rules, timed out after ``timeout_s``
-        plus one second per 50 MB it moves."""
+        plus one second per 50 MB it moves (plus ``extra_s``: a WAIT's own timeout)."""
         if not self.outage.ready:
             return default
+        limit = transfer_timeout_s(self.cfg.timeout_s, nbytes) + extra_s
         try:
-            async with self._slots, asyncio.timeout(transfer_timeout_s(self.cfg.timeout_s, nbytes)):
+            async with self._slots, asyncio.timeout(limit):
                 result = await call()
         except _OUTAGE as e:
             self.outage.down(what, e)
@@ -168,10 +186,11 @@ class RedisTier(ServiceTier):
         await self._guard("open", ping, False)
 
     async def close(self) -> None:
-        try:
-            await self.client.aclose()
-        except Exception as e:  # closing a dead connection must not fail a shutdown
-            log.debug("redis tier %s: close: %s", self.name, e)
+        for c in [self.client, *self._masters.values()]:
+            try:
+                await c.aclose()
+            except Exception as e:  # closing a dead connection must not fail a shutdown
+                log.debug("redis tier %s: close: %s", self.name, e)
 
     async def get(self, key: str) -> Blob | None:
         return await self._guard("GET", lambda: self.client.get(self.k(key)), None)
@@ -236,10 +255,14 @@ class RedisTier(ServiceTier):
         """The group in pipelines (MULTI-free), bounded in bytes: one when it fits. A
         single Redis runs a connection's commands in order, so the last object lands
         after the others; a cluster may spread the keys over several masters, so there
-        the last one goes after the others' pipelines have answered."""
+        the last one goes after the others' pipelines have answered. With
+        ``wait_replicas``, each pipeline ends with a WAIT, and the group counts as
+        written only once enough replicas hold all of it."""
         ok = False
         try:
-            if self.is_cluster or len(objects) == 1:
+            if self.cfg.wait_replicas:
+                ok = await self._put_acked(objects[:-1]) and await self._put_acked(objects[-1:])
+            elif self.is_cluster or len(objects) == 1:
                 oks = await self.put_many([(o.key, o.buffers()) for o in objects[:-1]])
                 ok = all(oks) and await self.put(objects[-1].key, objects[-1].buffers())
             else:
@@ -248,6 +271,66 @@ class RedisTier(ServiceTier):
         finally:
             if not ok:
                 await self.delete_many([o.key for o in objects])
+
+    async def _put_acked(self, objects: Sequence[GroupObject]) -> bool:
+        """SET ``objects`` and WAIT for ``wait_replicas`` acknowledgements: one pipeline
+        per master, on one connection (WAIT counts the writes of its own connection)."""
+        if not objects:
+            return True
+        by_master: dict[str, list[GroupObject]] = {}
+        for o in objects:
+            by_master.setdefault(self._master_of(o.key), []).append(o)
+        n, ms = self.cfg.wait_replicas, int(self.cfg.wait_timeout_s * 1000)
+
+        async def one(master: str, objs: list[GroupObject]) -> bool:
+            client = self._masters.get(master, self.client)
+
+            async def run() -> list[Any]:
+                pipe = client.pipeline(transaction=False)
+                for o in objs:
+                    pipe.set(self.k(o.key), _one(o.buffers()), ex=self.ttl_s)
+                pipe.execute_command("WAIT", n, ms)
+                return await pipe.execute()
+
+            nbytes = sum(o.nbytes for o in objs)
+            got = await self._guard("SET+WAIT", run, None, nbytes, self.cfg.wait_timeout_s)
+            if got is None:
+                if self.is_cluster:  # a master may have moved: ask the cluster again
+                    await self._refresh_slots()
+                return False
+            if int(got[-1]) < n:
+                log.warning(
+                    "redis tier %s: %d of %d replicas acknowledged a write within %.1f s; "
+                    "the write is skipped",
+                    self.name,
+                    int(got[-1]),
+                    n,
+                    self.cfg.wait_timeout_s,
+                )
+                return False
+            return all(bool(g) for g in got[:-1])
+
+        oks = await asyncio.gather(*(one(m, objs) for m, objs in by_master.items()))
+        return all(oks)
+
+    def _master_of(self, key: str) -> str:
+        """The master holding ``key`` ("" for a single Redis), with a client of its own."""
+        if not self.is_cluster:
+            return ""
+        node = self.client.get_node_from_key(self.k(key))
+        if node is None:
+            return ""
+        if node.name not in self._masters:
+            self._masters[node.name] = aioredis.Redis(
+                host=node.host, port=node.port, **self._master_kwargs
+            )
+        return str(node.name)
+
+    async def _refresh_slots(self) -> None:
+        try:
+            await self.client.nodes_manager.initialize()
+        except Exception as e:  # the cluster is still electing: the next write asks again
+            log.debug("redis tier %s: refreshing the slot map: %s", self.name, e)
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         if keys:

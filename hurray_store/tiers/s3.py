@@ -1,0 +1,253 @@
+"""The ``s3`` tier: an S3 bucket, or any S3-compatible object store (MinIO, SeaweedFS,
+Ceph RGW, Cloudflare R2), through obstore (the only module that imports ``obstore``).
+
+Layout: ``<prefix>/objects/<key>`` for every object, ``<prefix>/quarantine/<key>`` for
+corrupt ones taken out of service. One object is one S3 object: a PUT is atomic (a
+reader sees the old object, none, or the whole new one); an object larger than
+``multipart_bytes`` goes up in parts of that size, and S3 publishes it whole when the
+upload completes. Partial retrieves read exactly their byte ranges (ranged GETs, never
+coalesced into larger reads). At open the store lists ``objects/`` to find committed
+segments again (restart).
+
+Outages are the Redis tier's rules: a connection error, a timeout, a 5xx or refused
+credentials turn the call into a miss (reads) or a skipped write (``False``), log one
+warning for the whole outage, and start a backoff during which calls return at once.
+obstore's own retries are kept short (two, within ``timeout_s``), so a down endpoint
+costs one timeout, not minutes. A missing object is a miss and says nothing about the
+endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import obstore
+from obstore.exceptions import InvalidPathError, NotFoundError
+from obstore.store import S3Store
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig
+
+from hurray_store.config import S3TierConfig, parse_s3_url
+from hurray_store.tiers.base import (
+    Blob,
+    Buffer,
+    Outage,
+    Range,
+    ReadInto,
+    ServiceTier,
+    transfer_timeout_s,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class S3Tier(ServiceTier):
+    config_cls = S3TierConfig
+    persistent = True
+
+    def __init__(self, cfg: S3TierConfig, namespace: str | None = None) -> None:
+        super().__init__(cfg, namespace)
+        bucket, prefix = parse_s3_url(cfg.url)
+        self.bucket = bucket
+        self.root = f"{prefix}/" if prefix else ""
+        self.objects = self.root + "objects/"
+        self.quarantined = self.root + "quarantine/"
+        opts: ClientConfig = {
+            "connect_timeout": timedelta(seconds=cfg.timeout_s),
+            # Whole calls are timed in _guard (longer for more bytes); this is a backstop.
+            "timeout": timedelta(seconds=max(300.0, cfg.timeout_s)),
+            "allow_http": cfg.endpoint.startswith("http://"),
+        }
+        kwargs: dict[str, Any] = {}
+        if cfg.endpoint:
+            kwargs["endpoint"] = cfg.endpoint
+            kwargs["virtual_hosted_style_request"] = False  # path style: bucket in the path
+        region = cfg.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            kwargs["region"] = region
+        if cfg.access_key_id or cfg.secret_access_key:
+            kwargs["access_key_id"] = cfg.access_key_id
+            kwargs["secret_access_key"] = cfg.secret_access_key
+        # Without keys in the config, obstore takes AWS_ACCESS_KEY_ID,
+        # AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, ... from the environment.
+        self.store = S3Store(
+            bucket,
+            client_options=opts,
+            retry_config={
+                "max_retries": 2,
+                "retry_timeout": timedelta(seconds=cfg.timeout_s),
+                "backoff": {
+                    "init_backoff": timedelta(milliseconds=50),
+                    "max_backoff": timedelta(seconds=1),
+                    "base": 2.0,
+                },
+            },
+            **kwargs,
+        )
+        self._slots = asyncio.Semaphore(cfg.max_connections)
+        self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)
+
+    def path(self, key: str) -> str:
+        return self.objects + key
+
+    # ------------------------------------------------------------------ outage guard
+
+    async def _guard(
+        self, what: str, call: Callable[[], Awaitable[T]], default: T, nbytes: int = 0
+    ) -> T:
+        """Run one call under the outage rules, timed out after ``timeout_s`` plus one
+        second per 50 MB it moves. A missing object is ``default`` with the endpoint up."""
+        if not self.outage.ready:
+            return default
+        try:
+            async with self._slots, asyncio.timeout(transfer_timeout_s(self.cfg.timeout_s, nbytes)):
+                result = await call()
+        except (FileNotFoundError, NotFoundError):  # obstore raises the former for a 404
+            self.outage.up()
+            return default
+        except InvalidPathError as e:  # a key S3 cannot hold: this call fails, not the tier
+            log.warning("s3 tier %s: %s: %s", self.name, what, e)
+            return default
+        except Exception as e:  # obstore's errors, timeouts: the endpoint is not serving
+            self.outage.down(what, _first_line(e))
+            return default
+        self.outage.up()
+        return result
+
+    # ------------------------------------------------------------------ interface
+
+    async def open(self) -> None:
+        async def first_page() -> bool:
+            stream = obstore.list(self.store, self.objects, chunk_size=1)
+            async for _ in stream:
+                break
+            return True
+
+        await self._guard("open (listing the bucket)", first_page, False)
+
+    async def get(self, key: str) -> Blob | None:
+        async def run() -> Blob:
+            r = await obstore.get_async(self.store, self.path(key))
+            return memoryview(await r.bytes_async())
+
+        return await self._guard("GET", run, None)
+
+    async def get_ranges(
+        self, key: str, ranges: Sequence[Range], into: ReadInto = None
+    ) -> list[Blob] | None:
+        if not ranges:
+            return [] if await self.contains(key) else None
+
+        async def run() -> list[Any]:
+            return await obstore.get_ranges_async(
+                self.store,
+                self.path(key),
+                starts=[off for off, _ in ranges],
+                lengths=[ln for _, ln in ranges],
+                coalesce=0,  # exactly the bytes asked for
+            )
+
+        got = await self._guard("GET (ranges)", run, None, sum(ln for _, ln in ranges))
+        if got is None:
+            return None
+        parts = [memoryview(b) for b in got]
+        # An object shorter than a range asks comes back short: a miss.
+        if any(p.nbytes != ln for p, (_, ln) in zip(parts, ranges, strict=True)):
+            return None
+        return list(parts)
+
+    async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
+        nbytes = sum(memoryview(b).nbytes for b in buffers)
+        big = nbytes > self.cfg.multipart_bytes
+        body: Any = list(buffers) if big else _one(buffers)
+
+        async def run() -> bool:
+            await obstore.put_async(
+                self.store,
+                self.path(key),
+                body,
+                use_multipart=big,
+                chunk_size=self.cfg.multipart_bytes,
+                max_concurrency=4,
+            )
+            return True
+
+        return await self._guard("PUT", run, False, nbytes)
+
+    async def delete(self, key: str) -> None:
+        await self.delete_many([key])
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+
+        async def run() -> None:
+            await obstore.delete_async(self.store, [self.path(k) for k in keys])
+
+        await self._guard("DELETE", run, None)
+
+    async def contains(self, key: str) -> bool:
+        async def run() -> bool:
+            await obstore.head_async(self.store, self.path(key))
+            return True
+
+        return await self._guard("HEAD", run, False)
+
+    async def sizes(self, keys: Sequence[str]) -> list[int | None]:
+        async def one(key: str) -> int | None:
+            async def run() -> int | None:
+                meta = await obstore.head_async(self.store, self.path(key))
+                return int(meta["size"])
+
+            return await self._guard("HEAD", run, None)
+
+        return list(await asyncio.gather(*(one(k) for k in keys)))
+
+    async def quarantine(self, key: str) -> None:
+        """Move a corrupt object to ``quarantine/`` (kept for a post-mortem, out of
+        every scan)."""
+
+        async def run() -> None:
+            await obstore.rename_async(self.store, self.path(key), self.quarantined + key)
+
+        await self._guard("quarantine", run, None)
+
+    async def scan(self) -> AsyncIterator[tuple[str, int]]:
+        """Every object under ``objects/`` and its size, 1000 per listing page, each
+        page yielded before the next is asked for. An outage ends the scan where it is."""
+        stream = obstore.list(self.store, self.objects, chunk_size=1000)
+        n = len(self.objects)
+
+        async def page() -> list[tuple[str, int]] | None:
+            async for batch in stream:
+                return [(m["path"][n:], int(m["size"])) for m in batch]
+            return []
+
+        while True:
+            got = await self._guard("LIST", page, None)
+            if not got:
+                return
+            for item in got:
+                yield item
+
+
+def _one(buffers: Sequence[Buffer]) -> Buffer:
+    return buffers[0] if len(buffers) == 1 else b"".join(buffers)
+
+
+def _first_line(e: BaseException) -> BaseException:
+    """obstore's errors carry a debug dump after their first line; a log needs the line."""
+    text = str(e).strip().split("\n", 1)[0]
+    if text == str(e):
+        return e
+    try:
+        return type(e)(text)
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {text}")

@@ -780,6 +780,21 @@ class TestS3Tier(MediumContract):
         assert got is not None and as_bytes(got) == b"v", "what was stored before is still there"
         await t.close()
 
+    async def test_credentials_and_region_from_the_usual_aws_variables(
+        self, s3_server: SeaweedProc, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3_KEY)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+        monkeypatch.setenv("AWS_REGION", "us-east-1")
+        t = open_tier(
+            S3TierConfig(url=f"s3://{S3_BUCKET}/env", name="s3", endpoint=s3_server.endpoint)
+        )
+        await t.open()
+        assert await t.put("k", [b"from env"]) and t.available
+        got = await t.get("k")
+        assert got is not None and as_bytes(got) == b"from env"
+        await t.close()
+
     async def test_open_with_nothing_listening_does_not_raise(self) -> None:
         from tests.conftest import free_port
 

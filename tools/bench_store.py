@@ -9,6 +9,8 @@ layers), beside references measured in the same run on the same bytes:
 - disk tier: raw Python file write + read of the same objects, same fsync setting;
 - redis tier: raw redis-py (asyncio, the client the tier uses) SET / GET of the same
   objects; the sync client is shown too;
+- s3 tier: obstore's own PUT / GET (the client the tier uses) of the same objects to the
+  same SeaweedFS S3 gateway (``weed mini``, started on free loopback ports);
 - LMCache 0.5.6's own LocalDiskBackend and Redis RemoteBackend on the same KV, in its
   256-token chunks (keys chain over the prefix, so shared chunks are stored once).
 
@@ -42,6 +44,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.*
 from _bench import free_port, gbps, table, timeit, wait_port  # noqa: E402
 
 from hurray_store import KVSpec, PagedKVPool  # noqa: E402
@@ -240,6 +243,31 @@ def ref_redis_sync(objs: list[bytes], port: int, repeat: int) -> tuple[float, fl
     return out
 
 
+async def ref_s3(objs: list[bytes], store: Any, repeat: int) -> tuple[float, float]:
+    """obstore's own PUT and GET of the same objects to the same server, all at once
+    (as the tier writes a group's objects), with its defaults (multipart above 5 MB)."""
+    import obstore
+
+    puts, gets = [], []
+    keys = [f"ref/{i}" for i in range(len(objs))]
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        await asyncio.gather(
+            *(obstore.put_async(store, k, o) for k, o in zip(keys, objs, strict=True))
+        )
+        puts.append(time.perf_counter() - t0)
+
+        async def get(k: str) -> int:
+            return len(await (await obstore.get_async(store, k)).bytes_async())
+
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(get(k) for k in keys))
+        gets.append(time.perf_counter() - t0)
+        assert got == [len(o) for o in objs]
+    await obstore.delete_async(store, keys)
+    return statistics.median(puts[1:]), statistics.median(gets[1:])
+
+
 # ---------------------------------------------------------------------- LMCache
 
 
@@ -380,6 +408,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3, help="measured rounds per path (median)")
     ap.add_argument("--no-lmcache", action="store_true")
+    ap.add_argument("--no-s3", action="store_true", help="skip the s3 row (SeaweedFS)")
     ap.add_argument(
         "--restart-objects",
         type=int,
@@ -448,6 +477,28 @@ def main() -> None:
         sp_, sg_ = ref_redis_sync(objs, port, R)
         row("redis tier", p, g, sp_, sg_, "redis-py sync SET/GET")
         subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
+        # s3, against SeaweedFS's S3 gateway on loopback (its data under work/)
+        if not a.no_s3:
+            from obstore.store import S3Store
+
+            from tests.conftest import S3_BUCKET, S3_KEY, S3_SECRET, SeaweedProc
+
+            weed = SeaweedProc(work / "seaweed").start()
+            try:
+                cfg = {"tiers": [weed.tier("bench")], "policy": {"promote_on_hit": False}}
+                p, g, store = asyncio.run(ours(cfg, pool, toks, tables, True, R))
+                raw = S3Store(
+                    S3_BUCKET,
+                    endpoint=weed.endpoint,
+                    region="us-east-1",
+                    access_key_id=S3_KEY,
+                    secret_access_key=S3_SECRET,
+                    client_options={"allow_http": True},
+                )
+                rp, rg = asyncio.run(ref_s3(objs, raw, R))
+                row("s3 tier (SeaweedFS)", p, g, rp, rg, "obstore PUT/GET")
+            finally:
+                weed.stop()
 
         lm_rows: list[list[object]] = []
         if not a.no_lmcache:

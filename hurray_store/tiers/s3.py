@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -46,6 +45,7 @@ from hurray_store.tiers.base import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_PARALLEL = 12  # parts of one object in flight at once (upload and ranged download)
 
 
 class S3Tier(ServiceTier):
@@ -69,14 +69,14 @@ class S3Tier(ServiceTier):
         if cfg.endpoint:
             kwargs["endpoint"] = cfg.endpoint
             kwargs["virtual_hosted_style_request"] = False  # path style: bucket in the path
-        region = cfg.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        if region:
-            kwargs["region"] = region
+        if cfg.region:
+            kwargs["region"] = cfg.region
         if cfg.access_key_id or cfg.secret_access_key:
             kwargs["access_key_id"] = cfg.access_key_id
             kwargs["secret_access_key"] = cfg.secret_access_key
-        # Without keys in the config, obstore takes AWS_ACCESS_KEY_ID,
-        # AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, ... from the environment.
+        # What the config leaves empty, obstore takes the usual AWS way: AWS_REGION,
+        # AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, ... from the
+        # environment, or an instance role.
         self.store = S3Store(
             bucket,
             client_options=opts,
@@ -133,6 +133,9 @@ class S3Tier(ServiceTier):
         await self._guard("open (listing the bucket)", first_page, False)
 
     async def get(self, key: str) -> Blob | None:
+        """The whole object, one GET. (Parallel ranged GETs of its parts measured slower
+        against SeaweedFS on loopback here: 0.2-0.5 GB/s against 0.8 for one stream.)"""
+
         async def run() -> Blob:
             r = await obstore.get_async(self.store, self.path(key))
             return memoryview(await r.bytes_async())
@@ -175,7 +178,7 @@ class S3Tier(ServiceTier):
                 body,
                 use_multipart=big,
                 chunk_size=self.cfg.multipart_bytes,
-                max_concurrency=4,
+                max_concurrency=_PARALLEL,
             )
             return True
 

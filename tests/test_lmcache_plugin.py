@@ -283,7 +283,10 @@ def test_l2_adapter_under_lmcache_bench_with_verification(
     assert "success_keys=16/16" in text
 
 
-def test_l2_adapter_verifies_before_it_copies(tmp_path: Path) -> None:
+def test_l2_adapter_verifies_every_load_in_lmcaches_buffer(tmp_path: Path) -> None:
+    """Stores and loads run every key of a task at once; a load reads straight into
+    LMCache's buffer and checks it there against the key's record: a corrupt object is
+    a 0 in the bitmap (LMCache then deletes that buffer), and its record is dropped."""
     import select
 
     from lmcache.v1.distributed.api import ObjectKey
@@ -317,7 +320,7 @@ def test_l2_adapter_verifies_before_it_copies(tmp_path: Path) -> None:
         bm = a.query_lookup_and_lock_result(t)
         assert bm is not None and [bm.test(i) for i in range(3)] == [True, True, False]
         a.submit_unlock(keys[:2])
-        # Corrupt key 1's bytes on disk: its load must be a 0, and the buffer untouched.
+        # Corrupt key 1's bytes on disk: its load must be a 0.
         f = next(
             p
             for p in (tmp_path / "cache" / "objects").rglob("*")
@@ -331,7 +334,101 @@ def test_l2_adapter_verifies_before_it_copies(tmp_path: Path) -> None:
         wait(a.get_load_event_fd())
         bm = a.query_load_result(t)
         assert bm is not None and [bm.test(i) for i in range(3)] == [True, False, False]
-        assert bool((dst[0].tensor == 1).all()) and bool((dst[1].tensor == 0).all())
+        assert bool((dst[0].tensor == 1).all())
+        t = a.submit_lookup_and_lock_task(keys, {})
+        wait(a.get_lookup_and_lock_event_fd())
+        bm = a.query_lookup_and_lock_result(t)
+        assert bm is not None and [bm.test(i) for i in range(3)] == [True, False, False]
+        a.submit_unlock(keys[:1])
+    finally:
+        a.close()
+
+
+def _l2_obj(fill: int, n: int = 4096) -> Any:
+    from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+
+    raw = torch.full((n,), fill, dtype=torch.uint8)
+    return TensorMemoryObj(raw, MemoryObjMetadata(torch.Size([n]), torch.uint8, 0, n, 1), None)
+
+
+def _l2_wait(fd: int) -> None:
+    import select
+
+    assert select.select([fd], [], [], 20)[0], "no completion signalled"
+    os.read(fd, 8)
+
+
+def test_l2_adapter_tasks_in_flight_at_once_and_unlock_while_loading(tmp_path: Path) -> None:
+    """Several store and load tasks submitted before any completes, and keys unlocked
+    while their load runs: every task completes once, with its own result, and every
+    loaded buffer holds its key's bytes."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from hurray_store.adapters.lmcache import HurrayL2Adapter
+
+    (tmp_path / "h.yaml").write_text(
+        "tiers:\n  - {type: cpu, capacity_bytes: 67108864}\n"
+        f"  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"
+    )
+    keys = [ObjectKey(bytes([i]) * 16, "tiny", 0) for i in range(40)]
+    a = HurrayL2Adapter({"config": str(tmp_path / "h.yaml")})
+    try:
+        stores = [
+            a.submit_store_task(keys[i : i + 10], [_l2_obj(i + j) for j in range(10)])
+            for i in range(0, 40, 10)
+        ]
+        done: dict[int, Any] = {}
+        while len(done) < 4:
+            _l2_wait(a.get_store_event_fd())
+            done.update(a.pop_completed_store_tasks())
+        assert sorted(done) == sorted(stores)
+        assert all(r.is_successful() and r.bytes_transferred() == 10 * 4096 for r in done.values())
+        t = a.submit_lookup_and_lock_task(keys, {})
+        _l2_wait(a.get_lookup_and_lock_event_fd())
+        bm = a.query_lookup_and_lock_result(t)
+        assert bm is not None and all(bm.test(i) for i in range(40))
+        dsts = [[_l2_obj(255) for _ in range(10)] for _ in range(4)]
+        loads = [a.submit_load_task(keys[i * 10 : i * 10 + 10], dsts[i]) for i in range(4)]
+        a.submit_unlock(keys)  # while the loads run
+        results: dict[int, Any] = {}
+        while len(results) < 4:
+            _l2_wait(a.get_load_event_fd())
+            for t in loads:
+                if t not in results and (r := a.query_load_result(t)) is not None:
+                    results[t] = r
+        for i, t in enumerate(loads):
+            assert all(results[t].test(j) for j in range(10))
+            for j in range(10):
+                assert bool((dsts[i][j].tensor == i * 10 + j).all())
+        assert a.query_load_result(loads[0]) is None, "a result is reported once"
+    finally:
+        a.close()
+
+
+def test_l2_adapter_touch_keeps_keys_from_eviction(tmp_path: Path) -> None:
+    """submit_touch (LMCache 0.5.7) feeds the store's eviction order: a touched key
+    outlives one stored after it."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from hurray_store.adapters.lmcache import HurrayL2Adapter
+
+    n = 1 << 20
+    (tmp_path / "h.yaml").write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: {3 * n + 4096}}}\n")
+    keys = [ObjectKey(bytes([i]) * 16, "tiny", 0) for i in range(4)]
+    a = HurrayL2Adapter({"config": str(tmp_path / "h.yaml")})
+    try:
+        for i in range(3):
+            a.submit_store_task([keys[i]], [_l2_obj(i, n)])
+            _l2_wait(a.get_store_event_fd())
+            a.pop_completed_store_tasks()
+        a.submit_touch([keys[0]])  # keys[1] is now the least recently used
+        a.submit_store_task([keys[3]], [_l2_obj(3, n)])
+        _l2_wait(a.get_store_event_fd())
+        a.pop_completed_store_tasks()
+        t = a.submit_lookup_and_lock_task(keys, {})
+        _l2_wait(a.get_lookup_and_lock_event_fd())
+        bm = a.query_lookup_and_lock_result(t)
+        assert bm is not None and [bm.test(i) for i in range(4)] == [True, False, True, True]
     finally:
         a.close()
 

@@ -297,6 +297,10 @@ class TieredStore:
     def unpin_objects(self, keys: Sequence[str]) -> None:
         self.objects.unpin(keys)
 
+    def touch_objects(self, keys: Sequence[str]) -> None:
+        """Count these objects as used now, for eviction (no bytes move)."""
+        self.objects.touch(keys)
+
     async def delete_object(self, key: str) -> None:
         await self.sync()
         await self.objects.delete(key)

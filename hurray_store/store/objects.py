@@ -124,6 +124,10 @@ class ObjectStore:
     def unpin(self, names: Sequence[str]) -> None:
         self.cascade.ledger.unpin(self._groups(names))
 
+    def touch(self, names: Sequence[str]) -> None:
+        """Mark these objects' groups used now (eviction takes the least recent)."""
+        self.cascade.ledger.touch(self._groups(names))
+
     def _groups(self, names: Sequence[str]) -> list[object]:
         """The group of each named object (itself when no tier holds it)."""
         led = self.cascade.ledger

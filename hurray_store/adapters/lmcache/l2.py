@@ -8,9 +8,10 @@ result bitmap, never wrong bytes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from lmcache.lmcache_native import Bitmap
@@ -31,6 +32,24 @@ from hurray_store.tiers import host_view
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_WAVE_BYTES = 256 << 20  # bytes of one task in flight at once
+
+
+def _waves(items: list[T], size: Callable[[T], int]) -> list[list[T]]:
+    """Consecutive runs of ``items`` of about _WAVE_BYTES (an item larger goes alone)."""
+    out: list[list[T]] = []
+    cur: list[T] = []
+    nbytes = 0
+    for it in items:
+        n = size(it)
+        if cur and nbytes + n > _WAVE_BYTES:
+            out.append(cur)
+            cur, nbytes = [], 0
+        cur.append(it)
+        nbytes += n
+    if cur:
+        out.append(cur)
+    return out
 
 
 class HurrayL2AdapterConfig(L2AdapterConfigBase):
@@ -115,30 +134,40 @@ class HurrayL2Adapter(L2AdapterInterface):
 
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
         tid = self._task()
-        # Copy now: the caller owns the buffers and may reuse them once we return.
-        payloads = [bytes(memoryview(o.byte_array).cast("B")) for o in objects]
-        self._submit(self._store(tid, list(keys), payloads))
+        # No copy: LMCache holds a read lock on each object until this task is reported
+        # done (its StoreController calls finish_read only after
+        # pop_completed_store_tasks), so the buffers stay valid and unchanged.
+        # The task also keeps the objects referenced: a view of ``byte_array`` does not.
+        self._submit(self._store(tid, list(keys), list(objects)))
         return tid
 
-    async def _store(self, tid: L2TaskId, keys: list[Any], payloads: list[bytes]) -> None:
+    async def _store(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
+        """Every key of the task at once (bounded in bytes): per key one group, the
+        object then its record, so a record never exists without its object."""
+        views = [memoryview(o.byte_array).cast("B") for o in objects]
+
+        async def one(key: Any, data: memoryview) -> int | None:
+            k = self._key(key)
+            if await self.store.contains_object(k + "/r"):
+                return None  # stored already
+            rec = pack_l2_record(data)
+            if not await self.store.put_objects([(k, [data]), (k + "/r", [rec])]):
+                raise OSError(f"{k}: stored in no tier")
+            return len(data)
+
         ok, total = True, 0
         stored_keys, sizes = [], []
-        try:
-            for key, data in zip(keys, payloads, strict=True):
-                k = self._key(key)
-                if await self.store.contains_object(k + "/r"):
-                    continue
-                rec = pack_l2_record(data)
-                # One group, the record last: never a record without its object.
-                if not await self.store.put_objects([(k, [data]), (k + "/r", [rec])]):
+        items = list(zip(keys, views, strict=True))
+        for wave in _waves(items, lambda kv: len(kv[1])):
+            got = await asyncio.gather(*(one(k, v) for k, v in wave), return_exceptions=True)
+            for (key, _), r in zip(wave, got, strict=True):
+                if isinstance(r, BaseException):
+                    log.warning("hurray L2 adapter: store task %d: %s", tid, r)
                     ok = False
-                    continue
-                total += len(data)
-                stored_keys.append(key)
-                sizes.append(len(data))
-        except Exception as e:
-            log.warning("hurray L2 adapter: store task %d failed: %s", tid, e)
-            ok = False
+                elif r is not None:
+                    total += r
+                    stored_keys.append(key)
+                    sizes.append(r)
         with self._lock:
             self._stored[tid] = L2StoreResult(ok, total)
         if stored_keys:
@@ -160,10 +189,11 @@ class HurrayL2Adapter(L2AdapterInterface):
         return tid
 
     async def _lookup(self, tid: L2TaskId, keys: list[Any]) -> None:
+        names = [self._key(key) for key in keys]
+        found = await asyncio.gather(*(self.store.contains_object(k + "/r") for k in names))
         bitmap = Bitmap(len(keys))
-        for i, key in enumerate(keys):
-            k = self._key(key)
-            if await self.store.contains_object(k + "/r"):
+        for i, (k, hit) in enumerate(zip(names, found, strict=True)):
+            if hit:
                 bitmap.set(i)
                 self._locks[k] = self._locks.get(k, 0) + 1
                 self.store.pin_objects([k, k + "/r"])
@@ -190,6 +220,32 @@ class HurrayL2Adapter(L2AdapterInterface):
 
         self._runner.loop.call_soon_threadsafe(unlock)
 
+    def submit_touch(self, keys: list[Any]) -> None:
+        """Keys LMCache used without loading them (LMCache 0.5.7): they count as used
+        now in the store's eviction order, and in LMCache's."""
+        names = [self._key(key) for key in keys]
+        self._runner.loop.call_soon_threadsafe(
+            self.store.touch_objects, [n for k in names for n in (k, k + "/r")]
+        )
+        self._notify_keys_accessed(list(keys))
+
+    def get_memory_tags(self) -> Any:
+        """Where the bytes live (LMCache 0.5.7 asks, for prefetch targets and L1-L2
+        affinity): storage; remote when a tier is shared with other hosts (Redis, S3, a
+        cache server), local otherwise."""
+        from lmcache.v1.distributed.api import (  # LMCache 0.5.7 on
+            MemoryResidency,
+            MemorySegment,
+            MemoryTags,
+        )
+
+        remote = any(t.kind in ("redis", "remote", "s3") for t in self.store.tiers)
+        memory_only = all(t.kind in ("cpu", "gpu") for t in self.store.tiers)
+        return MemoryTags(
+            MemorySegment.DRAM if memory_only else MemorySegment.STORAGE,
+            MemoryResidency.REMOTE if remote else MemoryResidency.LOCAL,
+        )
+
     # ------------------------------------------------------------------ load
 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
@@ -198,30 +254,42 @@ class HurrayL2Adapter(L2AdapterInterface):
         return tid
 
     async def _load(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
-        bitmap = Bitmap(len(keys))
-        accessed = []
-        for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
+        """Every key at once (bounded in bytes), each read straight into LMCache's
+        buffer and verified there against its record; a key that fails is a 0."""
+
+        async def one(key: Any, obj: Any) -> bool:
             k = self._key(key)
             try:
                 raw = await self.store.get_object(k + "/r")
                 if raw is None:
-                    continue
+                    return False
                 size, csum = parse_l2_record(host_view(raw))
                 dst = memoryview(obj.byte_array).cast("B")
                 if size != len(dst):
                     raise FormatError(
                         f"L2 record: {size} bytes recorded, the load buffer holds {len(dst)}"
                     )
-                got = await self.store.get_object(k)
-                data = None if got is None else host_view(got)
-                if data is None or len(data) != size or checksum(data) != csum:
-                    raise FormatError("L2 object: missing, or its bytes differ from the record")
-                dst[:] = data
-                bitmap.set(i)
-                accessed.append(key)
+                if not await self.store.read_object_into(k, [(0, size)], [dst]):
+                    raise FormatError("L2 object: missing")
+                if checksum(dst) != csum:
+                    raise FormatError("L2 object: its bytes differ from the record")
+                return True
             except FormatError as e:
                 log.warning("hurray L2 adapter: %s failed verification (%s); a miss", k, e)
                 await self.store.delete_object(k + "/r")
+                return False
+
+        bitmap = Bitmap(len(keys))
+        accessed = []
+        items = list(zip(keys, objects, strict=True))
+        pos = 0
+        for wave in _waves(items, lambda ko: int(ko[1].get_size())):
+            got = await asyncio.gather(*(one(k, o) for k, o in wave))
+            for j, ok in enumerate(got):
+                if ok:
+                    bitmap.set(pos + j)
+                    accessed.append(wave[j][0])
+            pos += len(wave)
         if accessed:
             self._notify_keys_accessed(accessed)
         with self._lock:

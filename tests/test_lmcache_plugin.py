@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import hurray
 import pytest
 import torch
 
@@ -158,7 +159,7 @@ async def test_async_contains_and_get_stop_at_the_first_miss(opened: Any) -> Non
         g.ref_count_down()
 
 
-def test_pin_remove_and_a_corrupt_layer_is_a_miss(opened: Any, tmp_path: Path) -> None:
+def test_pin_remove_and_a_corrupt_chunk_is_a_miss(opened: Any, tmp_path: Path) -> None:
     b = opened()
     p = plugin_of(b)
     p.batched_submit_put_task([key(5), key(6)], [chunk(b, 64, 5), chunk(b, 64, 6)])
@@ -166,13 +167,28 @@ def test_pin_remove_and_a_corrupt_layer_is_a_miss(opened: Any, tmp_path: Path) -
     assert p.pin(key(5)) and p.unpin(key(5)) and not p.unpin(key(5))
     assert p.remove(key(5)) and not p.contains(key(5)) and p.get_blocking(key(5)) is None
     p.close()
-    # Flip a byte of one layer object of key 6 on disk; a new plugin must not serve it.
+    # Key 6's chunk is one object, one Hurray stream: per layer a key and a value
+    # block-paged descriptor.
     disk = tmp_path / "cache" / "objects"
-    victims = [f for f in disk.rglob("*") if f.is_file() and f.name.endswith("%2F1")]  # layer 1
-    assert victims
-    raw = bytearray(victims[0].read_bytes())
-    raw[133 + 10] ^= 0xFF  # inside the key pool (after the 133-byte descriptor)
-    victims[0].write_bytes(bytes(raw))
+    (victim,) = [f for f in disk.rglob("*") if f.is_file() and f.name.endswith("%2Fc")]
+    tensors = list(hurray.StreamReader(victim.read_bytes()))
+    assert len(tensors) == 2 * LAYERS
+    assert [t.layout.kv_role for t in tensors[:2]] == ["key", "value"]
+    assert tensors[0].layout.page_size == 16
+    # Flip a byte of layer 1's keys on disk (where its record says they are); a new
+    # plugin must not serve the chunk.
+    from hurray_store.adapters.lmcache.records import parse_chunk_record
+
+    (rec,) = [  # the chunk record (not the group's member list, kept under /g/)
+        f for f in disk.rglob("*") if f.name.endswith("%2Fr") and "%2Fg%2F" not in f.name
+    ]
+    _, size, layers = parse_chunk_record(
+        rec.read_bytes(), p.fingerprint, LAYERS, 64, lambda n: n * HEADS * DIM * 2
+    )
+    raw = bytearray(victim.read_bytes())
+    assert len(raw) == size
+    raw[layers[1].key_pool_offset + 10] ^= 0xFF
+    victim.write_bytes(bytes(raw))
     p2 = plugin_of(opened())
     assert p2.get_blocking(key(6)) is None
     assert not p2.contains(key(6))  # the record went with the bad chunk

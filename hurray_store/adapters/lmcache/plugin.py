@@ -3,16 +3,20 @@ imports ``lmcache``).
 
 LMCache hands over chunks, not token ids: a ``MemoryObj`` in ``KV_2LTD`` format,
 ``[2, num_layers, num_tokens, heads * head_dim]``, under a ``CacheEngineKey``. The plugin
-stores each chunk through the store's object level:
+stores each chunk through the store's object level as one group of two objects:
 
-- one block-paged layer object per layer: one sequence, the chunk's tokens cut into
-  pages of ``page_size``, the last page zero-padded;
+- the chunk object: one Hurray stream of 2 x layers block-paged descriptors (per layer
+  a key and a value descriptor, each with its page pool: one sequence, the chunk's
+  tokens cut into pages of ``page_size``). The pools are views of LMCache's buffer; a
+  partial last page is the only copy (zero-padded);
 - then a small chunk record, the commit point. It holds the layout fingerprint, the
-  token count, and each layer object's key, size and xxh3-64 checksum.
+  token count, the object's size, and per layer where its pools start and the
+  xxh3-64 of the chunk's key and value token bytes (each byte hashed once).
 
-A get reads the record first. It checks the fingerprint, reads each layer object,
-checks its checksum, and decodes it with the validating codec. Any mismatch is a miss,
-never wrong data.
+A get reads the record first and checks it. It then reads every layer's token bytes
+straight into LMCache's buffer (one ranged read of the chunk object: one ``preadv`` on
+disk, one pipeline on Redis) and checks them there against the record. Any mismatch is
+a miss, never wrong data.
 
 The object key derives from the ``CacheEngineKey`` (model, world size, worker, chunk
 hash, dtype) and from a layout fingerprint of LMCache's metadata (layers, kv heads, head
@@ -45,7 +49,8 @@ from hurray_store.adapters.lmcache.records import (
 )
 from hurray_store.adapters.store_thread import StoreThread, pin_objects
 from hurray_store.errors import FormatError
-from hurray_store.format import LayerKV, checksum, encode_layer_buffers
+from hurray_store.format import Slot, checksum, plan_layer
+from hurray_store.format.encode import byte_view
 from hurray_store.store import TieredStore
 from hurray_store.tiers import host_view
 
@@ -100,6 +105,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._lock = threading.Lock()
         self._pinned: set[CacheEngineKey] = set()
         self._closed = False
+        self._plans: dict[tuple[int, int], Any] = {}  # (layer, pages) -> LayerPlan
 
     @staticmethod
     def _plugin_name(extra: dict[str, Any]) -> str:
@@ -128,12 +134,16 @@ class HurrayStoragePlugin(StoragePluginInterface):
     def _record_key(self, key: CacheEngineKey) -> str:
         return self._base(key) + "/r"
 
-    def _layer_key(self, key: CacheEngineKey, li: int) -> str:
-        return f"{self._base(key)}/{li}"
+    def _chunk_key(self, key: CacheEngineKey) -> str:
+        return self._base(key) + "/c"
 
     # ------------------------------------------------------------------ put
 
-    def _encode(self, obj: MemoryObj) -> tuple[int, list[Any]]:
+    def _encode(self, obj: MemoryObj) -> tuple[int, list[Any], list[Any]]:
+        """``(tokens, chunk object buffers, record buffers)`` of a chunk: views of
+        LMCache's buffer, the descriptors, and one padded copy of a partial last page
+        per pool. Runs on LMCache's thread, so the buffer is read while LMCache holds
+        it; the bytes it hashes are hashed nowhere else."""
         t = obj.tensor
         assert t is not None
         if (
@@ -141,51 +151,70 @@ class HurrayStoragePlugin(StoragePluginInterface):
             or t.shape[0] != 2
             or t.shape[1] != self.num_layers
             or t.shape[3] != self.num_kv_heads * self.head_size
+            or not t.is_contiguous()
         ):
             raise ValueError(
-                f"expected a KV_2LTD chunk [2, {self.num_layers}, tokens, "
+                f"expected a contiguous KV_2LTD chunk [2, {self.num_layers}, tokens, "
                 f"{self.num_kv_heads * self.head_size}], got {tuple(t.shape)}"
             )
         n = int(t.shape[2])
         P = self.page_size
         pages = -(-n // P)
-        layers = []
+        full = n // P * P
+        buffers: list[Any] = []
+        entries = []
+        pos = 0
         for li in range(self.num_layers):
-            kv = torch.zeros((2, pages * P, self.num_kv_heads, self.head_size), dtype=t.dtype)
-            kv[:, :n] = t[:, li].reshape(2, n, self.num_kv_heads, self.head_size)
-            kv = kv.view(2, pages, P, self.num_kv_heads, self.head_size)
-            layers.append(
-                encode_layer_buffers(
-                    LayerKV(li, kv[0], kv[1], torch.arange(pages), torch.tensor([0, pages]))
+            pools = {}
+            sums = {}
+            for r, role in enumerate(("key", "value")):
+                tok = t[r, li]  # [n, heads * head_size], contiguous
+                parts = [byte_view(tok[:full])] if full else []
+                if full < n:  # the partial last page: the one copy
+                    last = torch.zeros((P, tok.shape[1]), dtype=tok.dtype)
+                    last[: n - full] = tok[full:]
+                    parts.append(byte_view(last))
+                pools[role] = parts
+                sums[role] = checksum(byte_view(tok))
+            layer_plan = self._plan(li, pages)
+            for part in layer_plan.parts:
+                buffers += pools[part.role] if isinstance(part, Slot) else [part]
+            entries.append(
+                ChunkLayer(
+                    pos + layer_plan.key_pool_offset,
+                    pos + layer_plan.value_pool_offset,
+                    sums["key"],
+                    sums["value"],
                 )
             )
-        return n, layers
+            pos += layer_plan.nbytes
+        return n, buffers, pack_chunk_record(self.fingerprint, n, pos, entries)
+
+    def _plan(self, layer: int, pages: int) -> Any:
+        """The descriptors of a layer of ``pages`` pages (one sequence), made once."""
+        plan = self._plans.get((layer, pages))
+        if plan is None:
+            plan = self._plans[(layer, pages)] = plan_layer(
+                layer,
+                torch.arange(pages),
+                torch.tensor([0, pages]),
+                num_pages=pages,
+                page_size=self.page_size,
+                heads=self.num_kv_heads,
+                dim=self.head_size,
+                dtype=self.dtype,
+            )
+        return plan
 
     def _token_bytes(self, n: int) -> int:
         return n * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
-    async def _put(self, key: CacheEngineKey, n: int, layers: list[Any]) -> None:
-        nb = self._token_bytes(n)
-        views = [[memoryview(b).cast("B") for b in enc.buffers] for enc in layers]
-        entries = []
-        for enc, v in zip(layers, views, strict=True):
-            # Buffers: key descriptor, key pool, ..., value descriptor, value pool, ...
-            kpool, vpool = v[1], v[5]
-            entries.append(
-                ChunkLayer(
-                    enc.nbytes,
-                    checksum(*v),
-                    enc.key_pool_offset,
-                    enc.value_pool_offset,
-                    checksum(kpool[:nb]),
-                    checksum(vpool[:nb]),
-                )
-            )
-        # One group per chunk: the layers together (one Redis pipeline, or a thread
-        # each on disk), then the record, the commit point; evicted together.
-        items: list[tuple[str, Any]] = [(self._layer_key(key, li), v) for li, v in enumerate(views)]
-        items.append((self._record_key(key), pack_chunk_record(self.fingerprint, n, entries)))
-        await self.store.put_objects(items)
+    async def _put(self, key: CacheEngineKey, chunk: list[Any], record: list[Any]) -> None:
+        # One group per chunk: the chunk object, then the record (the commit point);
+        # evicted together.
+        await self.store.put_objects(
+            [(self._chunk_key(key), chunk), (self._record_key(key), record)]
+        )
 
     def batched_submit_put_task(
         self,
@@ -199,11 +228,11 @@ class HurrayStoragePlugin(StoragePluginInterface):
                 continue
             obj.ref_count_up()  # LMCache drops its reference once we return
             try:
-                n, layers = self._encode(obj)
+                _, chunk, record = self._encode(obj)
             except Exception:
                 obj.ref_count_down()
                 raise
-            fut = self._runner.submit(self._put(key, n, layers))
+            fut = self._runner.submit(self._put(key, chunk, record))
             with self._lock:
                 self._pending[key] = fut
 
@@ -253,7 +282,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
             return None
         rec = host_view(raw)
         try:
-            n, layers = parse_chunk_record(
+            n, _, layers = parse_chunk_record(
                 rec, self.fingerprint, self.num_layers, self.chunk_size, self._token_bytes
             )
             nl = len(layers)
@@ -267,27 +296,18 @@ class HurrayStoragePlugin(StoragePluginInterface):
                 log.warning("hurray plugin: LMCache's CPU buffer is full; %s is a miss", key)
                 return None
             try:
-                # The chunk's tokens of each pool, read straight into LMCache's buffer
-                # (pages are stored in order, so they are one byte range per pool).
-                dst = [
-                    (host_view(out.tensor[0, li]), host_view(out.tensor[1, li])) for li in range(nl)
-                ]
-                oks = await asyncio.gather(
-                    *(
-                        self.store.read_object_into(
-                            self._layer_key(key, li),
-                            [(lay.key_pool_offset, nb), (lay.value_pool_offset, nb)],
-                            list(dst[li]),
-                        )
-                        for li, lay in enumerate(layers)
-                    )
-                )
-                for li, ok in enumerate(oks):
-                    if not ok:
-                        raise FormatError(f"layer {li}: missing")
+                # Every layer's token bytes, read straight into LMCache's buffer in one
+                # ranged read (pages are stored in order: one byte range per pool).
+                ranges, dst = [], []
+                for li, lay in enumerate(layers):
+                    ranges += [(lay.key_pool_offset, nb), (lay.value_pool_offset, nb)]
+                    dst += [host_view(out.tensor[0, li]), host_view(out.tensor[1, li])]
+                if not await self.store.read_object_into(self._chunk_key(key), ranges, dst):
+                    raise FormatError("the chunk object is missing")
+                for li, lay in enumerate(layers):
                     if (
-                        checksum(dst[li][0]) != layers[li].key_tokens_checksum
-                        or checksum(dst[li][1]) != layers[li].value_tokens_checksum
+                        checksum(dst[2 * li]) != lay.key_tokens_checksum
+                        or checksum(dst[2 * li + 1]) != lay.value_tokens_checksum
                     ):
                         raise FormatError(f"layer {li}: its bytes differ from the record")
             except BaseException:
@@ -336,10 +356,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._call(
             pin_objects(
                 self.store,
-                [
-                    self._record_key(key),
-                    *(self._layer_key(key, li) for li in range(self.num_layers)),
-                ],
+                [self._record_key(key), self._chunk_key(key)],
                 True,
             )
         )
@@ -352,10 +369,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._call(
             pin_objects(
                 self.store,
-                [
-                    self._record_key(key),
-                    *(self._layer_key(key, li) for li in range(self.num_layers)),
-                ],
+                [self._record_key(key), self._chunk_key(key)],
                 False,
             )
         )
@@ -367,11 +381,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
         had = self._call(self.store.contains_object(self._record_key(key)))
 
         async def drop() -> None:
-            # The record's group is the whole chunk. A chunk stored before groups kept
-            # their member list is a group per object after a restart: its layers too.
-            await self.store.delete_object(self._record_key(key))
-            for li in range(self.num_layers):
-                await self.store.delete_object(self._layer_key(key, li))
+            await self.store.delete_object(self._record_key(key))  # its group: the chunk too
+            await self.store.delete_object(self._chunk_key(key))
 
         self._call(drop())
         self._pinned.discard(key)

@@ -1,11 +1,13 @@
 """The records the LMCache adapters store beside their objects (pure: bytes in and out).
 
-A chunk record (the in-process plugin, ``HSLC``), the commit point of one chunk::
+A chunk record (the in-process plugin, ``HSLC``), the commit point of one chunk object
+(the chunk's layers, each a key and a value block-paged descriptor with its pool, one
+Hurray stream)::
 
-    magic "HSLC" | u16 version | 32 B layout fingerprint | u64 tokens | u32 layers
-    per layer: u64 object size | u64 object checksum | u64 key pool offset |
-               u64 value pool offset | u64 checksum of the chunk's key token bytes |
-               u64 checksum of its value token bytes
+    magic "HSLC" | u16 version | 32 B layout fingerprint | u64 tokens | u32 layers |
+    u64 chunk object size
+    per layer: u64 key pool offset | u64 value pool offset (in the chunk object) |
+               u64 xxh3-64 of the chunk's key token bytes | u64 of its value token bytes
     u64 xxh3-64 of everything before it
 
 An L2 record (the L2 adapter, ``HSL2``): ``magic | u16 version | u64 size | u64 checksum``
@@ -27,9 +29,10 @@ from hurray_store.errors import FormatError
 from hurray_store.format import checksum
 
 CHUNK_MAGIC = b"HSLC"
-CHUNK_VERSION = 2
-_CHUNK = struct.Struct("<4sH32sQI")  # magic, version, fingerprint, num_tokens, num_layers
-_LAYER = struct.Struct("<QQQQQQ")
+CHUNK_VERSION = 3
+# magic, version, fingerprint, num_tokens, num_layers, chunk object size
+_CHUNK = struct.Struct("<4sH32sQIQ")
+_LAYER = struct.Struct("<QQQQ")
 _SUM = struct.Struct("<Q")
 L2_MAGIC = b"HSL2"
 L2_VERSION = 1
@@ -54,10 +57,9 @@ def layout_fingerprint(
 
 @dataclass(frozen=True, slots=True)
 class ChunkLayer:
-    """What a chunk record says of one layer object."""
+    """What a chunk record says of one layer: where its pools start in the chunk
+    object, and the checksums of the chunk's token bytes in each."""
 
-    size: int
-    checksum: int
     key_pool_offset: int
     value_pool_offset: int
     key_tokens_checksum: int
@@ -65,12 +67,14 @@ class ChunkLayer:
 
 
 def pack_chunk_record(
-    fingerprint: bytes, num_tokens: int, layers: Sequence[ChunkLayer]
+    fingerprint: bytes, num_tokens: int, object_size: int, layers: Sequence[ChunkLayer]
 ) -> list[bytes]:
     """The record's bytes, as the body and its checksum (two buffers, no join)."""
     body = b"".join(
         [
-            _CHUNK.pack(CHUNK_MAGIC, CHUNK_VERSION, fingerprint, num_tokens, len(layers)),
+            _CHUNK.pack(
+                CHUNK_MAGIC, CHUNK_VERSION, fingerprint, num_tokens, len(layers), object_size
+            ),
             *(_LAYER.pack(*astuple(lay)) for lay in layers),
         ]
     )
@@ -83,16 +87,17 @@ def parse_chunk_record(
     num_layers: int,
     chunk_size: int,
     token_bytes: Callable[[int], int],
-) -> tuple[int, list[ChunkLayer]]:
-    """``(tokens, layers)`` of a record written for this layout; FormatError when the
-    record is short, corrupt, of another layout, or points outside its objects."""
+) -> tuple[int, int, list[ChunkLayer]]:
+    """``(tokens, chunk object size, layers)`` of a record written for this layout;
+    FormatError when the record is short, corrupt, of another layout or version, or
+    points outside its object."""
     mv = memoryview(rec).cast("B")
     if len(mv) < _CHUNK.size + _SUM.size:
         raise FormatError(f"chunk record of {len(mv)} bytes is shorter than its header")
     (stored_sum,) = _SUM.unpack_from(mv, len(mv) - _SUM.size)
     if checksum(mv[: -_SUM.size]) != stored_sum:
         raise FormatError("chunk record: checksum differs")
-    magic, version, fp, n, nl = _CHUNK.unpack_from(mv)
+    magic, version, fp, n, nl, size = _CHUNK.unpack_from(mv)
     if magic != CHUNK_MAGIC or version != CHUNK_VERSION:
         raise FormatError(f"chunk record: magic {bytes(magic)!r} version {version}")
     if fp != fingerprint or nl != num_layers or not 0 < n <= chunk_size:
@@ -104,9 +109,9 @@ def parse_chunk_record(
         ChunkLayer(*_LAYER.unpack_from(mv, _CHUNK.size + li * _LAYER.size)) for li in range(nl)
     ]
     for li, lay in enumerate(layers):
-        if lay.key_pool_offset + nb > lay.size or lay.value_pool_offset + nb > lay.size:
-            raise FormatError(f"layer {li}: pool offsets outside the object")
-    return n, layers
+        if lay.key_pool_offset + nb > size or lay.value_pool_offset + nb > size:
+            raise FormatError(f"layer {li}: pool offsets outside the chunk object")
+    return n, size, layers
 
 
 def pack_l2_record(data: bytes | memoryview) -> bytes:

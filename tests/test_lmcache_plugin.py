@@ -472,3 +472,39 @@ def test_two_engines_share_chunks_through_a_cache_server(opened: Any, tmp_path: 
             got.ref_count_down()
     finally:
         srv.kill()
+
+
+def test_l2_adapter_restart_finds_every_committed_object(tmp_path: Path) -> None:
+    """A new adapter over the same disk tier finds and loads every key the first one
+    stored, bit for bit."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from hurray_store.adapters.lmcache import HurrayL2Adapter
+
+    (tmp_path / "h.yaml").write_text(
+        f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"
+    )
+    keys = [ObjectKey(bytes([i]) * 16, "tiny", 0) for i in range(8)]
+    a = HurrayL2Adapter({"config": str(tmp_path / "h.yaml")})
+    try:
+        a.submit_store_task(keys, [_l2_obj(i) for i in range(8)])
+        _l2_wait(a.get_store_event_fd())
+        (res,) = a.pop_completed_store_tasks().values()
+        assert res.is_successful()
+    finally:
+        a.close()
+    b = HurrayL2Adapter({"config": str(tmp_path / "h.yaml")})
+    try:
+        t = b.submit_lookup_and_lock_task(keys, {})
+        _l2_wait(b.get_lookup_and_lock_event_fd())
+        bm = b.query_lookup_and_lock_result(t)
+        assert bm is not None and all(bm.test(i) for i in range(8))
+        dst = [_l2_obj(255) for _ in range(8)]
+        t = b.submit_load_task(keys, dst)
+        _l2_wait(b.get_load_event_fd())
+        bm = b.query_load_result(t)
+        assert bm is not None and all(bm.test(i) for i in range(8))
+        assert all(bool((d.tensor == i).all()) for i, d in enumerate(dst))
+        b.submit_unlock(keys)
+    finally:
+        b.close()

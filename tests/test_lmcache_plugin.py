@@ -508,3 +508,63 @@ def test_l2_adapter_restart_finds_every_committed_object(tmp_path: Path) -> None
         b.submit_unlock(keys)
     finally:
         b.close()
+
+
+def test_the_documented_lmcache_server_command_runs_with_the_adapter(tmp_path: Path) -> None:
+    """docs/lmcache.md's `lmcache server` command, as written (ports and tiers file
+    swapped for the test's): the server comes up with HurrayL2Adapter as its one L2
+    adapter, which opens the store's tiers, and shuts down cleanly on Ctrl-C."""
+    import json
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tests.conftest import free_port
+
+    doc = (Path(__file__).parent.parent / "docs" / "lmcache.md").read_text()
+    start = doc.index("```sh\n", doc.index("## The multiprocess server")) + len("```sh\n")
+    cmd = doc[start : doc.index("```", start)].replace("\\\n", " ")
+    port, http = free_port(), free_port()
+    (tmp_path / "tiers.yaml").write_text(
+        f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"
+    )
+    cmd = cmd.replace("--port 5555", f"--port {port} --http-port {http}")
+    cmd = cmd.replace("--l1-size-gb 4", "--l1-size-gb 0.25")
+    cmd = cmd.replace("configs/lmcache-hurray.yaml", str(tmp_path / "tiers.yaml"))
+    argv = shlex.split(cmd)
+    env = dict(os.environ, LMCACHE_DISABLE_BANNER="1")
+    for a in [x for x in argv if "=" in x and x.split("=")[0].isupper()]:
+        env[a.split("=", 1)[0]] = a.split("=", 1)[1]
+        argv.remove(a)
+    assert argv[:2] == ["lmcache", "server"], argv
+    argv[0] = str(Path(sys.executable).parent / "lmcache")
+    log = tmp_path / "server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 120
+            status: dict[str, Any] = {}
+            while not status:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "the server did not come up"
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{http}/status", timeout=2) as r:
+                        status = json.loads(r.read())
+                except OSError:
+                    time.sleep(0.5)
+            (sc,) = status["storage_manager"]["store_controllers"].values()
+            assert status["is_healthy"] and sc["num_active_adapters"] == 1, status
+            url = f"http://127.0.0.1:{http}/config/adapters"
+            with urllib.request.urlopen(url, timeout=5) as r:
+                (adapter,) = json.loads(r.read())["adapters"]
+            assert adapter["type_name"] == "plugin"
+            assert (tmp_path / "cache" / "journal").exists(), "the adapter opened the tiers"
+        finally:
+            proc.send_signal(signal.SIGINT)  # Ctrl-C: the server stops its parts
+            rc = proc.wait(timeout=60)
+    text = log.read_text()
+    assert rc in (0, 130), text[-3000:]  # 130: the CLI's exit code after Ctrl-C
+    assert "Traceback" not in text, text[-3000:]

@@ -343,7 +343,9 @@ def test_l2_adapter_verifies_every_load_in_lmcaches_buffer(tmp_path: Path) -> No
             if p.is_file() and p.name.endswith(bytes([1]).hex() * 16 + "%40")
         )
         raw = bytearray(f.read_bytes())
-        raw[100] ^= 0xFF
+        (tensor,) = list(hurray.StreamReader(bytes(raw)))  # one uint8[4096] Hurray tensor
+        assert str(tensor.dtype) == "uint8" and tuple(tensor.shape) == (4096,)
+        raw[len(raw) - 100] ^= 0xFF  # in LMCache's bytes, after the descriptor
         f.write_bytes(bytes(raw))
         dst = [obj(0), obj(0), obj(0)]
         t = a.submit_load_task(keys, dst)

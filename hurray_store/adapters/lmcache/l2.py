@@ -1,7 +1,8 @@
 """``lmcache server`` (the multiprocess mode) moves objects between its L1 memory and L2
 adapters through non-blocking submit/query calls signalled on three eventfds. The
-adapter below keeps each object in hurray_store's object level: the object's bytes,
-then a record (the commit point) with its size and xxh3-64 checksum. A load checks
+adapter below keeps each object in hurray_store's object level, as a Hurray stream of one
+rank-1 ``uint8`` tensor (its descriptor, then the bytes), then a record (the commit
+point) with the bytes' offset, size and xxh3-64 checksum. A load checks
 both against the caller's buffer before it copies; anything else is a 0 in the
 result bitmap, never wrong bytes.
 """
@@ -27,6 +28,7 @@ from hurray_store.adapters.lmcache.records import (
 from hurray_store.adapters.store_thread import StoreThread
 from hurray_store.errors import FormatError
 from hurray_store.format import checksum
+from hurray_store.format.wire import blob_descriptor
 from hurray_store.store import TieredStore
 from hurray_store.tiers import host_view
 
@@ -150,8 +152,11 @@ class HurrayL2Adapter(L2AdapterInterface):
             k = self._key(key)
             if await self.store.contains_object(k + "/r"):
                 return None  # stored already
-            rec = pack_l2_record(data)
-            if not await self.store.put_objects([(k, [data]), (k + "/r", [rec])]):
+            # The object is a Hurray stream of one uint8[n] tensor: any Hurray reader
+            # (pyhurray, `hurray-store inspect`) reads it.
+            desc = blob_descriptor(len(data))
+            rec = pack_l2_record(len(desc), data)
+            if not await self.store.put_objects([(k, [desc, data]), (k + "/r", [rec])]):
                 raise OSError(f"{k}: stored in no tier")
             return len(data)
 
@@ -263,13 +268,13 @@ class HurrayL2Adapter(L2AdapterInterface):
                 raw = await self.store.get_object(k + "/r")
                 if raw is None:
                     return False
-                size, csum = parse_l2_record(host_view(raw))
+                offset, size, csum = parse_l2_record(host_view(raw))
                 dst = memoryview(obj.byte_array).cast("B")
                 if size != len(dst):
                     raise FormatError(
                         f"L2 record: {size} bytes recorded, the load buffer holds {len(dst)}"
                     )
-                if not await self.store.read_object_into(k, [(0, size)], [dst]):
+                if not await self.store.read_object_into(k, [(offset, size)], [dst]):
                     raise FormatError("L2 object: missing")
                 if checksum(dst) != csum:
                     raise FormatError("L2 object: its bytes differ from the record")
@@ -314,7 +319,7 @@ class HurrayL2Adapter(L2AdapterInterface):
                 await self.store.delete_object(k)  # stored before groups kept their members
                 gone.append(key)
                 try:
-                    sizes.append(parse_l2_record(host_view(raw))[0])
+                    sizes.append(parse_l2_record(host_view(raw))[1])
                 except FormatError:
                     sizes.append(0)
             return gone, sizes

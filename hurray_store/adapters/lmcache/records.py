@@ -10,8 +10,11 @@ Hurray stream)::
                u64 xxh3-64 of the chunk's key token bytes | u64 of its value token bytes
     u64 xxh3-64 of everything before it
 
-An L2 record (the L2 adapter, ``HSL2``): ``magic | u16 version | u64 size | u64 checksum``
-of the object it commits.
+An L2 record (the L2 adapter, ``HSL2``), the commit point of one L2 object (a Hurray
+stream of one rank-1 ``uint8`` tensor: its descriptor, then LMCache's bytes)::
+
+    magic "HSL2" | u16 version | u64 offset of the bytes in the object | u64 their size |
+    u64 their xxh3-64
 
 Parsers check every length before they read, and raise FormatError.
 """
@@ -35,8 +38,8 @@ _CHUNK = struct.Struct("<4sH32sQIQ")
 _LAYER = struct.Struct("<QQQQ")
 _SUM = struct.Struct("<Q")
 L2_MAGIC = b"HSL2"
-L2_VERSION = 1
-_L2 = struct.Struct("<4sHQQ")  # magic, version, size, checksum
+L2_VERSION = 2
+_L2 = struct.Struct("<4sHQQQ")  # magic, version, offset, size, checksum
 L2_RECORD_BYTES = _L2.size
 
 
@@ -114,16 +117,17 @@ def parse_chunk_record(
     return n, size, layers
 
 
-def pack_l2_record(data: bytes | memoryview) -> bytes:
-    return _L2.pack(L2_MAGIC, L2_VERSION, len(data), checksum(data))
+def pack_l2_record(offset: int, data: bytes | memoryview) -> bytes:
+    return _L2.pack(L2_MAGIC, L2_VERSION, offset, len(data), checksum(data))
 
 
-def parse_l2_record(rec: bytes | memoryview) -> tuple[int, int]:
-    """``(size, checksum)`` of the object an L2 record commits; FormatError otherwise."""
+def parse_l2_record(rec: bytes | memoryview) -> tuple[int, int, int]:
+    """``(offset, size, checksum)`` of the bytes an L2 record commits; FormatError
+    otherwise."""
     mv = memoryview(rec).cast("B")
     if len(mv) != _L2.size:
         raise FormatError(f"L2 record: {len(mv)} bytes, a record has {_L2.size}")
-    magic, version, size, csum = _L2.unpack(mv)
+    magic, version, offset, size, csum = _L2.unpack(mv)
     if magic != L2_MAGIC or version != L2_VERSION:
         raise FormatError(f"L2 record: magic {bytes(magic)!r} version {version}")
-    return size, csum
+    return offset, size, csum

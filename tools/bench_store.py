@@ -479,23 +479,13 @@ def main() -> None:
         subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
         # s3, against SeaweedFS's S3 gateway on loopback (its data under work/)
         if not a.no_s3:
-            from obstore.store import S3Store
-
-            from tests.conftest import S3_BUCKET, S3_KEY, S3_SECRET, SeaweedProc
+            from tests.conftest import SeaweedProc
 
             weed = SeaweedProc(work / "seaweed").start()
             try:
                 cfg = {"tiers": [weed.tier("bench")], "policy": {"promote_on_hit": False}}
                 p, g, store = asyncio.run(ours(cfg, pool, toks, tables, True, R))
-                raw = S3Store(
-                    S3_BUCKET,
-                    endpoint=weed.endpoint,
-                    region="us-east-1",
-                    access_key_id=S3_KEY,
-                    secret_access_key=S3_SECRET,
-                    client_options={"allow_http": True},
-                )
-                rp, rg = asyncio.run(ref_s3(objs, raw, R))
+                rp, rg = asyncio.run(ref_s3(objs, weed.client(), R))
                 row("s3 tier (SeaweedFS)", p, g, rp, rg, "obstore PUT/GET")
             finally:
                 weed.stop()

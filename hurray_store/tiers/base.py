@@ -54,6 +54,12 @@ def blob_nbytes(b: Blob) -> int:
     return memoryview(b).nbytes
 
 
+def one_buffer(buffers: Sequence[Buffer]) -> Buffer:
+    """One buffer of the concatenation of ``buffers``: the only one without a copy
+    (redis-py and obstore send a memoryview as it is), else joined."""
+    return buffers[0] if len(buffers) == 1 else b"".join(buffers)
+
+
 def host_view(b: Blob) -> memoryview:
     """A byte view of a blob: zero-copy for host memory (a CPU tensor included); a
     device tensor is copied to the host first."""

@@ -34,6 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from hurray_store.batches import batches
 from hurray_store.config import RedisTierConfig
 from hurray_store.errors import ConfigError
 from hurray_store.tiers.base import (
@@ -44,6 +45,7 @@ from hurray_store.tiers.base import (
     Range,
     ReadInto,
     ServiceTier,
+    one_buffer,
     transfer_timeout_s,
 )
 
@@ -205,7 +207,7 @@ class RedisTier(ServiceTier):
     ) -> list[list[Blob] | None]:
         flat = [(self.k(key), off, ln) for key, ranges in items for off, ln in ranges]
         replies: list[Any] = []
-        for part in _batches(flat, self.cfg.pipeline_batch, lambda x: x[2]):
+        for part in batches(flat, lambda x: x[2], _PIPE_BYTES, self.cfg.pipeline_batch):
 
             async def run(part: list[tuple[str, int, int]] = part) -> list[Any]:
                 pipe = self.client.pipeline(transaction=False)
@@ -227,7 +229,7 @@ class RedisTier(ServiceTier):
         return out
 
     async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
-        value = _one(buffers)
+        value = one_buffer(buffers)
         ok = await self._guard(
             "SET",
             lambda: self.client.set(self.k(key), value, ex=self.ttl_s),
@@ -237,9 +239,11 @@ class RedisTier(ServiceTier):
         return bool(ok)
 
     async def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        values = [(self.k(key), _one(bufs)) for key, bufs in items]
+        values = [(self.k(key), one_buffer(bufs)) for key, bufs in items]
         out: list[bool] = []
-        for part in _batches(values, self.cfg.pipeline_batch, lambda x: memoryview(x[1]).nbytes):
+        for part in batches(
+            values, lambda x: memoryview(x[1]).nbytes, _PIPE_BYTES, self.cfg.pipeline_batch
+        ):
 
             async def run(part: list[tuple[str, Buffer]] = part) -> list[Any]:
                 pipe = self.client.pipeline(transaction=False)
@@ -288,7 +292,7 @@ class RedisTier(ServiceTier):
             async def run() -> list[Any]:
                 pipe = client.pipeline(transaction=False)
                 for o in objs:
-                    pipe.set(self.k(o.key), _one(o.buffers()), ex=self.ttl_s)
+                    pipe.set(self.k(o.key), one_buffer(o.buffers()), ex=self.ttl_s)
                 pipe.execute_command("WAIT", n, ms)
                 return await pipe.execute()
 
@@ -377,29 +381,6 @@ class RedisTier(ServiceTier):
                 return
             for item in got:
                 yield item
-
-
-def _one(buffers: Sequence[Buffer]) -> Buffer:
-    """One value for one SET (redis-py sends a memoryview without copying it)."""
-    return buffers[0] if len(buffers) == 1 else b"".join(buffers)
-
-
-def _batches(items: list[T], max_count: int, size: Callable[[T], int]) -> list[list[T]]:
-    """Consecutive runs of at most ``max_count`` items and about _PIPE_BYTES bytes (an
-    item larger than that goes alone)."""
-    out: list[list[T]] = []
-    cur: list[T] = []
-    nbytes = 0
-    for it in items:
-        n = size(it)
-        if cur and (len(cur) >= max_count or nbytes + n > _PIPE_BYTES):
-            out.append(cur)
-            cur, nbytes = [], 0
-        cur.append(it)
-        nbytes += n
-    if cur:
-        out.append(cur)
-    return out
 
 
 def _glob_escape(s: str) -> str:

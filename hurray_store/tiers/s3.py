@@ -40,6 +40,7 @@ from hurray_store.tiers.base import (
     Range,
     ReadInto,
     ServiceTier,
+    one_buffer,
     transfer_timeout_s,
 )
 
@@ -169,7 +170,7 @@ class S3Tier(ServiceTier):
     async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
         nbytes = sum(memoryview(b).nbytes for b in buffers)
         big = nbytes > self.cfg.multipart_bytes
-        body: Any = list(buffers) if big else _one(buffers)
+        body: Any = list(buffers) if big else one_buffer(buffers)
 
         async def run() -> bool:
             await obstore.put_async(
@@ -239,10 +240,6 @@ class S3Tier(ServiceTier):
                 return
             for item in got:
                 yield item
-
-
-def _one(buffers: Sequence[Buffer]) -> Buffer:
-    return buffers[0] if len(buffers) == 1 else b"".join(buffers)
 
 
 def _first_line(e: BaseException) -> BaseException:

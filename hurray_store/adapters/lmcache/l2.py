@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from lmcache.lmcache_native import Bitmap
@@ -26,6 +26,7 @@ from hurray_store.adapters.lmcache.records import (
     parse_l2_record,
 )
 from hurray_store.adapters.store_thread import StoreThread
+from hurray_store.batches import batches
 from hurray_store.errors import FormatError
 from hurray_store.format import checksum
 from hurray_store.format.wire import blob_descriptor
@@ -35,23 +36,6 @@ from hurray_store.tiers import host_view
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _WAVE_BYTES = 256 << 20  # bytes of one task in flight at once
-
-
-def _waves(items: list[T], size: Callable[[T], int]) -> list[list[T]]:
-    """Consecutive runs of ``items`` of about _WAVE_BYTES (an item larger goes alone)."""
-    out: list[list[T]] = []
-    cur: list[T] = []
-    nbytes = 0
-    for it in items:
-        n = size(it)
-        if cur and nbytes + n > _WAVE_BYTES:
-            out.append(cur)
-            cur, nbytes = [], 0
-        cur.append(it)
-        nbytes += n
-    if cur:
-        out.append(cur)
-    return out
 
 
 class HurrayL2AdapterConfig(L2AdapterConfigBase):
@@ -163,7 +147,7 @@ class HurrayL2Adapter(L2AdapterInterface):
         ok, total = True, 0
         stored_keys, sizes = [], []
         items = list(zip(keys, views, strict=True))
-        for wave in _waves(items, lambda kv: len(kv[1])):
+        for wave in batches(items, lambda kv: len(kv[1]), _WAVE_BYTES):
             got = await asyncio.gather(*(one(k, v) for k, v in wave), return_exceptions=True)
             for (key, _), r in zip(wave, got, strict=True):
                 if isinstance(r, BaseException):
@@ -288,7 +272,7 @@ class HurrayL2Adapter(L2AdapterInterface):
         accessed = []
         items = list(zip(keys, objects, strict=True))
         pos = 0
-        for wave in _waves(items, lambda ko: int(ko[1].get_size())):
+        for wave in batches(items, lambda ko: int(ko[1].get_size()), _WAVE_BYTES):
             got = await asyncio.gather(*(one(k, o) for k, o in wave))
             for j, ok in enumerate(got):
                 if ok:

@@ -570,3 +570,80 @@ def test_the_documented_lmcache_server_command_runs_with_the_adapter(tmp_path: P
     text = log.read_text()
     assert rc in (0, 130), text[-3000:]  # 130: the CLI's exit code after Ctrl-C
     assert "Traceback" not in text, text[-3000:]
+
+
+_L2_WRITER = """
+import os, sys, time
+import torch
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+from hurray_store.adapters.lmcache import HurrayL2Adapter
+
+n = 1 << 20
+a = HurrayL2Adapter({"config": sys.argv[1]})
+keys = [ObjectKey(bytes([i]) * 16, "tiny", 0) for i in range(int(sys.argv[2]))]
+objs = []
+for i in range(len(keys)):
+    raw = torch.full((n,), i % 251, dtype=torch.uint8)
+    meta = MemoryObjMetadata(torch.Size([n]), torch.uint8, 0, n, 1)
+    objs.append(TensorMemoryObj(raw, meta, None))
+a.submit_store_task(keys, objs)
+print("submitted", flush=True)
+time.sleep(60)  # killed before this ends
+"""
+
+
+def test_l2_adapter_killed_mid_store_leaves_no_record_without_its_object(
+    tmp_path: Path,
+) -> None:
+    """A process storing 48 keys through the adapter is SIGKILLed while it writes. A
+    new adapter over the same folder: every key a lookup finds loads and verifies,
+    bit for bit; none is found without its bytes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from hurray_store.adapters.lmcache import HurrayL2Adapter
+
+    cfg = tmp_path / "h.yaml"
+    cfg.write_text(
+        f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"
+    )
+    n_keys = 48
+    env = dict(os.environ, LMCACHE_TRACK_USAGE="false")
+    p = subprocess.Popen(
+        [sys.executable, "-c", _L2_WRITER, str(cfg), str(n_keys)],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert p.stdout is not None and p.stdout.readline().strip() == b"submitted"
+    journal = tmp_path / "cache" / "journal"
+    deadline = time.monotonic() + 30
+    while not (journal.exists() and journal.read_text().count("+") >= 3):
+        assert time.monotonic() < deadline, "the writer stored nothing"
+        time.sleep(0.001)
+    p.send_signal(signal.SIGKILL)  # mid-task: some keys written, some not
+    p.wait()
+    keys = [ObjectKey(bytes([i]) * 16, "tiny", 0) for i in range(n_keys)]
+    b = HurrayL2Adapter({"config": str(cfg)})
+    try:
+        t = b.submit_lookup_and_lock_task(keys, {})
+        _l2_wait(b.get_lookup_and_lock_event_fd())
+        found = b.query_lookup_and_lock_result(t)
+        assert found is not None
+        hits = [i for i in range(n_keys) if found.test(i)]
+        assert hits, "keys committed before the kill are found"
+        assert len(hits) < n_keys, "the kill came in the middle of the task"
+        dst = [_l2_obj(255, 1 << 20) for _ in hits]
+        t = b.submit_load_task([keys[i] for i in hits], dst)
+        _l2_wait(b.get_load_event_fd())
+        loaded = b.query_load_result(t)
+        assert loaded is not None and all(loaded.test(j) for j in range(len(hits)))
+        assert all(bool((d.tensor == i % 251).all()) for i, d in zip(hits, dst, strict=True))
+        b.submit_unlock([keys[i] for i in hits])
+    finally:
+        b.close()

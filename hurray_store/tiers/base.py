@@ -24,13 +24,14 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
 Blob = bytes | bytearray | memoryview | torch.Tensor
 Range = tuple[int, int]  # (offset, length)
@@ -349,10 +350,11 @@ class SharedTier(Protocol):
 
 
 class ServiceTier(Tier):
-    """A tier behind a network service (Redis, a cache server): its availability is
+    """A tier behind a network service (Redis, S3, a cache server): its availability is
     its ``Outage``'s, which the subclass creates in its constructor."""
 
     outage: Outage
+    _slots: asyncio.Semaphore  # guarded calls in flight at once, set by the subclass
 
     @property
     def available(self) -> bool:
@@ -361,3 +363,31 @@ class ServiceTier(Tier):
     @property
     def ready(self) -> bool:
         return self.outage.ready
+
+    async def _guard(
+        self,
+        what: str,
+        call: Callable[[], Awaitable[T]],
+        default: T,
+        nbytes: int = 0,
+        extra_s: float = 0.0,
+    ) -> T:
+        """Run one call under the outage rules, at most ``_slots`` at once, timed out
+        after ``timeout_s`` plus one second per 50 MB it moves (plus ``extra_s``). What
+        it raises goes to ``_failed``; the call is then ``default``."""
+        if not self.outage.ready:
+            return default
+        limit = transfer_timeout_s(self.cfg.timeout_s, nbytes) + extra_s
+        try:
+            async with self._slots, asyncio.timeout(limit):
+                result = await call()
+        except Exception as e:
+            await self._failed(what, e)
+            return default
+        self.outage.up()
+        return result
+
+    async def _failed(self, what: str, e: Exception) -> None:
+        """A guarded call raised ``e``: an outage by default. A subclass tells its
+        service's refusals and misses apart, and re-raises what is a bug."""
+        self.outage.down(what, e)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -46,11 +46,9 @@ from hurray_store.tiers.base import (
     ReadInto,
     ServiceTier,
     one_buffer,
-    transfer_timeout_s,
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 _PIPE_BYTES = 64 << 20  # values per pipeline round trip, at most (bounds client memory)
 _OUTAGE = (
     RedisConnectionError,
@@ -139,31 +137,14 @@ class RedisTier(ServiceTier):
 
     # ------------------------------------------------------------------ outage guard
 
-    async def _guard(
-        self,
-        what: str,
-        call: Callable[[], Awaitable[T]],
-        default: T,
-        nbytes: int = 0,
-        extra_s: float = 0.0,
-    ) -> T:
-        """Run one Redis call under the outage rules, timed out after ``timeout_s``
-        plus one second per 50 MB it moves (plus ``extra_s``: a WAIT's own timeout)."""
-        if not self.outage.ready:
-            return default
-        limit = transfer_timeout_s(self.cfg.timeout_s, nbytes) + extra_s
-        try:
-            async with self._slots, asyncio.timeout(limit):
-                result = await call()
-        except _OUTAGE as e:
+    async def _failed(self, what: str, e: Exception) -> None:
+        if isinstance(e, _OUTAGE):
             self.outage.down(what, e)
             await self._drop_connections()
-            return default
-        except RedisError as e:  # a refused command, not an outage
+        elif isinstance(e, RedisError):  # a refused command, not an outage
             log.warning("redis tier %s: %s failed: %s", self.name, what, e)
-            return default
-        self.outage.up()
-        return result
+        else:
+            raise e
 
     async def _drop_connections(self) -> None:
         """Close every pooled connection: after an outage they point at a dead server,

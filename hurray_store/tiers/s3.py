@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import obstore
 from obstore.exceptions import InvalidPathError, NotFoundError
@@ -41,11 +41,9 @@ from hurray_store.tiers.base import (
     ReadInto,
     ServiceTier,
     one_buffer,
-    transfer_timeout_s,
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 _PARALLEL = 12  # parts of one object in flight at once (upload and ranged download)
 
 
@@ -100,27 +98,13 @@ class S3Tier(ServiceTier):
 
     # ------------------------------------------------------------------ outage guard
 
-    async def _guard(
-        self, what: str, call: Callable[[], Awaitable[T]], default: T, nbytes: int = 0
-    ) -> T:
-        """Run one call under the outage rules, timed out after ``timeout_s`` plus one
-        second per 50 MB it moves. A missing object is ``default`` with the endpoint up."""
-        if not self.outage.ready:
-            return default
-        try:
-            async with self._slots, asyncio.timeout(transfer_timeout_s(self.cfg.timeout_s, nbytes)):
-                result = await call()
-        except (FileNotFoundError, NotFoundError):  # obstore raises the former for a 404
-            self.outage.up()
-            return default
-        except InvalidPathError as e:  # a key S3 cannot hold: this call fails, not the tier
+    async def _failed(self, what: str, e: Exception) -> None:
+        if isinstance(e, FileNotFoundError | NotFoundError):
+            self.outage.up()  # a missing object (obstore raises the former for a 404)
+        elif isinstance(e, InvalidPathError):  # a key S3 cannot hold: this call fails
             log.warning("s3 tier %s: %s: %s", self.name, what, e)
-            return default
-        except Exception as e:  # obstore's errors, timeouts: the endpoint is not serving
+        else:  # obstore's errors, timeouts: the endpoint is not serving
             self.outage.down(what, _first_line(e))
-            return default
-        self.outage.up()
-        return result
 
     # ------------------------------------------------------------------ interface
 

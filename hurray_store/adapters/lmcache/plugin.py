@@ -139,8 +139,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     # ------------------------------------------------------------------ put
 
-    def _encode(self, obj: MemoryObj) -> tuple[int, list[Any], list[Any]]:
-        """``(tokens, chunk object buffers, record buffers)`` of a chunk: views of
+    def _encode(self, obj: MemoryObj) -> tuple[list[Any], list[Any]]:
+        """``(chunk object buffers, record buffers)`` of a chunk: views of
         LMCache's buffer, the descriptors, and one padded copy of a partial last page
         per pool. Runs on LMCache's thread, so the buffer is read while LMCache holds
         it; the bytes it hashes are hashed nowhere else."""
@@ -188,7 +188,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
                 )
             )
             pos += layer_plan.nbytes
-        return n, buffers, pack_chunk_record(self.fingerprint, n, pos, entries)
+        return buffers, pack_chunk_record(self.fingerprint, n, pos, entries)
 
     def _plan(self, layer: int, pages: int) -> Any:
         """The descriptors of a layer of ``pages`` pages (one sequence), made once."""
@@ -228,7 +228,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
                 continue
             obj.ref_count_up()  # LMCache drops its reference once we return
             try:
-                _, chunk, record = self._encode(obj)
+                chunk, record = self._encode(obj)
             except Exception:
                 obj.ref_count_down()
                 raise

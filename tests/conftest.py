@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self, TypeVar
 
 import pytest
 
@@ -61,9 +61,28 @@ def wait_listening(
     )
 
 
-def running(proc: Any) -> Iterator[Any]:
-    """``proc`` (a RedisProc or SeaweedProc) started, for a fixture to ``yield from``;
-    stopped when the fixture ends."""
+class ServiceProc:
+    """A server process of a test: ``stop`` kills it (its subclass's ``start`` brings it
+    back on the same ports)."""
+
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+P = TypeVar("P", bound=ServiceProc)
+
+
+def running(proc: P) -> Iterator[P]:
+    """``proc`` started, for a fixture to ``yield from``; stopped when the fixture
+    ends."""
     proc.start()
     try:
         yield proc
@@ -71,7 +90,7 @@ def running(proc: Any) -> Iterator[Any]:
         proc.stop()
 
 
-class RedisProc:
+class RedisProc(ServiceProc):
     """One redis-server on 127.0.0.1; ``stop`` kills it, ``start`` brings it back on
     the same port."""
 
@@ -90,7 +109,6 @@ class RedisProc:
         # tls: a folder with ca.pem, server.pem and server.key; the server then speaks
         # TLS only, on ``port``.
         self.tls = tls
-        self.proc: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -134,12 +152,6 @@ class RedisProc:
         )
         wait_listening(self.port, self.proc, Path(self.binary).name, 10)
         return self
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
 
 
 @pytest.fixture(scope="session")
@@ -317,7 +329,7 @@ WEED = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
 S3_KEY, S3_SECRET, S3_BUCKET = "hurraytest", "hurraytest-secret", "kvcache"
 
 
-class SeaweedProc:
+class SeaweedProc(ServiceProc):
     """SeaweedFS (``weed mini``: master, volume, filer and S3 gateway in one process)
     on 127.0.0.1, with one bucket and one key pair; ``stop`` kills it, ``start`` brings
     it back on the same ports and data."""
@@ -339,7 +351,6 @@ class SeaweedProc:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
         (workdir / "s3.json").write_text(json.dumps({"identities": [ident]}))
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -401,12 +412,6 @@ class SeaweedProc:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
 
 
 @pytest.fixture(scope="session")

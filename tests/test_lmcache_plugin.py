@@ -115,12 +115,15 @@ def key(h: int) -> CacheEngineKey:
 def test_put_get_bit_exact_and_restart(opened: Any) -> None:
     b = opened()
     p = plugin_of(b)
-    objs = [chunk(b, 64, 1), chunk(b, 64, 2), chunk(b, 23, 3)]  # a partial last chunk too
+    # Partial last chunks too: of whole pages (32 tokens), and ending in a partial page.
+    objs = [chunk(b, 64, 1), chunk(b, 64, 2), chunk(b, 23, 3), chunk(b, 32, 4)]
     want = [o.tensor.clone() for o in objs]
     done: list[Any] = []
-    p.batched_submit_put_task([key(1), key(2), key(3)], objs, on_complete_callback=done.append)
+    p.batched_submit_put_task(
+        [key(i) for i in (1, 2, 3, 4)], objs, on_complete_callback=done.append
+    )
     p.flush()
-    assert sorted(k.chunk_hash for k in done) == [1, 2, 3]
+    assert sorted(k.chunk_hash for k in done) == [1, 2, 3, 4]
     assert all(o.get_ref_count() == 1 for o in objs)  # the plugin gave its references back
     for i, w in enumerate(want, 1):
         assert p.contains(key(i))
@@ -131,9 +134,25 @@ def test_put_get_bit_exact_and_restart(opened: Any) -> None:
     p.close()
     b2 = opened()  # a new engine over the same disk tier finds the chunks
     p2 = plugin_of(b2)
-    assert p2.contains(key(2))
-    got = p2.get_blocking(key(2))
-    assert got is not None and torch.equal(got.tensor, want[1])
+    for i, w in enumerate(want, 1):
+        assert p2.contains(key(i))
+        got = p2.get_blocking(key(i))
+        assert got is not None and torch.equal(got.tensor, w)
+        got.ref_count_down()
+
+
+def test_a_truncated_chunk_object_is_a_miss_and_leaves(opened: Any, tmp_path: Path) -> None:
+    b = opened()
+    p = plugin_of(b)
+    p.batched_submit_put_task([key(8)], [chunk(b, 64, 8)])
+    p.flush()
+    p.close()
+    (victim,) = [f for f in (tmp_path / "cache" / "objects").rglob("*%2Fc") if f.is_file()]
+    victim.write_bytes(victim.read_bytes()[:-100])
+    p2 = plugin_of(opened())  # finds an object of a size no chunk object has
+    assert p2.contains(key(8))
+    assert p2.get_blocking(key(8)) is None
+    assert not p2.contains(key(8))
 
 
 @pytest.mark.parametrize("change", [{"chunk": 32}, {"heads": 4}, {"page_size": 8}])
@@ -168,30 +187,28 @@ def test_pin_remove_and_a_corrupt_chunk_is_a_miss(opened: Any, tmp_path: Path) -
     assert p.remove(key(5)) and not p.contains(key(5)) and p.get_blocking(key(5)) is None
     p.close()
     # Key 6's chunk is one object, one Hurray stream: per layer a key and a value
-    # block-paged descriptor.
+    # block-paged descriptor, then the chunk record as a uint8 tensor, last.
     disk = tmp_path / "cache" / "objects"
     (victim,) = [f for f in disk.rglob("*") if f.is_file() and f.name.endswith("%2Fc")]
-    tensors = list(hurray.StreamReader(victim.read_bytes()))
-    assert len(tensors) == 2 * LAYERS
+    raw = bytearray(victim.read_bytes())
+    tensors = list(hurray.StreamReader(bytes(raw)))
+    assert len(tensors) == 2 * LAYERS + 1
     assert [t.layout.kv_role for t in tensors[:2]] == ["key", "value"]
     assert tensors[0].layout.page_size == 16
+    from hurray_store.adapters.lmcache.records import chunk_record_bytes, parse_chunk_record
+
+    assert tuple(tensors[-1].shape) == (chunk_record_bytes(LAYERS),)
+    _, size, layers = parse_chunk_record(
+        raw[-chunk_record_bytes(LAYERS) :], p.fingerprint, LAYERS, 64, lambda n: n * HEADS * DIM * 2
+    )
+    assert len(raw) == size
     # Flip a byte of layer 1's keys on disk (where its record says they are); a new
     # plugin must not serve the chunk.
-    from hurray_store.adapters.lmcache.records import parse_chunk_record
-
-    (rec,) = [  # the chunk record (not the group's member list, kept under /g/)
-        f for f in disk.rglob("*") if f.name.endswith("%2Fr") and "%2Fg%2F" not in f.name
-    ]
-    _, size, layers = parse_chunk_record(
-        rec.read_bytes(), p.fingerprint, LAYERS, 64, lambda n: n * HEADS * DIM * 2
-    )
-    raw = bytearray(victim.read_bytes())
-    assert len(raw) == size
     raw[layers[1].key_pool_offset + 10] ^= 0xFF
     victim.write_bytes(bytes(raw))
     p2 = plugin_of(opened())
     assert p2.get_blocking(key(6)) is None
-    assert not p2.contains(key(6))  # the record went with the bad chunk
+    assert not p2.contains(key(6))  # the bad chunk left the store
 
 
 def test_plugin_refuses_to_load_without_a_config(tmp_path: Path) -> None:
@@ -309,6 +326,7 @@ def test_l2_adapter_verifies_every_load_in_lmcaches_buffer(tmp_path: Path) -> No
     from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
 
     from hurray_store.adapters.lmcache import HurrayL2Adapter
+    from hurray_store.adapters.lmcache.records import L2_RECORD_BYTES, l2_layout
 
     (tmp_path / "h.yaml").write_text(
         f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"
@@ -343,9 +361,13 @@ def test_l2_adapter_verifies_every_load_in_lmcaches_buffer(tmp_path: Path) -> No
             if p.is_file() and p.name.endswith(bytes([1]).hex() * 16 + "%40")
         )
         raw = bytearray(f.read_bytes())
-        (tensor,) = list(hurray.StreamReader(bytes(raw)))  # one uint8[4096] Hurray tensor
-        assert str(tensor.dtype) == "uint8" and tuple(tensor.shape) == (4096,)
-        raw[len(raw) - 100] ^= 0xFF  # in LMCache's bytes, after the descriptor
+        # One Hurray stream: LMCache's bytes as a uint8[4096] tensor, then the record.
+        data, record = list(hurray.StreamReader(bytes(raw)))
+        assert str(data.dtype) == "uint8" and tuple(data.shape) == (4096,)
+        assert tuple(record.shape) == (L2_RECORD_BYTES,)
+        at, _, size = l2_layout(4096)
+        assert len(raw) == size
+        raw[at + 100] ^= 0xFF  # in LMCache's bytes, after the descriptor
         f.write_bytes(bytes(raw))
         dst = [obj(0), obj(0), obj(0)]
         t = a.submit_load_task(keys, dst)

@@ -52,6 +52,7 @@ async def down_then_back(t: Tier, service: Any, caplog: pytest.LogCaptureFixture
         for _ in range(5):
             assert await t.get("k") is None
             assert await t.put("k2", [b"v"]) is False
+            assert await t.put("k2", [bytes(1 << 20), b"large"]) is False
             assert await t.get_ranges("k", [(0, 1)]) is None
             assert not await t.contains("k")
     assert not t.available
@@ -63,6 +64,10 @@ async def down_then_back(t: Tier, service: Any, caplog: pytest.LogCaptureFixture
             break
     got = await t.get("k3")
     assert t.available and got is not None and as_bytes(got) == b"back"
+    large = [os.urandom(1 << 20), os.urandom(1000)]
+    assert await t.put("k4", large)
+    got = await t.get("k4")
+    assert got is not None and as_bytes(got) == b"".join(large)
 
 
 class TierContract:
@@ -125,6 +130,12 @@ class TierContract:
         assert await tier.put("e", [b""])
         got = await tier.get("e")
         assert got is not None and as_bytes(got) == b""
+
+    async def test_sizes_of_present_absent_and_empty_objects(self, tier: Tier) -> None:
+        assert await tier.put("s1", [b"abc", b"de"])
+        assert await tier.put("s0", [b""])
+        assert await tier.sizes(["s1", "gone", "s0"]) == [5, None, 0]
+        assert await tier.sizes([]) == []
 
 
 class MediumContract(TierContract):
@@ -314,6 +325,18 @@ class RedisBase(MediumContract):
     def config(self, request: pytest.FixtureRequest) -> RedisTierConfig:
         raise NotImplementedError
 
+    async def test_a_large_object_of_several_buffers_is_one_value(self, tier: Tier) -> None:
+        parts = [os.urandom(700_000), memoryview(os.urandom(600_000)), b"tail"]
+        assert await tier.put("big", parts)
+        assert self.raw_get(tier, "big") == b"".join(parts)
+        got = await tier.get_ranges("big", [(0, 10), (1_299_990, 14)])
+        assert got is not None and [as_bytes(g) for g in got] == [
+            bytes(parts[0][:10]),
+            bytes(parts[1][-10:]) + b"tail",
+        ]
+        assert await tier.sizes(["big"]) == [1_300_004]
+        assert await tier.put("big", [b"small"]) and self.raw_get(tier, "big") == b"small"
+
     async def test_scan_lists_only_this_prefix(self, tier: Tier) -> None:
         await tier.put("ns/s/{x}/0", [b"12345"])
         await tier.put("ns/o/y", [b"1"])
@@ -338,9 +361,11 @@ class TestRedisTier(RedisBase):
         )
         await t.open()
         await t.put("k", [b"v"])
+        await t.put("large", [bytes(1 << 20), b"x"])  # sent without joining its buffers
         ttl = int(redis_server.cli("ttl", "ttl:k").strip())
+        ttl_large = int(redis_server.cli("ttl", "ttl:large").strip())
         await t.close()
-        assert 0 < ttl <= 100
+        assert 0 < ttl <= 100 and 0 < ttl_large <= 100
 
     async def test_password_in_the_url(self, tmp_path: Path) -> None:
         r = RedisProc(tmp_path / "pw", "--requirepass", "s3cret").start()
@@ -348,12 +373,15 @@ class TestRedisTier(RedisBase):
             bad = RedisTier(RedisTierConfig(url=f"redis://127.0.0.1:{r.port}/0", name="redis"))
             await bad.open()
             assert await bad.put("k", [b"v"]) is False  # refused without the password
+            assert await bad.put("k", [bytes(1 << 20), b"x"]) is False
             await bad.close()
             good = RedisTier(
                 RedisTierConfig(url=f"redis://:s3cret@127.0.0.1:{r.port}/0", name="redis")
             )
             await good.open()
             assert await good.put("k", [b"v"]) and await good.get("k") == b"v"
+            assert await good.put("k", [bytes(1 << 20), b"x"])
+            assert await good.get("k") == bytes(1 << 20) + b"x"
             await good.close()
         finally:
             r.stop()

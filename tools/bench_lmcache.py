@@ -40,31 +40,72 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 
 def run_backend(
-    cpu: Any, backend: Any, data: list[torch.Tensor], keys: list[Any]
-) -> tuple[float, float]:
+    cpu: Any, backend: Any, data: list[torch.Tensor], rounds: int
+) -> tuple[list[float], list[float]]:
+    """Put then get every chunk, ``rounds`` times, each round under fresh keys;
+    the put and get seconds of each round."""
+    from lmcache.utils import CacheEngineKey
     from lmcache.v1.memory_management import MemoryFormat
 
-    objs = []
-    for t in data:
-        o = cpu.allocate(t.shape, t.dtype, MemoryFormat.KV_2LTD)
-        o.tensor.copy_(t)
-        objs.append(o)
-    os.sync()
-    t0 = time.perf_counter()
-    backend.batched_submit_put_task(keys, objs)
-    while not all(backend.contains(k) for k in keys):
-        time.sleep(0.0005)
-    t_put = time.perf_counter() - t0
-    for o in objs:
-        o.ref_count_down()
-    t0 = time.perf_counter()
-    got = [backend.get_blocking(k) for k in keys]
-    t_get = time.perf_counter() - t0
-    assert all(g is not None for g in got), "a chunk was not found"
-    assert torch.equal(got[-1].tensor, data[-1]), "the last chunk came back different"
-    for g in got:
-        g.ref_count_down()
-    return t_put, t_get
+    puts, gets = [], []
+    for r in range(rounds):
+        keys = [
+            CacheEngineKey("bench", 1, 0, 1000 * (r + 1) + i, torch.float16)
+            for i in range(len(data))
+        ]
+        objs = []
+        for t in data:
+            o = cpu.allocate(t.shape, t.dtype, MemoryFormat.KV_2LTD)
+            o.tensor.copy_(t)
+            objs.append(o)
+        os.sync()
+        t0 = time.perf_counter()
+        backend.batched_submit_put_task(keys, objs)
+        while not all(backend.contains(k) for k in keys):
+            time.sleep(0.0005)
+        puts.append(time.perf_counter() - t0)
+        for o in objs:
+            o.ref_count_down()
+        t0 = time.perf_counter()
+        got = [backend.get_blocking(k) for k in keys]
+        gets.append(time.perf_counter() - t0)
+        assert all(g is not None for g in got), "a chunk was not found"
+        assert torch.equal(got[-1].tensor, data[-1]), "the last chunk came back different"
+        for g in got:
+            g.ref_count_down()
+    return puts, gets
+
+
+def run_case(extra: dict[str, Any], a: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """One backend in a process of its own (no backend's leftovers slow another: a
+    closed LMCache Redis backend leaves a thread blocked in its close), through LMCache's
+    own loader; the put and get seconds of each round."""
+    argv = [sys.executable, __file__, "--one-case", json.dumps(extra)]
+    for opt in ("chunks", "layers", "heads", "dim", "chunk_size", "rounds"):
+        argv += [f"--{opt.replace('_', '-')}", str(getattr(a, opt))]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        raise SystemExit(f"backend run failed: {p.stderr[-2000:]}")
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    return got["puts"], got["gets"]
+
+
+def one_case(extra: dict[str, Any], a: argparse.Namespace) -> None:
+    spec = KVSpec("bench", a.layers, a.heads, a.dim, 16, torch.float16)
+    lm = LMCacheBackend(spec, a.chunk_size, extra)
+    puts, gets = run_backend(lm.cpu, lm.backend, chunk_data(a), a.rounds)
+    if hasattr(lm.backend, "flush"):
+        lm.backend.flush()
+    print(json.dumps({"puts": puts, "gets": gets}), flush=True)
+    os._exit(0)  # LMCache leaves non-daemon threads behind
+
+
+def chunk_data(a: argparse.Namespace) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn((2, a.layers, a.chunk_size, a.heads * a.dim), generator=g).half()
+        for _ in range(a.chunks)
+    ]
 
 
 def redis_bytes(port: int) -> int:
@@ -131,25 +172,20 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--l2-keys", type=int, default=32)
     ap.add_argument("--l2-kb", type=int, default=2048)
-    ap.add_argument("--l2-runs", type=int, default=3, help="`lmcache bench l2` runs per adapter")
+    ap.add_argument("--rounds", type=int, default=3, help="put+get rounds per backend (part 1)")
+    ap.add_argument("--l2-runs", type=int, default=5, help="`lmcache bench l2` runs per adapter")
     ap.add_argument(
         "--part", choices=["1", "2", "both"], default="both", help="in-process (1), L2 (2)"
     )
+    ap.add_argument("--one-case", help=argparse.SUPPRESS)  # a child's backend (JSON)
     a = ap.parse_args()
-    from lmcache.utils import CacheEngineKey
-
-    spec = KVSpec("bench", a.layers, a.heads, a.dim, 16, torch.float16)
-    g = torch.Generator().manual_seed(0)
-    data = [
-        torch.randn((2, a.layers, a.chunk_size, a.heads * a.dim), generator=g).half()
-        for _ in range(a.chunks)
-    ]
-    keys = [CacheEngineKey("bench", 1, 0, 1000 + i, torch.float16) for i in range(a.chunks)]
-    nbytes = sum(t.numel() * 2 for t in data)
+    if a.one_case:
+        one_case(json.loads(a.one_case), a)
+    nbytes = a.chunks * 2 * a.layers * a.chunk_size * a.heads * a.dim * 2
     work = Path(tempfile.mkdtemp(prefix="bench-lmcache-"))
     redis_proc, port = start_redis(work)
     rows: list[list[object]] = []
-    results: dict[str, tuple[float, float, int]] = {}
+    results: dict[str, tuple[float, float, int]] = {}  # median put s, median get s, bytes
     try:
         plugin = {
             "storage_plugins": ["hurray"],
@@ -193,24 +229,21 @@ def main() -> None:
             subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
             if tiers:
                 (work / "h.yaml").write_text("tiers:\n" + tiers)
-            lm = LMCacheBackend(
-                spec, a.chunk_size, extra
-            )  # LMCache's own loader builds either backend
-            tp, tg = run_backend(lm.cpu, lm.backend, data, keys)
-            if hasattr(lm.backend, "flush"):
-                lm.backend.flush()
+            puts, gets = run_case(extra, a)
             stored = (
                 redis_bytes(port)
                 if tier == "redis"
                 else dir_bytes(work / ("lmc-disk" if "LMCache" in name else "h-disk"))
-            )
-            lm.close()
+            ) // a.rounds
+            tp, tg = statistics.median(puts), statistics.median(gets)
             results[name] = (tp, tg, stored)
             rows.append(
                 [
                     name,
                     f"{gbps(nbytes, tp):.2f}",
+                    f"{gbps(nbytes, max(puts)):.2f}-{gbps(nbytes, min(puts)):.2f}",
                     f"{gbps(nbytes, tg):.2f}",
+                    f"{gbps(nbytes, max(gets)):.2f}-{gbps(nbytes, min(gets)):.2f}",
                     f"{stored / 2**20:.1f}",
                 ]
             )
@@ -230,7 +263,7 @@ def main() -> None:
         (work / "l2r.yaml").write_text(
             f"tiers:\n  - {{type: redis, url: 'redis://127.0.0.1:{port}/0'}}\n"
         )
-        for name, spec in (
+        adapters = (
             ()
             if a.part == "1"
             else (
@@ -255,14 +288,16 @@ def main() -> None:
                     },
                 ),
             )
-        ):
-            runs = []
-            for _ in range(a.l2_runs):
+        )
+        # Runs alternate between the adapters (fs, ours on disk, resp, ours on Redis,
+        # then again), so a slow spell of the machine falls on all of them alike.
+        for _ in range(a.l2_runs):
+            for name, spec in adapters:
                 subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
                 shutil.rmtree(work / "l2-fs", ignore_errors=True)
                 shutil.rmtree(work / "l2-disk", ignore_errors=True)
-                runs.append(bench_l2(spec, a, work))
-            l2[name] = runs
+                l2.setdefault(name, []).append(bench_l2(spec, a, work))
+        for name, runs in l2.items():
             st = [r["store"] for r in runs]
             ld = [r["load"] for r in runs]
             l2_rows.append(
@@ -298,16 +333,29 @@ def main() -> None:
         print(
             f"\n{a.chunks} chunks of [2, {a.layers}, {a.chunk_size}, {a.heads * a.dim}] fp16 "
             f"({nbytes / 2**20:.0f} MiB); "
-            "in-process storage backends, one run\n"
+            f"in-process storage backends; median of {a.rounds} rounds under fresh keys, "
+            "and their range\n"
         )
-        print(table(["backend", "store GB/s", "retrieve GB/s", "MiB stored"], rows))
+        print(
+            table(
+                [
+                    "backend",
+                    "store GB/s",
+                    "store range",
+                    "retrieve GB/s",
+                    "retrieve range",
+                    "MiB stored per round",
+                ],
+                rows,
+            )
+        )
         print("\nours x LMCache's own backend on the same tier\n")
         print(table(["tier", "store", "retrieve"], ratio_rows))
     if l2_rows:
         print(
             "\nlmcache server L2 adapters under `lmcache bench l2 --no-skip-verify` "
             f"({a.l2_keys} keys x {a.l2_kb} KiB, 3 rounds each); median of {a.l2_runs} "
-            "runs, and their range\n"
+            "runs, taken in turn, and their range\n"
         )
         print(table(["adapter", "store MB/s", "store range", "load MB/s", "load range"], l2_rows))
         print("\nours x LMCache's own adapter on the same medium (medians)\n")

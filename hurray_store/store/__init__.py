@@ -258,11 +258,12 @@ class TieredStore:
 
     # ------------------------------------------------------------------ object level
 
-    async def put_object(self, key: str, data: Data) -> bool:
+    async def put_object(self, key: str, data: Data, self_checked: bool = False) -> bool:
         """Store one object (the concatenation of ``data`` when it is a list); False:
-        stored nowhere."""
+        stored nowhere. ``self_checked``: the object carries its own checksums, which
+        its reader checks (the store then hashes none of its bytes)."""
         await self.sync()
-        return await self.objects.put(key, data)
+        return await self.objects.put(key, data, self_checked)
 
     async def put_objects(self, items: Sequence[tuple[str, Data]]) -> bool:
         """Store several objects as one group, the last written after the others."""
@@ -286,6 +287,11 @@ class TieredStore:
     async def contains_object(self, key: str) -> bool:
         await self.sync()
         return await self.objects.contains(key)
+
+    async def object_size(self, key: str) -> int | None:
+        """The object's size in bytes; None: absent."""
+        await self.sync()
+        return await self.objects.size(key)
 
     def has_object(self, key: str) -> bool:
         """``contains_object`` from the books alone: true only once a get will succeed."""

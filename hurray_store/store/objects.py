@@ -11,8 +11,8 @@ members are not all there (a writer killed mid-group) is deleted whole at restar
 Reads are checked: a whole read must have the size the books give (another process on
 the same folder may have replaced the object), and an object this store ``put`` is
 checked against the xxh3-64 it had (kept while the store holds it). A mismatch is a
-miss, and the object leaves the books. ``put_many`` groups carry their own checks (the
-LMCache adapters' records hold each object's size and checksum).
+miss, and the object leaves the books. Objects put ``self_checked`` carry their own
+checks (the LMCache adapters' objects end in a record with their checksums).
 """
 
 from __future__ import annotations
@@ -51,15 +51,21 @@ class ObjectStore:
     def key(self, name: str) -> ObjectKey:
         return ObjectKey(self.namespace, name)
 
-    async def put(self, name: str, data: Data) -> bool:
+    async def put(self, name: str, data: Data, self_checked: bool = False) -> bool:
         """Store one object (the concatenation of ``data`` when it is a list) in the top
-        tier that can hold it, and write-through below. False: stored nowhere."""
+        tier that can hold it, and write-through below. False: stored nowhere.
+
+        ``self_checked``: the object carries its own checksums and its reader checks
+        them (the LMCache adapters' objects end in their record), so the store hashes
+        none of its bytes and ``get`` checks nothing for it."""
         k = self.key(name)
         bufs = _bufs(data)
-        sum_ = checksum(*(host_view(b) for b in bufs))
+        sum_ = None if self_checked else checksum(*(host_view(b) for b in bufs))
         ok = bool(await self.cascade.put_group(k, [StoredObject(k.stored, bufs)]))
-        if ok:
+        if ok and sum_ is not None:
             self._sums[k.stored] = sum_
+        elif ok:
+            self._sums.pop(k.stored, None)
         return ok
 
     async def put_many(self, items: Sequence[tuple[str, Data]]) -> bool:
@@ -109,7 +115,11 @@ class ObjectStore:
         return await self.cascade.read_into(self.key(name).stored, ranges, buffers)
 
     async def contains(self, name: str) -> bool:
-        return await self.cascade.size(self.key(name).stored) is not None
+        return await self.size(name) is not None
+
+    async def size(self, name: str) -> int | None:
+        """The object's size in bytes (from the books, else a shared tier); None: absent."""
+        return await self.cascade.size(self.key(name).stored)
 
     def has(self, name: str) -> bool:
         """``contains`` from the books alone (no I/O): true only once a get of it will

@@ -1,10 +1,12 @@
 """``lmcache server`` (the multiprocess mode) moves objects between its L1 memory and L2
 adapters through non-blocking submit/query calls signalled on three eventfds. The
-adapter below keeps each object in hurray_store's object level, as a Hurray stream of one
-rank-1 ``uint8`` tensor (its descriptor, then the bytes), then a record (the commit
-point) with the bytes' offset, size and xxh3-64 checksum. A load checks
-both against the caller's buffer before it copies; anything else is a 0 in the
-result bitmap, never wrong bytes.
+adapter below keeps each of LMCache's objects as one object of hurray_store's object
+level: a Hurray stream of two rank-1 ``uint8`` tensors, the bytes and then a record (the
+commit point, last) with their offset, size and xxh3-64 checksum (``records.py``). Every
+tier writes an object whole or not at all, so no record exists without its bytes. A
+load reads the bytes straight into LMCache's buffer and the record beside them, in one
+ranged read, and checks the record against the buffer there; anything else is a 0 in
+the result bitmap, never wrong bytes.
 """
 
 from __future__ import annotations
@@ -22,16 +24,16 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from hurray_store.adapters.lmcache.records import (
-    pack_l2_record,
+    L2_RECORD_BYTES,
+    l2_layout,
+    pack_l2_object,
     parse_l2_record,
 )
 from hurray_store.adapters.store_thread import StoreThread
 from hurray_store.batches import batches
 from hurray_store.errors import FormatError
 from hurray_store.format import checksum
-from hurray_store.format.wire import blob_descriptor
 from hurray_store.store import TieredStore
-from hurray_store.tiers import host_view
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,7 +99,8 @@ class HurrayL2Adapter(L2AdapterInterface):
     def _key(key: Any) -> str:
         salt = getattr(key, "cache_salt", "")
         group = getattr(key, "object_group_id", 0)
-        return f"l2/{key.model_name}@{key.kv_rank}@{group}@{bytes(key.chunk_hash).hex()}@{salt}"
+        # "l2o/": objects that end in their record (older "l2/" groups are never read).
+        return f"l2o/{key.model_name}@{key.kv_rank}@{group}@{bytes(key.chunk_hash).hex()}@{salt}"
 
     def _task(self) -> L2TaskId:
         with self._lock:
@@ -128,19 +131,17 @@ class HurrayL2Adapter(L2AdapterInterface):
         return tid
 
     async def _store(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
-        """Every key of the task at once (bounded in bytes): per key one group, the
-        object then its record, so a record never exists without its object."""
+        """Every key of the task at once (bounded in bytes): per key one object, its
+        bytes then its record, written whole or not at all."""
         views = [memoryview(o.byte_array).cast("B") for o in objects]
 
         async def one(key: Any, data: memoryview) -> int | None:
             k = self._key(key)
-            if await self.store.contains_object(k + "/r"):
+            if self.store.has_object(k):
                 return None  # stored already
-            # The object is a Hurray stream of one uint8[n] tensor: any Hurray reader
-            # (pyhurray, `hurray-store inspect`) reads it.
-            desc = blob_descriptor(len(data))
-            rec = pack_l2_record(len(desc), data)
-            if not await self.store.put_objects([(k, [desc, data]), (k + "/r", [rec])]):
+            # A Hurray stream (any Hurray reader, pyhurray or `hurray-store inspect`,
+            # reads it) whose record is hashed here, the bytes' only hashing.
+            if not await self.store.put_object(k, pack_l2_object(data), self_checked=True):
                 raise OSError(f"{k}: stored in no tier")
             return len(data)
 
@@ -179,13 +180,13 @@ class HurrayL2Adapter(L2AdapterInterface):
 
     async def _lookup(self, tid: L2TaskId, keys: list[Any]) -> None:
         names = [self._key(key) for key in keys]
-        found = await asyncio.gather(*(self.store.contains_object(k + "/r") for k in names))
+        found = await asyncio.gather(*(self.store.contains_object(k) for k in names))
         bitmap = Bitmap(len(keys))
         for i, (k, hit) in enumerate(zip(names, found, strict=True)):
             if hit:
                 bitmap.set(i)
                 self._locks[k] = self._locks.get(k, 0) + 1
-                self.store.pin_objects([k, k + "/r"])
+                self.store.pin_objects([k])
         with self._lock:
             self._looked[tid] = bitmap
         self._lookup_efd.notify()
@@ -201,7 +202,7 @@ class HurrayL2Adapter(L2AdapterInterface):
                 n = self._locks.get(k, 0)
                 if n <= 0:
                     continue
-                self.store.unpin_objects([k, k + "/r"])
+                self.store.unpin_objects([k])
                 if n == 1:
                     del self._locks[k]
                 else:
@@ -212,9 +213,8 @@ class HurrayL2Adapter(L2AdapterInterface):
     def submit_touch(self, keys: list[Any]) -> None:
         """Keys LMCache used without loading them (LMCache 0.5.7): they count as used
         now in the store's eviction order, and in LMCache's."""
-        names = [self._key(key) for key in keys]
         self._runner.loop.call_soon_threadsafe(
-            self.store.touch_objects, [n for k in names for n in (k, k + "/r")]
+            self.store.touch_objects, [self._key(key) for key in keys]
         )
         self._notify_keys_accessed(list(keys))
 
@@ -248,24 +248,25 @@ class HurrayL2Adapter(L2AdapterInterface):
 
         async def one(key: Any, obj: Any) -> bool:
             k = self._key(key)
+            dst = memoryview(obj.byte_array).cast("B")
+            at, rec_at, _ = l2_layout(len(dst))
+            rec = bytearray(L2_RECORD_BYTES)
             try:
-                raw = await self.store.get_object(k + "/r")
-                if raw is None:
-                    return False
-                offset, size, csum = parse_l2_record(host_view(raw))
-                dst = memoryview(obj.byte_array).cast("B")
-                if size != len(dst):
+                if not await self.store.read_object_into(
+                    k, [(at, len(dst)), (rec_at, len(rec))], [dst, memoryview(rec)]
+                ):
+                    return False  # gone (or shorter than an object of this size)
+                offset, size, csum = parse_l2_record(rec)
+                if (offset, size) != (at, len(dst)):
                     raise FormatError(
-                        f"L2 record: {size} bytes recorded, the load buffer holds {len(dst)}"
+                        f"L2 record: {size} bytes at {offset}, the load buffer holds {len(dst)}"
                     )
-                if not await self.store.read_object_into(k, [(offset, size)], [dst]):
-                    raise FormatError("L2 object: missing")
                 if checksum(dst) != csum:
                     raise FormatError("L2 object: its bytes differ from the record")
                 return True
             except FormatError as e:
                 log.warning("hurray L2 adapter: %s failed verification (%s); a miss", k, e)
-                await self.store.delete_object(k + "/r")
+                await self.store.delete_object(k)
                 return False
 
         bitmap = Bitmap(len(keys))
@@ -296,16 +297,12 @@ class HurrayL2Adapter(L2AdapterInterface):
             gone, sizes = [], []
             for key in keys:
                 k = self._key(key)
-                raw = await self.store.get_object(k + "/r")
-                if raw is None:
+                size = await self.store.object_size(k)
+                if size is None:
                     continue
-                await self.store.delete_object(k + "/r")  # its group: the object too
-                await self.store.delete_object(k)  # stored before groups kept their members
+                await self.store.delete_object(k)
                 gone.append(key)
-                try:
-                    sizes.append(parse_l2_record(host_view(raw))[1])
-                except FormatError:
-                    sizes.append(0)
+                sizes.append(max(0, size - l2_layout(0)[2]))  # LMCache's bytes in it
             return gone, sizes
 
         gone, sizes = self._runner.call(drop())

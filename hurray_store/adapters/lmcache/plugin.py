@@ -3,20 +3,22 @@ imports ``lmcache``).
 
 LMCache hands over chunks, not token ids: a ``MemoryObj`` in ``KV_2LTD`` format,
 ``[2, num_layers, num_tokens, heads * head_dim]``, under a ``CacheEngineKey``. The plugin
-stores each chunk through the store's object level as one group of two objects:
+stores each chunk through the store's object level as one object, one Hurray stream:
 
-- the chunk object: one Hurray stream of 2 x layers block-paged descriptors (per layer
-  a key and a value descriptor, each with its page pool: one sequence, the chunk's
-  tokens cut into pages of ``page_size``). The pools are views of LMCache's buffer; a
-  partial last page is the only copy (zero-padded);
-- then a small chunk record, the commit point. It holds the layout fingerprint, the
-  token count, the object's size, and per layer where its pools start and the
-  xxh3-64 of the chunk's key and value token bytes (each byte hashed once).
+- 2 x layers block-paged descriptors (per layer a key and a value descriptor, each with
+  its page pool: one sequence, the chunk's tokens cut into pages of ``page_size``). The
+  pools are views of LMCache's buffer; a partial last page is the only copy
+  (zero-padded);
+- then the chunk record, the commit point, last (``records.py``). It holds the layout
+  fingerprint, the token count, the object's size, and per layer where its pools start
+  and the xxh3-64 of the chunk's key and value token bytes (each byte hashed once).
 
-A get reads the record first and checks it. It then reads every layer's token bytes
-straight into LMCache's buffer (one ranged read of the chunk object: one ``preadv`` on
-disk, one pipeline on Redis) and checks them there against the record. Any mismatch is
-a miss, never wrong data.
+The object's size (from the store's books) gives its page count, hence where every pool
+and the record sit. A get reads every layer's token bytes straight into LMCache's buffer
+and the record beside them, in one ranged read (on disk one file, on Redis one
+pipeline), and checks them there against the record. Any mismatch is a miss, never
+wrong data. (A chunk whose last page is partial comes back with a copy of its tokens:
+the token count is in the record, read with them.)
 
 The object key derives from the ``CacheEngineKey`` (model, world size, worker, chunk
 hash, dtype) and from a layout fingerprint of LMCache's metadata (layers, kv heads, head
@@ -43,6 +45,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from hurray_store.adapters.lmcache.records import (
     ChunkLayer,
+    chunk_record_bytes,
     layout_fingerprint,
     pack_chunk_record,
     parse_chunk_record,
@@ -51,11 +54,13 @@ from hurray_store.adapters.store_thread import StoreThread, pin_objects
 from hurray_store.errors import FormatError
 from hurray_store.format import Slot, checksum, plan_layer
 from hurray_store.format.encode import byte_view
+from hurray_store.format.wire import blob_descriptor
 from hurray_store.store import TieredStore
 from hurray_store.tiers import host_view
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_GETS_IN_FLIGHT = 16  # chunks one batched get reads at once
 
 
 class HurrayStoragePlugin(StoragePluginInterface):
@@ -106,6 +111,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._pinned: set[CacheEngineKey] = set()
         self._closed = False
         self._plans: dict[tuple[int, int], Any] = {}  # (layer, pages) -> LayerPlan
+        self._record_bytes = chunk_record_bytes(num_layers)
+        self._pages: dict[int, int] = {}  # chunk object size -> its pages
 
     @staticmethod
     def _plugin_name(extra: dict[str, Any]) -> str:
@@ -131,19 +138,16 @@ class HurrayStoragePlugin(StoragePluginInterface):
         who = f"{key.model_name}@{key.world_size}@{key.worker_id}"
         return f"lmc/{self.fingerprint[:8].hex()}/{who}@{key.chunk_hash & (2**64 - 1):016x}@{dtype}"
 
-    def _record_key(self, key: CacheEngineKey) -> str:
-        return self._base(key) + "/r"
-
     def _chunk_key(self, key: CacheEngineKey) -> str:
         return self._base(key) + "/c"
 
     # ------------------------------------------------------------------ put
 
-    def _encode(self, obj: MemoryObj) -> tuple[list[Any], list[Any]]:
-        """``(chunk object buffers, record buffers)`` of a chunk: views of
-        LMCache's buffer, the descriptors, and one padded copy of a partial last page
-        per pool. Runs on LMCache's thread, so the buffer is read while LMCache holds
-        it; the bytes it hashes are hashed nowhere else."""
+    def _encode(self, obj: MemoryObj) -> list[Any]:
+        """The chunk object's buffers: views of LMCache's buffer, the descriptors, one
+        padded copy of a partial last page per pool, and the record. Runs on LMCache's
+        thread, so the buffer is read while LMCache holds it; the bytes it hashes are
+        hashed nowhere else."""
         t = obj.tensor
         assert t is not None
         if (
@@ -188,7 +192,9 @@ class HurrayStoragePlugin(StoragePluginInterface):
                 )
             )
             pos += layer_plan.nbytes
-        return buffers, pack_chunk_record(self.fingerprint, n, pos, entries)
+        size = pos + len(blob_descriptor(self._record_bytes)) + self._record_bytes
+        record = pack_chunk_record(self.fingerprint, n, size, entries)
+        return [*buffers, blob_descriptor(self._record_bytes), *record]
 
     def _plan(self, layer: int, pages: int) -> Any:
         """The descriptors of a layer of ``pages`` pages (one sequence), made once."""
@@ -206,15 +212,30 @@ class HurrayStoragePlugin(StoragePluginInterface):
             )
         return plan
 
+    def _layers_of(self, pages: int) -> tuple[list[tuple[int, int]], int]:
+        """Where each layer's key and value pools start in a chunk object of ``pages``
+        pages, and the object's size."""
+        pools, pos = [], 0
+        for li in range(self.num_layers):
+            plan = self._plan(li, pages)
+            pools.append((pos + plan.key_pool_offset, pos + plan.value_pool_offset))
+            pos += plan.nbytes
+        return pools, pos + len(blob_descriptor(self._record_bytes)) + self._record_bytes
+
+    def _pages_of(self, size: int) -> int | None:
+        """The page count of a chunk object of ``size`` bytes (None: no such object)."""
+        if not self._pages:
+            for pages in range(1, -(-self.chunk_size // self.page_size) + 1):
+                self._pages[self._layers_of(pages)[1]] = pages
+        return self._pages.get(size)
+
     def _token_bytes(self, n: int) -> int:
         return n * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
-    async def _put(self, key: CacheEngineKey, chunk: list[Any], record: list[Any]) -> None:
-        # One group per chunk: the chunk object, then the record (the commit point);
-        # evicted together.
-        await self.store.put_objects(
-            [(self._chunk_key(key), chunk), (self._record_key(key), record)]
-        )
+    async def _put(self, key: CacheEngineKey, chunk: list[Any]) -> None:
+        # One object per chunk, its record last: written whole or not at all.
+        if not await self.store.put_object(self._chunk_key(key), chunk, self_checked=True):
+            raise OSError("stored in no tier")
 
     def batched_submit_put_task(
         self,
@@ -228,11 +249,11 @@ class HurrayStoragePlugin(StoragePluginInterface):
                 continue
             obj.ref_count_up()  # LMCache drops its reference once we return
             try:
-                chunk, record = self._encode(obj)
+                chunk = self._encode(obj)
             except Exception:
                 obj.ref_count_down()
                 raise
-            fut = self._runner.submit(self._put(key, chunk, record))
+            fut = self._runner.submit(self._put(key, chunk))
             with self._lock:
                 self._pending[key] = fut
 
@@ -266,44 +287,63 @@ class HurrayStoragePlugin(StoragePluginInterface):
     # ------------------------------------------------------------------ get
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        rk = self._record_key(key)
+        ck = self._chunk_key(key)
         # The books first (no trip to the store's loop); a cache server shared with
         # other engines is asked when they say no, as LMCache's remote backend asks.
-        ok = self.store.has_object(rk) or (
-            self.store.shared and bool(self._call(self.store.contains_object(rk)))
+        ok = self.store.has_object(ck) or (
+            self.store.shared and bool(self._call(self.store.contains_object(ck)))
         )
         if ok and pin:
             self.pin(key)
         return ok
 
     async def _get(self, key: CacheEngineKey) -> MemoryObj | None:
-        raw = await self.store.get_object(self._record_key(key))
-        if raw is None:
+        k = self._chunk_key(key)
+        size = await self.store.object_size(k)
+        if size is None:
             return None
-        rec = host_view(raw)
         try:
-            n, _, layers = parse_chunk_record(
-                rec, self.fingerprint, self.num_layers, self.chunk_size, self._token_bytes
-            )
-            nl = len(layers)
-            nb = self._token_bytes(n)
-            out = self.local_cpu_backend.allocate(
-                torch.Size([2, nl, n, self.num_kv_heads * self.head_size]),
-                self.dtype,
-                MemoryFormat.KV_2LTD,
-            )
+            pages = self._pages_of(size)
+            if pages is None:
+                raise FormatError(f"{size} bytes is the size of no chunk object of this layout")
+            pools, _ = self._layers_of(pages)
+            # The page count gives the token count but for a partial last page: read
+            # that many tokens, and the record beside them.
+            n = min(pages * self.page_size, self.chunk_size)
+            out = self._allocate(key, n)
             if out is None:
-                log.warning("hurray plugin: LMCache's CPU buffer is full; %s is a miss", key)
                 return None
             try:
-                # Every layer's token bytes, read straight into LMCache's buffer in one
-                # ranged read (pages are stored in order: one byte range per pool).
-                ranges, dst = [], []
-                for li, lay in enumerate(layers):
-                    ranges += [(lay.key_pool_offset, nb), (lay.value_pool_offset, nb)]
-                    dst += [host_view(out.tensor[0, li]), host_view(out.tensor[1, li])]
-                if not await self.store.read_object_into(self._chunk_key(key), ranges, dst):
-                    raise FormatError("the chunk object is missing")
+                rec = bytearray(self._record_bytes)
+                nb = self._token_bytes(n)
+                ranges = [(off, nb) for pair in pools for off in pair]
+                dst = [host_view(out.tensor[r, li]) for li in range(len(pools)) for r in (0, 1)]
+                if not await self.store.read_object_into(
+                    k, [*ranges, (size - len(rec), len(rec))], [*dst, memoryview(rec)]
+                ):
+                    out.ref_count_down()
+                    return None  # gone since the books said so
+                got, rec_size, layers = parse_chunk_record(
+                    rec, self.fingerprint, self.num_layers, self.chunk_size, self._token_bytes
+                )
+                if (
+                    rec_size != size
+                    or [(x.key_pool_offset, x.value_pool_offset) for x in layers] != pools
+                ):
+                    raise FormatError("the record describes another object")
+                if got != n:
+                    if not (pages - 1) * self.page_size < got < n:
+                        raise FormatError(f"{got} tokens in a chunk object of {pages} pages")
+                    part = self._allocate(key, got)
+                    if part is None:
+                        out.ref_count_down()
+                        return None
+                    part.tensor.copy_(out.tensor[:, :, :got])
+                    out.ref_count_down()
+                    out, dst = (
+                        part,
+                        [host_view(part.tensor[r, li]) for li in range(len(pools)) for r in (0, 1)],
+                    )
                 for li, lay in enumerate(layers):
                     if (
                         checksum(dst[2 * li]) != lay.key_tokens_checksum
@@ -316,8 +356,18 @@ class HurrayStoragePlugin(StoragePluginInterface):
             return out
         except FormatError as e:
             log.warning("hurray plugin: %s failed verification (%s); a miss", key, e)
-            await self.store.delete_object(self._record_key(key))
+            await self.store.delete_object(k)
             return None
+
+    def _allocate(self, key: CacheEngineKey, tokens: int) -> MemoryObj | None:
+        out = self.local_cpu_backend.allocate(
+            torch.Size([2, self.num_layers, tokens, self.num_kv_heads * self.head_size]),
+            self.dtype,
+            MemoryFormat.KV_2LTD,
+        )
+        if out is None:
+            log.warning("hurray plugin: LMCache's CPU buffer is full; %s is a miss", key)
+        return out
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         return self._call(self._get(key))
@@ -325,66 +375,69 @@ class HurrayStoragePlugin(StoragePluginInterface):
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
     ) -> int:
-        n = 0
-        for key in keys:
-            if not await asyncio.wrap_future(
-                self._runner.submit(self.store.contains_object(self._record_key(key)))
-            ):
-                break
-            if pin:
+        """How many of ``keys``, from the first, the store holds (asked all at once)."""
+        found = await asyncio.wrap_future(
+            self._runner.submit(self._contains_all([self._chunk_key(k) for k in keys]))
+        )
+        n = found.index(False) if False in found else len(found)
+        if pin:
+            for key in keys[:n]:
                 self.pin(key)
-            n += 1
         return n
+
+    async def _contains_all(self, names: list[str]) -> list[bool]:
+        return list(await asyncio.gather(*(self.store.contains_object(k) for k in names)))
 
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
     ) -> list[MemoryObj]:
-        out = []
-        for key in keys:
-            obj = await asyncio.wrap_future(self._runner.submit(self._get(key)))
-            if obj is None:
-                break
-            out.append(obj)
+        """The chunks of ``keys`` up to the first miss, read all at once."""
+        got = await asyncio.wrap_future(self._runner.submit(self._get_all(keys)))
+        n = next((i for i, o in enumerate(got) if o is None), len(got))
+        for o in got[n:]:
+            if o is not None:
+                o.ref_count_down()  # after a miss: LMCache uses a prefix only
+        return [o for o in got[:n] if o is not None]
+
+    async def _get_all(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        slots = asyncio.Semaphore(_GETS_IN_FLIGHT)
+
+        async def one(key: CacheEngineKey) -> MemoryObj | None:
+            async with slots:
+                return await self._get(key)
+
+        got = await asyncio.gather(*(one(k) for k in keys), return_exceptions=True)
+        out: list[MemoryObj | None] = []
+        for key, g in zip(keys, got, strict=True):
+            if isinstance(g, BaseException):
+                log.warning("hurray plugin: get of %s failed: %s", key, g)
+                out.append(None)
+            else:
+                out.append(g)
         return out
 
     # ------------------------------------------------------------------ the rest
 
     def pin(self, key: CacheEngineKey) -> bool:
-        if not self._call(self.store.contains_object(self._record_key(key))):
+        if not self._call(self.store.contains_object(self._chunk_key(key))):
             return False
         self._pinned.add(key)
-        self._call(
-            pin_objects(
-                self.store,
-                [self._record_key(key), self._chunk_key(key)],
-                True,
-            )
-        )
+        self._call(pin_objects(self.store, [self._chunk_key(key)], True))
         return True
 
     def unpin(self, key: CacheEngineKey) -> bool:
         if key not in self._pinned:
             return False
         self._pinned.discard(key)
-        self._call(
-            pin_objects(
-                self.store,
-                [self._record_key(key), self._chunk_key(key)],
-                False,
-            )
-        )
+        self._call(pin_objects(self.store, [self._chunk_key(key)], False))
         return True
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
         if key in self._pinned and not force:
             return False
-        had = self._call(self.store.contains_object(self._record_key(key)))
+        had = self._call(self.store.contains_object(self._chunk_key(key)))
 
-        async def drop() -> None:
-            await self.store.delete_object(self._record_key(key))  # its group: the chunk too
-            await self.store.delete_object(self._chunk_key(key))
-
-        self._call(drop())
+        self._call(self.store.delete_object(self._chunk_key(key)))
         self._pinned.discard(key)
         return bool(had)
 

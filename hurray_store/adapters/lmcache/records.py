@@ -1,20 +1,30 @@
-"""The records the LMCache adapters store beside their objects (pure: bytes in and out).
+"""The records that end the LMCache adapters' objects (pure: bytes in and out).
 
-A chunk record (the in-process plugin, ``HSLC``), the commit point of one chunk object
-(the chunk's layers, each a key and a value block-paged descriptor with its pool, one
-Hurray stream)::
+Each adapter object is one Hurray stream whose last tensor, a rank-1 ``uint8`` tensor,
+is its record: the object's commit point, written in the same object (every tier writes
+an object whole or not at all), so no record exists without the bytes it describes.
+
+A chunk object (the in-process plugin) is the chunk's layers, each a key and a value
+block-paged descriptor with its pool, then the chunk record (``HSLC``)::
 
     magic "HSLC" | u16 version | 32 B layout fingerprint | u64 tokens | u32 layers |
-    u64 chunk object size
+    u64 chunk object size (the whole stream, record included)
     per layer: u64 key pool offset | u64 value pool offset (in the chunk object) |
                u64 xxh3-64 of the chunk's key token bytes | u64 of its value token bytes
     u64 xxh3-64 of everything before it
 
-An L2 record (the L2 adapter, ``HSL2``), the commit point of one L2 object (a Hurray
-stream of one rank-1 ``uint8`` tensor: its descriptor, then LMCache's bytes)::
+Its length follows from the layer count (``chunk_record_bytes``), so a reader that
+knows the object's size knows where the record is.
 
-    magic "HSL2" | u16 version | u64 offset of the bytes in the object | u64 their size |
-    u64 their xxh3-64
+An L2 object (the L2 adapter) is one Hurray stream of two rank-1 ``uint8`` tensors:
+LMCache's bytes, then the L2 record (``HSL2``), its commit point, last::
+
+    blob descriptor (uint8[n]) | LMCache's n bytes | blob descriptor (uint8[30]) | record
+    record: magic "HSL2" | u16 version | u64 offset of the bytes in the object |
+            u64 their size | u64 their xxh3-64
+
+A blob descriptor has the same length for every n, so where the bytes and the record
+sit follows from n alone (``l2_layout``): a load reads both in one ranged read.
 
 Parsers check every length before they read, and raise FormatError.
 """
@@ -30,15 +40,16 @@ import torch
 
 from hurray_store.errors import FormatError
 from hurray_store.format import checksum
+from hurray_store.format.wire import blob_descriptor
 
 CHUNK_MAGIC = b"HSLC"
-CHUNK_VERSION = 3
+CHUNK_VERSION = 4
 # magic, version, fingerprint, num_tokens, num_layers, chunk object size
 _CHUNK = struct.Struct("<4sH32sQIQ")
 _LAYER = struct.Struct("<QQQQ")
 _SUM = struct.Struct("<Q")
 L2_MAGIC = b"HSL2"
-L2_VERSION = 2
+L2_VERSION = 3
 _L2 = struct.Struct("<4sHQQQ")  # magic, version, offset, size, checksum
 L2_RECORD_BYTES = _L2.size
 
@@ -54,7 +65,8 @@ def layout_fingerprint(
 ) -> bytes:
     """32 bytes that change with anything that changes what a chunk's bytes mean."""
     fields = (num_layers, num_kv_heads, head_size, chunk_size, dtype, int(use_mla), page_size)
-    text = "|".join(["hurray_store/lmcache-layout/v1", *map(str, fields)])
+    # v2: the record ends the chunk object (v1 kept it in an object of its own).
+    text = "|".join(["hurray_store/lmcache-layout/v2", *map(str, fields)])
     return hashlib.sha256(text.encode()).digest()
 
 
@@ -67,6 +79,11 @@ class ChunkLayer:
     value_pool_offset: int
     key_tokens_checksum: int
     value_tokens_checksum: int
+
+
+def chunk_record_bytes(num_layers: int) -> int:
+    """The length of the chunk record of ``num_layers`` layers."""
+    return _CHUNK.size + num_layers * _LAYER.size + _SUM.size
 
 
 def pack_chunk_record(
@@ -85,7 +102,7 @@ def pack_chunk_record(
 
 
 def parse_chunk_record(
-    rec: bytes | memoryview,
+    rec: bytes | bytearray | memoryview,
     fingerprint: bytes,
     num_layers: int,
     chunk_size: int,
@@ -117,11 +134,22 @@ def parse_chunk_record(
     return n, size, layers
 
 
-def pack_l2_record(offset: int, data: bytes | memoryview) -> bytes:
-    return _L2.pack(L2_MAGIC, L2_VERSION, offset, len(data), checksum(data))
+def l2_layout(nbytes: int) -> tuple[int, int, int]:
+    """``(offset of LMCache's bytes, offset of the record, object size)`` of the L2
+    object of ``nbytes`` bytes."""
+    d = len(blob_descriptor(nbytes))
+    at = d + nbytes + len(blob_descriptor(L2_RECORD_BYTES))
+    return d, at, at + L2_RECORD_BYTES
 
 
-def parse_l2_record(rec: bytes | memoryview) -> tuple[int, int, int]:
+def pack_l2_object(data: bytes | memoryview) -> list[bytes | memoryview]:
+    """The buffers of the L2 object of ``data`` (``data`` itself among them, no copy)."""
+    offset = l2_layout(len(data))[0]
+    record = _L2.pack(L2_MAGIC, L2_VERSION, offset, len(data), checksum(data))
+    return [blob_descriptor(len(data)), data, blob_descriptor(len(record)), record]
+
+
+def parse_l2_record(rec: bytes | bytearray | memoryview) -> tuple[int, int, int]:
     """``(offset, size, checksum)`` of the bytes an L2 record commits; FormatError
     otherwise."""
     mv = memoryview(rec).cast("B")

@@ -317,7 +317,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
                 rec = bytearray(self._record_bytes)
                 nb = self._token_bytes(n)
                 ranges = [(off, nb) for pair in pools for off in pair]
-                dst = [host_view(out.tensor[r, li]) for li in range(len(pools)) for r in (0, 1)]
+                dst = self._pool_views(out)
                 if not await self.store.read_object_into(
                     k, [*ranges, (size - len(rec), len(rec))], [*dst, memoryview(rec)]
                 ):
@@ -340,10 +340,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
                         return None
                     part.tensor.copy_(out.tensor[:, :, :got])
                     out.ref_count_down()
-                    out, dst = (
-                        part,
-                        [host_view(part.tensor[r, li]) for li in range(len(pools)) for r in (0, 1)],
-                    )
+                    out, dst = part, self._pool_views(part)
                 for li, lay in enumerate(layers):
                     if (
                         checksum(dst[2 * li]) != lay.key_tokens_checksum
@@ -358,6 +355,12 @@ class HurrayStoragePlugin(StoragePluginInterface):
             log.warning("hurray plugin: %s failed verification (%s); a miss", key, e)
             await self.store.delete_object(k)
             return None
+
+    def _pool_views(self, obj: MemoryObj) -> list[memoryview]:
+        """Byte views of a chunk's token rows, per layer its keys then its values."""
+        t = obj.tensor
+        assert t is not None
+        return [host_view(t[r, li]) for li in range(self.num_layers) for r in (0, 1)]
 
     def _allocate(self, key: CacheEngineKey, tokens: int) -> MemoryObj | None:
         out = self.local_cpu_backend.allocate(

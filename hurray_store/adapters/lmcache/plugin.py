@@ -167,8 +167,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
         full = n // P * P
         buffers: list[Any] = []
         entries = []
-        pos = 0
-        for li in range(self.num_layers):
+        offsets, size = self._layers_of(pages)
+        for li, (key_at, value_at) in enumerate(offsets):
             pools = {}
             sums = {}
             for r, role in enumerate(("key", "value")):
@@ -180,19 +180,9 @@ class HurrayStoragePlugin(StoragePluginInterface):
                     parts.append(byte_view(last))
                 pools[role] = parts
                 sums[role] = checksum(byte_view(tok))
-            layer_plan = self._plan(li, pages)
-            for part in layer_plan.parts:
+            for part in self._plan(li, pages).parts:
                 buffers += pools[part.role] if isinstance(part, Slot) else [part]
-            entries.append(
-                ChunkLayer(
-                    pos + layer_plan.key_pool_offset,
-                    pos + layer_plan.value_pool_offset,
-                    sums["key"],
-                    sums["value"],
-                )
-            )
-            pos += layer_plan.nbytes
-        size = pos + len(blob_descriptor(self._record_bytes)) + self._record_bytes
+            entries.append(ChunkLayer(key_at, value_at, sums["key"], sums["value"]))
         record = pack_chunk_record(self.fingerprint, n, size, entries)
         return [*buffers, blob_descriptor(self._record_bytes), *record]
 

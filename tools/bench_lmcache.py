@@ -108,6 +108,29 @@ def chunk_data(a: argparse.Namespace) -> list[torch.Tensor]:
     ]
 
 
+def spread(rates: list[float], fmt: str) -> list[str]:
+    """The median of ``rates`` and their range, as table cells."""
+    return [f"{statistics.median(rates):{fmt}}", f"{min(rates):{fmt}}-{max(rates):{fmt}}"]
+
+
+def ratios(
+    rates: dict[str, dict[str, list[float]]], pairs: tuple[tuple[str, str, str], ...]
+) -> list[list[object]]:
+    """Per ``(label, reference, ours)``: ours over the reference, median over median, for
+    each operation."""
+    return [
+        [
+            label,
+            *(
+                f"{statistics.median(rates[ours][op]) / statistics.median(rates[ref][op]):.2f}"
+                for op in rates[ref]
+            ),
+        ]
+        for label, ref, ours in pairs
+        if ref in rates
+    ]
+
+
 def redis_bytes(port: int) -> int:
     out = subprocess.run(
         ["redis-cli", "-p", str(port), "--scan"], capture_output=True, text=True
@@ -185,7 +208,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-lmcache-"))
     redis_proc, port = start_redis(work)
     rows: list[list[object]] = []
-    results: dict[str, tuple[float, float, int]] = {}  # median put s, median get s, bytes
+    results: dict[str, dict[str, list[float]]] = {}  # backend -> op -> GB/s per round
     try:
         plugin = {
             "storage_plugins": ["hurray"],
@@ -235,28 +258,27 @@ def main() -> None:
                 if tier == "redis"
                 else dir_bytes(work / ("lmc-disk" if "LMCache" in name else "h-disk"))
             ) // a.rounds
-            tp, tg = statistics.median(puts), statistics.median(gets)
-            results[name] = (tp, tg, stored)
+            results[name] = {
+                "store": [gbps(nbytes, t) for t in puts],
+                "retrieve": [gbps(nbytes, t) for t in gets],
+            }
             rows.append(
                 [
                     name,
-                    f"{gbps(nbytes, tp):.2f}",
-                    f"{gbps(nbytes, max(puts)):.2f}-{gbps(nbytes, min(puts)):.2f}",
-                    f"{gbps(nbytes, tg):.2f}",
-                    f"{gbps(nbytes, max(gets)):.2f}-{gbps(nbytes, min(gets)):.2f}",
+                    *spread(results[name]["store"], ".2f"),
+                    *spread(results[name]["retrieve"], ".2f"),
                     f"{stored / 2**20:.1f}",
                 ]
             )
-        ratio_rows = []
-        for tier, ref, ours in (
-            ("disk", "LMCache LocalDiskBackend", "hurray_store plugin, disk tier"),
-            ("redis", "LMCache RemoteBackend (Redis)", "hurray_store plugin, redis tier"),
-        ):
-            if ref in results:
-                (rp, rg, _), (op, og, _) = results[ref], results[ours]
-                ratio_rows.append([tier, f"{rp / op:.2f}", f"{rg / og:.2f}"])
+        ratio_rows = ratios(
+            results,
+            (
+                ("disk", "LMCache LocalDiskBackend", "hurray_store plugin, disk tier"),
+                ("redis", "LMCache RemoteBackend (Redis)", "hurray_store plugin, redis tier"),
+            ),
+        )
         l2_rows: list[list[object]] = []
-        l2: dict[str, list[dict[str, float]]] = {}
+        l2: dict[str, dict[str, list[float]]] = {}
         (work / "l2.yaml").write_text(
             f"tiers:\n  - {{type: disk, path: {work}/l2-disk, capacity_bytes: 17179869184}}\n"
         )
@@ -296,36 +318,18 @@ def main() -> None:
                 subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
                 shutil.rmtree(work / "l2-fs", ignore_errors=True)
                 shutil.rmtree(work / "l2-disk", ignore_errors=True)
-                l2.setdefault(name, []).append(bench_l2(spec, a, work))
-        for name, runs in l2.items():
-            st = [r["store"] for r in runs]
-            ld = [r["load"] for r in runs]
-            l2_rows.append(
-                [
-                    name,
-                    f"{statistics.median(st):.0f}",
-                    f"{min(st):.0f}-{max(st):.0f}",
-                    f"{statistics.median(ld):.0f}",
-                    f"{min(ld):.0f}-{max(ld):.0f}",
-                ]
-            )
-        l2_ratio = []
-        for medium, ref, ours in (
-            ("disk", "LMCache fs", "hurray_store, disk tier"),
-            ("redis", "LMCache resp (Redis)", "hurray_store, redis tier"),
-        ):
-            if ref in l2:
-
-                def med(name: str, op: str) -> float:
-                    return statistics.median(r[op] for r in l2[name])
-
-                l2_ratio.append(
-                    [
-                        medium,
-                        f"{med(ours, 'store') / med(ref, 'store'):.2f}",
-                        f"{med(ours, 'load') / med(ref, 'load'):.2f}",
-                    ]
-                )
+                got = bench_l2(spec, a, work)
+                for op in ("store", "load"):
+                    l2.setdefault(name, {}).setdefault(op, []).append(got[op])
+        for name, ops in l2.items():
+            l2_rows.append([name, *spread(ops["store"], ".0f"), *spread(ops["load"], ".0f")])
+        l2_ratio = ratios(
+            l2,
+            (
+                ("disk", "LMCache fs", "hurray_store, disk tier"),
+                ("redis", "LMCache resp (Redis)", "hurray_store, redis tier"),
+            ),
+        )
     finally:
         redis_proc.kill()
         shutil.rmtree(work, ignore_errors=True)

@@ -63,11 +63,14 @@ class StoreMetrics:
         try:
             yield
         finally:
-            dt = time.perf_counter() - t0
-            c = self.tiers[tier]
-            c.op_count += 1
-            c.op_seconds += dt
-            self.latency.labels(tier, op).observe(dt)
+            self.record(tier, op, time.perf_counter() - t0)
+
+    def record(self, tier: str, op: str, seconds: float) -> None:
+        """Count one operation of ``tier`` that took ``seconds``."""
+        c = self.tiers[tier]
+        c.op_count += 1
+        c.op_seconds += seconds
+        self.latency.labels(tier, op).observe(seconds)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {n: asdict(c) for n, c in self.tiers.items()}

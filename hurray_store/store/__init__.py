@@ -26,9 +26,10 @@ counted and logged.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from hurray_store.buffers import BufferPool
@@ -117,6 +118,7 @@ class TieredStore:
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self) -> TieredStore:
+        self.cascade.loop = asyncio.get_running_loop()
         for t in self.tiers:
             await t.open()
         for i in range(len(self.tiers)):
@@ -143,6 +145,7 @@ class TieredStore:
     async def flush(self) -> None:
         """Wait for write-through and promotions in flight; in write-back mode, move
         groups that only volatile tiers hold down to the first persistent tier."""
+        self.cascade.drain_reads_now()
         await self.cascade.flush()
 
     async def _rebuild(self, tier: int) -> None:
@@ -172,7 +175,9 @@ class TieredStore:
         """Hear what other processes sharing a tier's medium (a disk folder) committed
         and removed since the last call: their segments join the index, their objects
         the books; what they removed leaves the books. Every operation calls it first;
-        it costs one ``fstat`` per such tier when nothing changed."""
+        it costs one ``fstat`` per such tier when nothing changed. The reads made off
+        the loop (``read_objects_into_now``) are counted first."""
+        self.cascade.drain_reads_now()
         for i, t in enumerate(self.tiers):
             for added, key in t.changes():
                 if not added:
@@ -283,6 +288,26 @@ class TieredStore:
     ) -> bool:
         await self.sync()
         return await self.objects.read_into(key, ranges, buffers)
+
+    def read_objects_into_now(
+        self,
+        items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]],
+        each: Callable[[int, int], None] | None = None,
+    ) -> list[bool]:
+        """``read_object_into`` of each ``(key, ranges, buffers)`` on the calling
+        thread, from any thread, with no trip to the store's loop, where the fastest
+        tier holding the key reads with plain system calls (a disk tier). ``each(j, i)``
+        runs as soon as range ``i`` of item ``j`` is in, on the thread that read it (a
+        large read is shared with the tier's helper threads), to check it while it is
+        in the CPU's cache. Per item, False: not read here; call ``read_object_into``
+        (which also says whether it is a miss). The reads are counted, and their
+        objects marked used, at the store's next operation."""
+        return self.objects.read_into_now(items, each)
+
+    def object_size_now(self, key: str) -> int | None:
+        """``object_size`` from the books alone, from any thread (None: the books do
+        not know it; on a shared tier ``object_size`` may still find it)."""
+        return self.objects.size_now(key)
 
     async def contains_object(self, key: str) -> bool:
         await self.sync()

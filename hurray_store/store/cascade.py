@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -27,11 +29,14 @@ from typing import Any, TypeVar
 from hurray_store.ledger import Group, Ledger
 from hurray_store.metrics import StoreMetrics
 from hurray_store.policy import Policy, Victim
-from hurray_store.tiers import Blob, Range, Reservation, Tier, blob_nbytes, host_view
+from hurray_store.tiers import Blob, NowRead, Range, Reservation, Tier, blob_nbytes, host_view
 from hurray_store.tiers.base import GroupObject, ReadInto, StoredObject
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Reads made off the loop reach the books at the loop's next operation, or when this
+# many wait (the loop is then woken for them).
+_READS_NOW_UNTOLD = 32
 
 
 class TierCascade:
@@ -61,6 +66,11 @@ class TierCascade:
         self._deleted_while_writing: set[tuple[int, Group]] = set()
         self.pending_bytes = 0
         self._pending_cv = asyncio.Condition()
+        # The store's loop, once open; the reads ``read_into_now`` made off it, for the
+        # loop to count (``drain_reads_now``), and whether the loop was asked to.
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._reads_now: deque[tuple[int, list[tuple[str, int]], float]] = deque()
+        self._drain_asked = False
 
     def subscribe(self, on_group_left: Callable[[Group], None]) -> None:
         """``on_group_left(group)`` runs when no tier holds ``group`` any more."""
@@ -368,6 +378,60 @@ class TierCascade:
                 dst[:] = host_view(src)
         return True
 
+    def read_into_now(
+        self,
+        items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]],
+        each: Callable[[int, int], None] | None = None,
+    ) -> list[bool]:
+        """``read_into`` of each ``(key, ranges, buffers)`` on the calling thread, from
+        any thread, where the fastest tier holding the key reads with plain system
+        calls (a disk tier): no trip to the store's loop and no pin; ``each(j, i)`` runs
+        once range ``i`` of item ``j`` is in (see ``Tier.read_into_now``). Per item,
+        False: not read here; ``read_into`` on the loop decides (another tier first, a
+        miss, the books to heal). The hits, their time and their recency reach the
+        books on the loop, at its next operation (``drain_reads_now``)."""
+        out = [False] * len(items)
+        if self.loop is None:
+            return out
+        by_tier: dict[int, list[tuple[int, int]]] = {}  # tier -> (item, size)
+        for j, (key, _, _) in enumerate(items):
+            try:
+                # The books are the loop's: read them, never change them, from here. A
+                # change under way shows as a KeyError or RuntimeError: the loop reads.
+                holders = self.ledger.holders(key)
+                if holders and self.tiers[holders[0]].reads_now:
+                    size = self.ledger.size_in(holders[0], key)
+                    if size is not None:
+                        by_tier.setdefault(holders[0], []).append((j, size))
+            except (KeyError, RuntimeError):
+                pass
+        for i, js in by_tier.items():
+            reads = [NowRead(items[j][0], items[j][1], items[j][2], n) for j, n in js]
+            t0 = time.perf_counter()
+            got = self.tiers[i].read_into_now(reads, _renumbered(each, [j for j, _ in js]))
+            done = []
+            for (j, _), r, ok in zip(js, reads, got, strict=True):
+                if ok:
+                    out[j] = True
+                    done.append((r.key, sum(ln for _, ln in r.ranges)))
+            self._reads_now.append((i, done, time.perf_counter() - t0))
+        if len(self._reads_now) >= _READS_NOW_UNTOLD and not self._drain_asked:
+            self._drain_asked = True
+            self.loop.call_soon_threadsafe(self.drain_reads_now)
+        return out
+
+    def drain_reads_now(self) -> None:
+        """On the loop: count the reads ``read_into_now`` made, and mark their groups
+        used now (the eviction order), before the operation that calls it."""
+        self._drain_asked = False
+        while self._reads_now:
+            tier, done, seconds = self._reads_now.popleft()
+            self.metrics.record(self.tiers[tier].name, "read_now", seconds)
+            for key, nbytes in done:
+                self.hit(tier, nbytes)
+                if (group := self.ledger.group_of(tier, key)) is not None:
+                    self.ledger.touch([group])
+
     async def size(self, key: str) -> int | None:
         """Size of a stored key from the books, else from a shared tier; None: absent."""
         n = self.ledger.key_size(key)
@@ -479,3 +543,12 @@ class TierCascade:
                 "capacity_bytes": cap,  # type: ignore[dict-item]
             }
         return out
+
+
+def _renumbered(
+    each: Callable[[int, int], None] | None, items: list[int]
+) -> Callable[[int, int], None] | None:
+    """``each`` for a tier's share of the items: its read ``j`` is item ``items[j]``."""
+    if each is None:
+        return None
+    return lambda j, i: each(items[j], i)

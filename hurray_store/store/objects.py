@@ -18,7 +18,7 @@ checks (the LMCache adapters' objects end in a record with their checksums).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -114,6 +114,17 @@ class ObjectStore:
         holding it (a disk tier reads straight into them). False: a miss."""
         return await self.cascade.read_into(self.key(name).stored, ranges, buffers)
 
+    def read_into_now(
+        self,
+        items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]],
+        each: Callable[[int, int], None] | None = None,
+    ) -> list[bool]:
+        """``read_into`` of each ``(name, ranges, buffers)`` on the calling thread, any
+        thread, where the fastest tier holding the object reads with plain system
+        calls (a disk tier); ``each(j, i)`` once range ``i`` of item ``j`` is in. Per
+        item, False: not read; ``read_into`` decides."""
+        return self.cascade.read_into_now([(self.key(n).stored, r, b) for n, r, b in items], each)
+
     async def contains(self, name: str) -> bool:
         return await self.size(name) is not None
 
@@ -126,6 +137,14 @@ class ObjectStore:
         find it, the whole group written. Safe from another thread (membership tests of
         dicts are atomic in CPython)."""
         return bool(self.cascade.ledger.holders(self.key(name).stored))
+
+    def size_now(self, name: str) -> int | None:
+        """``size`` from the books alone (no I/O), from any thread: None when they do
+        not know it (or changed under the call)."""
+        try:
+            return self.cascade.ledger.key_size(self.key(name).stored)
+        except (KeyError, RuntimeError):
+            return None
 
     def pin(self, names: Sequence[str]) -> None:
         """Keep the groups of these objects from eviction until ``unpin``."""

@@ -123,6 +123,17 @@ class Outage:
 
 
 @dataclass(eq=False, slots=True)
+class NowRead:
+    """One object's part of a ``Tier.read_into_now``: range ``i`` of ``key`` into
+    ``buffers[i]``, from an object of ``size`` bytes."""
+
+    key: str
+    ranges: Sequence[Range]
+    buffers: Sequence[memoryview]
+    size: int
+
+
+@dataclass(eq=False, slots=True)
 class Reservation:
     """Space a tier set aside for an object the store builds in place."""
 
@@ -179,6 +190,9 @@ class Tier(ABC):
     # Other processes write to it (a cache server): the store does not scan it at open
     # but asks it per request (``SharedTier.lookup_prefix``, ``sizes``) for what they added.
     shared: ClassVar[bool] = False
+    # ``read_into_now`` works: reads from any thread, with no pin (objects are replaced
+    # whole, never written in place, so an open file is one whole object).
+    reads_now: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -224,6 +238,18 @@ class Tier(ABC):
         one buffer of at least the ranges' total size (the results are then views of
         it), or a list of writable memoryviews, one per range (the results are then
         those very views)."""
+
+    def read_into_now(
+        self, reads: Sequence[NowRead], each: Callable[[int, int], None] | None = None
+    ) -> list[bool]:
+        """Each read's ranges into its buffers from the calling thread (any thread, no
+        event loop); ``each(j, i)`` runs as soon as range ``i`` of read ``j`` is in, on
+        the thread that read it (to hash it while it is in the CPU's cache), possibly
+        a helper thread of the tier. Only a tier whose reads are plain system calls on
+        objects never changed in place offers it (``reads_now``): a disk tier. Per
+        read, False: not read here (no such tier, absent, of another size, or shorter
+        than a range); ``get_ranges`` on the store's loop decides."""
+        return [False] * len(reads)
 
     @abstractmethod
     async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:

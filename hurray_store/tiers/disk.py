@@ -35,8 +35,10 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -45,7 +47,7 @@ import aiofiles.os
 import xxhash
 
 from hurray_store.config import DiskTierConfig
-from hurray_store.tiers.base import Blob, Buffer, Range, ReadInto, Tier
+from hurray_store.tiers.base import Blob, Buffer, NowRead, Range, ReadInto, Tier
 
 log = logging.getLogger(__name__)
 _TMP = ".tmp."  # then the writer's pid: ".tmp.<pid>.<n>.<name>"
@@ -72,6 +74,50 @@ def _writer_alive(tmp_name: str) -> bool:
 _IO_CHUNK = 8 << 20
 _SFR = hasattr(os, "sync_file_range")
 _counter = itertools.count()
+# A read on the caller's thread (``read_into_now``) of this many bytes or more, in more
+# than one range, shares its ranges with helper threads: page-cache copies (and the
+# caller's hashing) then run on every core. It opens at most _OPEN_AT_ONCE files at once.
+_SPLIT_BYTES = 1 << 20
+_HELPERS = max(1, (os.cpu_count() or 2) - 1)
+_OPEN_AT_ONCE = 64
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> bool:
+    """Fill ``view`` from ``offset`` of ``fd``; False: the file ends first."""
+    done, ln = 0, len(view)
+    while done < ln:
+        n = os.preadv(fd, [view[done : done + _IO_CHUNK]], offset + done)
+        if n <= 0:
+            return False
+        done += n
+    return True
+
+
+class _RangeReads:
+    """The ranges of one ``read_into_now``, taken one at a time by whichever thread is
+    free (the caller and the helpers), so a busy helper never holds the caller up."""
+
+    def __init__(
+        self,
+        reads: Sequence[NowRead],
+        fds: dict[int, int],
+        ok: list[bool],
+        each: Callable[[int, int], None] | None,
+    ) -> None:
+        self.reads, self.fds, self.ok, self.each = reads, fds, ok, each
+        self.work = [(j, i) for j in fds if ok[j] for i in range(len(reads[j].ranges))]
+        self._next = itertools.count()  # next() on it is atomic under the GIL
+
+    def run(self) -> None:
+        while (k := next(self._next)) < len(self.work):
+            j, i = self.work[k]
+            if not self.ok[j]:
+                continue  # a range of it came up short: the read is a miss already
+            r = self.reads[j]
+            if not _pread_into(self.fds[j], r.buffers[i], r.ranges[i][0]):
+                self.ok[j] = False  # the file is shorter than the ranges say
+            elif self.each is not None:
+                self.each(j, i)
 
 
 # File names stay under the usual 255-byte limit with room for the temp prefix.
@@ -90,6 +136,7 @@ class KeyTooLongError(FileNotFoundError):
 class DiskTier(Tier):
     config_cls = DiskTierConfig
     persistent = True
+    reads_now = True  # every write is a temp file renamed over the key: never in place
 
     def __init__(self, cfg: DiskTierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)
@@ -108,6 +155,8 @@ class DiskTier(Tier):
         self._journal_path = self.root / "journal"
         self._seen = 0  # bytes of the journal read
         self._me = os.urandom(6).hex()  # this store's lines, skipped when read back
+        self._helpers: ThreadPoolExecutor | None = None  # read_into_now's, made on first use
+        self._helpers_lock = threading.Lock()
 
     def path_of(self, key: str) -> Path:
         """Where ``key`` lives. A key whose file name would pass the file system's limit
@@ -147,6 +196,9 @@ class DiskTier(Tier):
             log.info("disk tier %s: %s is open in another process too", self.name, self.root)
 
     async def close(self) -> None:
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
+            self._helpers = None
         for fd in (self._journal_fd, self._lock_fd):
             if fd is not None:
                 os.close(fd)
@@ -299,14 +351,8 @@ class DiskTier(Tier):
             pos = 0
             for i, (off, ln) in enumerate(ranges):
                 view = into[i] if per_range else dst[pos : pos + ln]  # type: ignore[index]
-                if len(view) != ln:
-                    return None
-                done = 0
-                while done < ln:
-                    n = os.preadv(fd, [view[done : done + _IO_CHUNK]], off + done)
-                    if n <= 0:
-                        return None  # the file is shorter than the manifest says
-                    done += n
+                if len(view) != ln or not _pread_into(fd, view, off):
+                    return None  # the file is shorter than the manifest says
                 out.append(view)
                 pos += ln
             return out
@@ -357,6 +403,64 @@ class DiskTier(Tier):
     ) -> list[Blob] | None:
         got: list[Blob] | None = await self._ranges(key, ranges, into)
         return got
+
+    def read_into_now(
+        self, reads: Sequence[NowRead], each: Callable[[int, int], None] | None = None
+    ) -> list[bool]:
+        ok = [False] * len(reads)
+        for lo in range(0, len(reads), _OPEN_AT_ONCE):
+            self._read_now(reads, range(lo, min(lo + _OPEN_AT_ONCE, len(reads))), ok, each)
+        return ok
+
+    def _read_now(
+        self,
+        reads: Sequence[NowRead],
+        which: range,
+        ok: list[bool],
+        each: Callable[[int, int], None] | None,
+    ) -> None:
+        # An open file is the whole object it was when opened: a put renames a new
+        # file over it, an eviction unlinks it; neither changes these bytes.
+        fds: dict[int, int] = {}
+        try:
+            for j in which:
+                r = reads[j]
+                if len(r.ranges) != len(r.buffers) or any(
+                    len(b) != ln for b, (_, ln) in zip(r.buffers, r.ranges, strict=True)
+                ):
+                    raise ValueError(f"{r.key}: buffers of other sizes than its ranges")
+                try:
+                    fds[j] = fd = os.open(self.path_of(r.key), os.O_RDONLY)
+                    # Another size: another process replaced it; a range past the end:
+                    # the loop's read says it is a miss.
+                    ok[j] = os.fstat(fd).st_size == r.size and all(
+                        off + ln <= r.size for off, ln in r.ranges
+                    )
+                except OSError as e:
+                    if not isinstance(e, FileNotFoundError):
+                        log.info("disk tier %s: %s not read off the loop: %s", self.name, r.key, e)
+            jobs = _RangeReads(reads, fds, ok, each)
+            helpers = []
+            nbytes = sum(ln for j in fds if ok[j] for _, ln in reads[j].ranges)
+            if len(jobs.work) > 1 and nbytes >= _SPLIT_BYTES:
+                pool = self._helper_pool()
+                helpers = [pool.submit(jobs.run) for _ in range(min(_HELPERS, len(jobs.work) - 1))]
+            try:
+                jobs.run()
+            finally:
+                for h in helpers:  # not started yet: nothing left for it; else wait for it
+                    if not h.cancel():
+                        h.result()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _helper_pool(self) -> ThreadPoolExecutor:
+        if self._helpers is None:
+            with self._helpers_lock:
+                if self._helpers is None:
+                    self._helpers = ThreadPoolExecutor(_HELPERS, f"hurray-disk-{self.name}")
+        return self._helpers
 
     async def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

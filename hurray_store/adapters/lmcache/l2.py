@@ -245,36 +245,12 @@ class HurrayL2Adapter(L2AdapterInterface):
     async def _load(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
         """Every key at once (bounded in bytes), each read straight into LMCache's
         buffer and verified there against its record; a key that fails is a 0."""
-
-        async def one(key: Any, obj: Any) -> bool:
-            k = self._key(key)
-            dst = memoryview(obj.byte_array).cast("B")
-            at, rec_at, _ = l2_layout(len(dst))
-            rec = bytearray(L2_RECORD_BYTES)
-            try:
-                if not await self.store.read_object_into(
-                    k, [(at, len(dst)), (rec_at, len(rec))], [dst, memoryview(rec)]
-                ):
-                    return False  # gone (or shorter than an object of this size)
-                offset, size, csum = parse_l2_record(rec)
-                if (offset, size) != (at, len(dst)):
-                    raise FormatError(
-                        f"L2 record: {size} bytes at {offset}, the load buffer holds {len(dst)}"
-                    )
-                if checksum(dst) != csum:
-                    raise FormatError("L2 object: its bytes differ from the record")
-                return True
-            except FormatError as e:
-                log.warning("hurray L2 adapter: %s failed verification (%s); a miss", k, e)
-                await self.store.delete_object(k)
-                return False
-
         bitmap = Bitmap(len(keys))
         accessed = []
         items = list(zip(keys, objects, strict=True))
         pos = 0
         for wave in batches(items, lambda ko: int(ko[1].get_size()), _WAVE_BYTES):
-            got = await asyncio.gather(*(one(k, o) for k, o in wave))
+            got = await self._load_wave([_L2Load(self._key(k), o) for k, o in wave])
             for j, ok in enumerate(got):
                 if ok:
                     bitmap.set(pos + j)
@@ -285,6 +261,40 @@ class HurrayL2Adapter(L2AdapterInterface):
         with self._lock:
             self._loaded[tid] = bitmap
         self._load_efd.notify()
+
+    async def _load_wave(self, loads: list[_L2Load]) -> list[bool]:
+        # Objects on a disk tier are read off the loop, on a worker thread and the disk
+        # tier's helpers, each hashed as it comes in; the rest are read on the loop and
+        # hashed on workers (xxh3 lets go of the GIL: hashing runs on every core).
+        def hashed(j: int, i: int) -> None:
+            if i == 0:
+                loads[j].csum = checksum(loads[j].dst)
+
+        now = await asyncio.to_thread(
+            self.store.read_objects_into_now, [(x.name, x.ranges, x.into) for x in loads], hashed
+        )
+
+        async def rest(x: _L2Load) -> bool:
+            if not await self.store.read_object_into(x.name, x.ranges, x.into):
+                return False  # gone (or shorter than an object of this size)
+            x.csum = await asyncio.to_thread(checksum, x.dst)
+            return True
+
+        later = [x for x, ok in zip(loads, now, strict=True) if not ok]
+        read = dict(zip(map(id, later), await asyncio.gather(*map(rest, later)), strict=True))
+        out = []
+        for x, ok in zip(loads, now, strict=True):
+            try:
+                if not (ok or read[id(x)]):
+                    out.append(False)
+                    continue
+                x.check()
+                out.append(True)
+            except FormatError as e:
+                log.warning("hurray L2 adapter: %s failed verification (%s); a miss", x.name, e)
+                await self.store.delete_object(x.name)
+                out.append(False)
+        return out
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -324,3 +334,27 @@ class HurrayL2Adapter(L2AdapterInterface):
         finally:
             for efd in (self._store_efd, self._lookup_efd, self._load_efd):
                 efd.close()
+
+
+class _L2Load:
+    """One key of a load: LMCache's buffer and the record read beside it, where both sit
+    in the object, and the checksum of what came in."""
+
+    def __init__(self, name: str, obj: Any) -> None:
+        self.name = name
+        self.dst = memoryview(obj.byte_array).cast("B")
+        self.at, rec_at, _ = l2_layout(len(self.dst))
+        self.rec = bytearray(L2_RECORD_BYTES)
+        self.ranges = [(self.at, len(self.dst)), (rec_at, len(self.rec))]
+        self.into = [self.dst, memoryview(self.rec)]
+        self.csum: int | None = None
+
+    def check(self) -> None:
+        """FormatError unless the record describes these bytes."""
+        offset, size, want = parse_l2_record(self.rec)
+        if (offset, size) != (self.at, len(self.dst)):
+            raise FormatError(
+                f"L2 record: {size} bytes at {offset}, the load buffer holds {len(self.dst)}"
+            )
+        if self.csum != want:
+            raise FormatError("L2 object: its bytes differ from the record")

@@ -35,7 +35,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -60,7 +60,7 @@ from hurray_store.tiers import host_view
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_GETS_IN_FLIGHT = 16  # chunks one batched get reads at once
+_GETS_IN_FLIGHT = 2  # chunks read at once on the store's loop (more was slower here)
 
 
 class HurrayStoragePlugin(StoragePluginInterface):
@@ -112,7 +112,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._closed = False
         self._plans: dict[tuple[int, int], Any] = {}  # (layer, pages) -> LayerPlan
         self._record_bytes = chunk_record_bytes(num_layers)
-        self._pages: dict[int, int] = {}  # chunk object size -> its pages
+        self._pages: dict[int, int] | None = None  # chunk object size -> its pages
+        self._getters = ThreadPoolExecutor(_GETS_IN_FLIGHT, "hurray-plugin-get")
 
     @staticmethod
     def _plugin_name(extra: dict[str, Any]) -> str:
@@ -214,10 +215,14 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     def _pages_of(self, size: int) -> int | None:
         """The page count of a chunk object of ``size`` bytes (None: no such object)."""
-        if not self._pages:
-            for pages in range(1, -(-self.chunk_size // self.page_size) + 1):
-                self._pages[self._layers_of(pages)[1]] = pages
-        return self._pages.get(size)
+        by_size = self._pages
+        if by_size is None:  # made whole, then published: get workers read it at once
+            by_size = {
+                self._layers_of(pages)[1]: pages
+                for pages in range(1, -(-self.chunk_size // self.page_size) + 1)
+            }
+            self._pages = by_size
+        return by_size.get(size)
 
     def _token_bytes(self, n: int) -> int:
         return n * self.num_kv_heads * self.head_size * self.dtype.itemsize
@@ -287,70 +292,94 @@ class HurrayStoragePlugin(StoragePluginInterface):
             self.pin(key)
         return ok
 
-    async def _get(self, key: CacheEngineKey) -> MemoryObj | None:
+    def _get_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        """The chunks of ``keys``, None where missing, read on the calling thread
+        (LMCache's; never the store's loop). Chunks on a disk tier are read from here
+        with no trip to the store's loop (``read_objects_into_now``), as LMCache's own
+        disk backend reads, each range hashed as it comes in; the others are read on the
+        loop, all at once, and checked here. Any mismatch is a miss and leaves."""
+        out: list[MemoryObj | None] = [None] * len(keys)
+        gets: list[_ChunkGet] = []
+        try:
+            for j, key in enumerate(keys):
+                if (g := self._prepare(key, j)) is not None:
+                    gets.append(g)
+            now = self.store.read_objects_into_now(
+                [(g.name, g.ranges, g.into) for g in gets], self._hash_range(gets)
+            )
+            later = [g for g, ok in zip(gets, now, strict=True) if not ok]
+            if later:
+                read = self._call(self._read_all(later))
+                for g, ok in zip(later, read, strict=True):
+                    if ok:
+                        g.sums = [checksum(d) for d in g.dst]
+                    else:
+                        g.release()  # gone since the books said so
+            for g in gets:
+                if g.out is not None:
+                    out[g.slot] = g.finish(self)
+        except BaseException:
+            for o in out:
+                if o is not None:
+                    o.ref_count_down()
+            raise
+        finally:
+            for g in gets:
+                g.release()  # whatever finish did not hand over
+        return out
+
+    @staticmethod
+    def _hash_range(gets: list[_ChunkGet]) -> Callable[[int, int], None]:
+        def hashed(j: int, i: int) -> None:  # while range i of chunk j is in the CPU's cache
+            g = gets[j]
+            if i < len(g.dst):
+                g.sums[i] = checksum(g.dst[i])
+
+        return hashed
+
+    async def _read_all(self, gets: list[_ChunkGet]) -> list[bool]:
+        slots = asyncio.Semaphore(_GETS_IN_FLIGHT)
+
+        async def one(g: _ChunkGet) -> bool:
+            async with slots:
+                return await self.store.read_object_into(g.name, g.ranges, g.into)
+
+        return list(await asyncio.gather(*(one(g) for g in gets)))
+
+    def _prepare(self, key: CacheEngineKey, slot: int) -> _ChunkGet | None:
+        """What a get of ``key`` (``slot`` in its batch) reads where: from its object's
+        size in the books (the loop asks shared tiers when they do not know it), its
+        page count, and LMCache's buffer for its tokens. None: a miss."""
         k = self._chunk_key(key)
-        size = await self.store.object_size(k)
+        size = self.store.object_size_now(k)
+        if size is None:
+            size = self._call(self.store.object_size(k))
         if size is None:
             return None
-        try:
-            pages = self._pages_of(size)
-            if pages is None:
-                raise FormatError(f"{size} bytes is the size of no chunk object of this layout")
-            pools, _ = self._layers_of(pages)
-            # The page count gives the token count but for a partial last page: read
-            # that many tokens, and the record beside them.
-            n = min(pages * self.page_size, self.chunk_size)
-            out = self._allocate(key, n)
-            if out is None:
-                return None
-            try:
-                rec = bytearray(self._record_bytes)
-                nb = self._token_bytes(n)
-                ranges = [(off, nb) for pair in pools for off in pair]
-                dst = self._pool_views(out)
-                if not await self.store.read_object_into(
-                    k, [*ranges, (size - len(rec), len(rec))], [*dst, memoryview(rec)]
-                ):
-                    out.ref_count_down()
-                    return None  # gone since the books said so
-                got, rec_size, layers = parse_chunk_record(
-                    rec, self.fingerprint, self.num_layers, self.chunk_size, self._token_bytes
-                )
-                if (
-                    rec_size != size
-                    or [(x.key_pool_offset, x.value_pool_offset) for x in layers] != pools
-                ):
-                    raise FormatError("the record describes another object")
-                if got != n:
-                    if not (pages - 1) * self.page_size < got < n:
-                        raise FormatError(f"{got} tokens in a chunk object of {pages} pages")
-                    part = self._allocate(key, got)
-                    if part is None:
-                        out.ref_count_down()
-                        return None
-                    part.tensor.copy_(out.tensor[:, :, :got])
-                    out.ref_count_down()
-                    out, dst = part, self._pool_views(part)
-                for li, lay in enumerate(layers):
-                    if (
-                        checksum(dst[2 * li]) != lay.key_tokens_checksum
-                        or checksum(dst[2 * li + 1]) != lay.value_tokens_checksum
-                    ):
-                        raise FormatError(f"layer {li}: its bytes differ from the record")
-            except BaseException:
-                out.ref_count_down()
-                raise
-            return out
-        except FormatError as e:
-            log.warning("hurray plugin: %s failed verification (%s); a miss", key, e)
-            await self.store.delete_object(k)
+        pages = self._pages_of(size)
+        if pages is None:
+            self._drop(key, k, f"{size} bytes is the size of no chunk object of this layout")
             return None
+        pools, _ = self._layers_of(pages)
+        # The page count gives the token count but for a partial last page: read that
+        # many tokens, and the record beside them.
+        n = min(pages * self.page_size, self.chunk_size)
+        out = self._allocate(key, n)
+        if out is None:
+            return None
+        return _ChunkGet(key, slot, k, size, pages, pools, n, out, self)
+
+    def _drop(self, key: CacheEngineKey, name: str, why: str) -> None:
+        log.warning("hurray plugin: %s failed verification (%s); a miss", key, why)
+        self._call(self.store.delete_object(name))
 
     def _pool_views(self, obj: MemoryObj) -> list[memoryview]:
         """Byte views of a chunk's token rows, per layer its keys then its values."""
         t = obj.tensor
-        assert t is not None
-        return [host_view(t[r, li]) for li in range(self.num_layers) for r in (0, 1)]
+        assert t is not None and t.is_contiguous()
+        whole, L = host_view(t), self.num_layers  # [2, layers, tokens, width]: one view
+        nb = len(whole) // (2 * L)
+        return [whole[(r * L + li) * nb : (r * L + li + 1) * nb] for li in range(L) for r in (0, 1)]
 
     def _allocate(self, key: CacheEngineKey, tokens: int) -> MemoryObj | None:
         out = self.local_cpu_backend.allocate(
@@ -363,7 +392,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         return out
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
-        return self._call(self._get(key))
+        return self._get_many([key])[0]
 
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
@@ -381,33 +410,22 @@ class HurrayStoragePlugin(StoragePluginInterface):
     async def _contains_all(self, names: list[str]) -> list[bool]:
         return list(await asyncio.gather(*(self.store.contains_object(k) for k in names)))
 
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        """Every chunk of ``keys``, None where missing, read all at once: what LMCache's
+        engine calls on a retrieve."""
+        return self._get_many(keys)
+
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
     ) -> list[MemoryObj]:
-        """The chunks of ``keys`` up to the first miss, read all at once."""
-        got = await asyncio.wrap_future(self._runner.submit(self._get_all(keys)))
-        n = next((i for i, o in enumerate(got) if o is None), len(got))
-        for o in got[n:]:
+        """The chunks of ``keys`` up to the first miss, read all at once (on a worker
+        thread of LMCache's loop)."""
+        out = await asyncio.to_thread(self._get_many, keys)
+        n = next((i for i, o in enumerate(out) if o is None), len(out))
+        for o in out[n:]:
             if o is not None:
                 o.ref_count_down()  # after a miss: LMCache uses a prefix only
-        return [o for o in got[:n] if o is not None]
-
-    async def _get_all(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        slots = asyncio.Semaphore(_GETS_IN_FLIGHT)
-
-        async def one(key: CacheEngineKey) -> MemoryObj | None:
-            async with slots:
-                return await self._get(key)
-
-        got = await asyncio.gather(*(one(k) for k in keys), return_exceptions=True)
-        out: list[MemoryObj | None] = []
-        for key, g in zip(keys, got, strict=True):
-            if isinstance(g, BaseException):
-                log.warning("hurray plugin: get of %s failed: %s", key, g)
-                out.append(None)
-            else:
-                out.append(g)
-        return out
+        return [o for o in out[:n] if o is not None]
 
     # ------------------------------------------------------------------ the rest
 
@@ -444,4 +462,75 @@ class HurrayStoragePlugin(StoragePluginInterface):
         try:
             self.flush()
         finally:
+            self._getters.shutdown(wait=True)
             self._runner.close()
+
+
+class _ChunkGet:
+    """One chunk's get: where its ranges sit in its object, LMCache's buffer they go
+    into, and the record and checksums that check them."""
+
+    def __init__(
+        self,
+        key: CacheEngineKey,
+        slot: int,
+        name: str,
+        size: int,
+        pages: int,
+        pools: list[tuple[int, int]],
+        n: int,
+        out: MemoryObj,
+        plugin: HurrayStoragePlugin,
+    ) -> None:
+        self.key, self.slot, self.name, self.size = key, slot, name, size
+        self.pages, self.pools, self.n = pages, pools, n
+        self.out: MemoryObj | None = out
+        self.rec = bytearray(plugin._record_bytes)
+        nb = plugin._token_bytes(n)
+        self.ranges = [
+            *((off, nb) for pair in pools for off in pair),
+            (size - len(self.rec), len(self.rec)),
+        ]
+        self.dst = plugin._pool_views(out)
+        self.into = [*self.dst, memoryview(self.rec)]
+        self.sums: list[int | None] = [None] * len(self.dst)
+
+    def release(self) -> None:
+        if self.out is not None:
+            self.out.ref_count_down()
+            self.out = None
+
+    def finish(self, p: HurrayStoragePlugin) -> MemoryObj | None:
+        """The chunk, once its bytes match its record; else a miss, and the object
+        leaves the store."""
+        try:
+            got, rec_size, layers = parse_chunk_record(
+                self.rec, p.fingerprint, p.num_layers, p.chunk_size, p._token_bytes
+            )
+            if (
+                rec_size != self.size
+                or [(x.key_pool_offset, x.value_pool_offset) for x in layers] != self.pools
+            ):
+                raise FormatError("the record describes another object")
+            if got != self.n:
+                if not (self.pages - 1) * p.page_size < got < self.n:
+                    raise FormatError(f"{got} tokens in a chunk object of {self.pages} pages")
+                part = p._allocate(self.key, got)
+                if part is None:
+                    return None
+                assert self.out is not None
+                part.tensor.copy_(self.out.tensor[:, :, :got])
+                self.release()
+                self.out = part
+                self.sums = [checksum(d) for d in p._pool_views(part)]  # its tokens only
+            for li, lay in enumerate(layers):
+                if (
+                    self.sums[2 * li] != lay.key_tokens_checksum
+                    or self.sums[2 * li + 1] != lay.value_tokens_checksum
+                ):
+                    raise FormatError(f"layer {li}: its bytes differ from the record")
+        except FormatError as e:
+            p._drop(self.key, self.name, str(e))
+            return None
+        out, self.out = self.out, None
+        return out

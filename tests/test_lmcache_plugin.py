@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,44 @@ def test_pin_remove_and_a_corrupt_chunk_is_a_miss(opened: Any, tmp_path: Path) -
     p2 = plugin_of(opened())
     assert p2.get_blocking(key(6)) is None
     assert not p2.contains(key(6))  # the bad chunk left the store
+
+
+def test_batched_gets_from_several_threads_read_disk_at_once_and_a_corrupt_chunk_is_none(
+    opened: Any, tmp_path: Path
+) -> None:
+    b = opened()
+    p = plugin_of(b)
+    objs = [chunk(b, 64, i) for i in range(1, 6)] + [chunk(b, 23, 6)]
+    want = {i: o.tensor.clone() for i, o in enumerate(objs, 1)}
+    p.batched_submit_put_task([key(i) for i in want], objs)
+    p.flush()
+    p.close()
+    # Chunk 3's object: a byte of its last layer's values flipped on disk.
+    from hurray_store.adapters.lmcache.records import chunk_record_bytes, parse_chunk_record
+
+    objects = (tmp_path / "cache" / "objects").rglob("*%2Fc")
+    victim = next(f for f in objects if f"{3:016x}%40" in f.name)  # chunk hash 3
+    raw = bytearray(victim.read_bytes())
+    _, _, layers = parse_chunk_record(
+        raw[-chunk_record_bytes(LAYERS) :], p.fingerprint, LAYERS, 64, lambda n: n * HEADS * DIM * 2
+    )
+    raw[layers[-1].value_pool_offset + 5] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    # A new engine (its cpu tier empty: every chunk is read from the disk tier, off the
+    # store's loop) asked by four threads at once, as LMCache's engine asks on a
+    # retrieve: each asks for every chunk, one twice, and one never stored.
+    p2 = plugin_of(opened())
+    asked = [key(i) for i in (1, 2, 3, 4, 5, 6, 1, 9)]
+    with ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(lambda _: p2.batched_get_blocking(asked), range(4)))
+    for got in runs:
+        assert [g is None for g in got] == [False, False, True, False, False, False, False, True]
+        for k, g in zip(asked, got, strict=True):
+            if g is not None:
+                assert torch.equal(g.tensor, want[k.chunk_hash]) and g.get_ref_count() == 1
+                g.ref_count_down()
+    assert not p2.contains(key(3))  # the corrupt chunk left the store
+    assert p2.contains(key(1)) and p2.contains(key(6))
 
 
 def test_plugin_refuses_to_load_without_a_config(tmp_path: Path) -> None:

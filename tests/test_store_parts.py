@@ -5,6 +5,7 @@ exact tables, and the one page gather/scatter path."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -366,3 +367,49 @@ async def test_the_last_put_of_a_key_wins_in_every_tier(tmp_path: Path) -> None:
     async with await open_store(disk_only) as again:
         got = await again.get_object("k")
         assert got is not None and bytes(got) == b"new"
+
+
+async def test_reads_off_the_loop_come_from_disk_and_reach_the_books_at_the_next_call(
+    tmp_path: Path,
+) -> None:
+    """``read_objects_into_now`` reads a disk tier's objects from an engine's thread; the
+    hits, and the recency that eviction goes by, reach the books at the store's next
+    operation. An object the fastest tier keeps in memory, or one gone from the disk
+    behind the store's back, is left to ``read_object_into`` on the loop."""
+    disk = {"type": "disk", "path": str(tmp_path / "d"), "capacity_bytes": 2500}
+    store = await open_store({"tiers": [disk]})
+    blobs = {k: os.urandom(1000) for k in ("a", "b", "c")}
+    for k in ("a", "b"):
+        assert await store.put_object(k, blobs[k])
+    bufs = [memoryview(bytearray(600)), memoryview(bytearray(400))]
+    ranges = [(0, 600), (600, 400)]
+    got = await asyncio.to_thread(
+        store.read_objects_into_now, [("a", ranges, bufs), ("absent", [(0, 1)], [bufs[0][:1]])]
+    )
+    assert got == [True, False]
+    assert b"".join(bytes(b) for b in bufs) == blobs["a"]
+    assert store.stats()["tiers"]["disk"]["hits"] == 0  # not told yet
+    # The next put hears of the read first: "a" was used after "b", so "b" makes room.
+    assert await store.put_object("c", blobs["c"])
+    assert store.stats()["tiers"]["disk"]["hits"] == 1
+    assert store.has_object("a") and not store.has_object("b") and store.has_object("c")
+    # Gone from the disk behind the store's back: not read off the loop; on the loop a
+    # miss, and the books heal.
+    next((tmp_path / "d" / "objects").rglob("*%2Fc")).unlink()
+    one = [memoryview(bytearray(10))]
+    assert await asyncio.to_thread(store.read_objects_into_now, [("c", [(0, 10)], one)]) == [
+        False
+    ]
+    assert not await store.read_object_into("c", [(0, 10)], one)
+    assert not store.has_object("c")
+    await store.close()
+    # A cpu tier in front holds it: the loop reads it (a memory tier is not read off it).
+    cpu = {"type": "cpu", "capacity_bytes": 1 << 20}
+    async with await open_store({"tiers": [cpu, {**disk, "capacity_bytes": 1 << 20}]}) as s2:
+        assert await s2.put_object("m", blobs["a"])
+        into = [memoryview(bytearray(1000))]
+        assert await asyncio.to_thread(s2.read_objects_into_now, [("m", [(0, 1000)], into)]) == [
+            False
+        ]
+        assert await s2.read_object_into("m", [(0, 1000)], into)
+        assert bytes(into[0]) == blobs["a"]

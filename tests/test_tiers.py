@@ -27,7 +27,7 @@ from hurray_store.config import (
     RemoteTierConfig,
     S3TierConfig,
 )
-from hurray_store.tiers import StoredObject, Tier, blob_nbytes, host_view, open_tier
+from hurray_store.tiers import NowRead, StoredObject, Tier, blob_nbytes, host_view, open_tier
 from hurray_store.tiers.redis import RedisTier
 from hurray_store.transport import Msg
 from tests.conftest import S3_BUCKET, S3_KEY, S3_SECRET, RedisProc, SeaweedProc
@@ -136,6 +136,36 @@ class TierContract:
         assert await tier.put("s0", [b""])
         assert await tier.sizes(["s1", "gone", "s0"]) == [5, None, 0]
         assert await tier.sizes([]) == []
+
+    async def test_read_into_now_reads_exact_ranges_off_the_loop_or_declines(
+        self, tier: Tier
+    ) -> None:
+        big = os.urandom(3 << 20)  # past the size a read shares with helper threads
+        small = bytes(range(256)) * 4
+        assert await tier.put("n/big", [big]) and await tier.put("n/small", [small])
+        spans = [(0, 1 << 20), (1 << 20, 1 << 20), (len(big) - 5, 5)]
+        reads = [
+            NowRead("n/big", spans, [memoryview(bytearray(n)) for _, n in spans], len(big)),
+            NowRead("n/small", [(10, 20)], [memoryview(bytearray(20))], len(small)),
+            NowRead("n/gone", [(0, 4)], [memoryview(bytearray(4))], 4),
+            NowRead("n/small", [(0, 4)], [memoryview(bytearray(4))], len(small) + 1),
+            NowRead("n/small", [(len(small) - 2, 4)], [memoryview(bytearray(4))], len(small)),
+        ]
+        seen: list[tuple[int, int]] = []
+        # From a thread of its own, as an engine's thread calls it: no event loop there.
+        got = await asyncio.to_thread(tier.read_into_now, reads, lambda j, i: seen.append((j, i)))
+        if not tier.reads_now:
+            assert got == [False] * 5 and not seen
+            return
+        # Read: the big object (in 3 ranges) and the small one. Declined: an absent key,
+        # an object of another size than asked (another process replaced it), a range
+        # past its end.
+        assert got == [True, True, False, False, False]
+        assert [bytes(b) for b in reads[0].buffers] == [big[o : o + n] for o, n in spans]
+        assert bytes(reads[1].buffers[0]) == small[10:30]
+        assert sorted(seen) == [(0, 0), (0, 1), (0, 2), (1, 0)]
+        with pytest.raises(ValueError, match="buffers of other sizes"):
+            tier.read_into_now([NowRead("n/small", [(0, 8)], [memoryview(bytearray(4))], 1024)])
 
 
 class MediumContract(TierContract):

@@ -397,9 +397,7 @@ async def test_reads_off_the_loop_come_from_disk_and_reach_the_books_at_the_next
     # miss, and the books heal.
     next((tmp_path / "d" / "objects").rglob("*%2Fc")).unlink()
     one = [memoryview(bytearray(10))]
-    assert await asyncio.to_thread(store.read_objects_into_now, [("c", [(0, 10)], one)]) == [
-        False
-    ]
+    assert await asyncio.to_thread(store.read_objects_into_now, [("c", [(0, 10)], one)]) == [False]
     assert not await store.read_object_into("c", [(0, 10)], one)
     assert not store.has_object("c")
     await store.close()

@@ -54,6 +54,7 @@ async def down_then_back(t: Tier, service: Any, caplog: pytest.LogCaptureFixture
             assert await t.put("k2", [b"v"]) is False
             assert await t.put("k2", [bytes(1 << 20), b"large"]) is False
             assert await t.get_ranges("k", [(0, 1)]) is None
+            assert await t.get_ranges("k", [(0, 1 << 20)], [memoryview(bytearray(1 << 20))]) is None
             assert not await t.contains("k")
     assert not t.available
     assert caplog.text.count("unreachable") == 1
@@ -68,6 +69,9 @@ async def down_then_back(t: Tier, service: Any, caplog: pytest.LogCaptureFixture
     assert await t.put("k4", large)
     got = await t.get("k4")
     assert got is not None and as_bytes(got) == b"".join(large)
+    into = [memoryview(bytearray(1 << 20)), memoryview(bytearray(1000))]
+    got_ranges = await t.get_ranges("k4", [(0, 1 << 20), (1 << 20, 1000)], into)
+    assert got_ranges is not None and [as_bytes(g) for g in got_ranges] == large
 
 
 class TierContract:
@@ -367,6 +371,27 @@ class RedisBase(MediumContract):
         assert await tier.sizes(["big"]) == [1_300_004]
         assert await tier.put("big", [b"small"]) and self.raw_get(tier, "big") == b"small"
 
+    async def test_large_ranged_reads_land_in_the_callers_buffers(self, tier: Tier) -> None:
+        data = os.urandom(1_500_000)
+        assert await tier.put("rd", [data])
+        spans = [(0, 1_000_000), (1_000_000, 499_990), (1_499_990, 10)]
+
+        def bufs(spans: list[tuple[int, int]]) -> list[memoryview]:
+            return [memoryview(bytearray(n)) for _, n in spans]
+
+        for _ in range(2):  # the connection stays in step after each read
+            into = bufs(spans)
+            got = await tier.get_ranges("rd", spans, into)
+            assert got is not None
+            assert [as_bytes(g) for g in got] == [data[o : o + n] for o, n in spans]
+            if not tier.is_cluster:  # type: ignore[attr-defined]  # a single Redis reads in place
+                assert all(g is b for g, b in zip(got, into, strict=True))
+            # Absent, and a range past the end: misses, with nothing left on the wire.
+            assert await tier.get_ranges("nope", spans, bufs(spans)) is None
+            past = [(0, 1_000_000), (1_499_000, 2_000)]
+            assert await tier.get_ranges("rd", past, bufs(past)) is None
+        assert tier.available
+
     async def test_scan_lists_only_this_prefix(self, tier: Tier) -> None:
         await tier.put("ns/s/{x}/0", [b"12345"])
         await tier.put("ns/o/y", [b"1"])
@@ -404,6 +429,8 @@ class TestRedisTier(RedisBase):
             await bad.open()
             assert await bad.put("k", [b"v"]) is False  # refused without the password
             assert await bad.put("k", [bytes(1 << 20), b"x"]) is False
+            big = [memoryview(bytearray(1 << 20))]
+            assert await bad.get_ranges("k", [(0, 1 << 20)], big) is None
             await bad.close()
             good = RedisTier(
                 RedisTierConfig(url=f"redis://:s3cret@127.0.0.1:{r.port}/0", name="redis")
@@ -412,6 +439,8 @@ class TestRedisTier(RedisBase):
             assert await good.put("k", [b"v"]) and await good.get("k") == b"v"
             assert await good.put("k", [bytes(1 << 20), b"x"])
             assert await good.get("k") == bytes(1 << 20) + b"x"
+            got = await good.get_ranges("k", [(1, 1 << 20)], big)
+            assert got is not None and bytes(big[0]) == bytes((1 << 20) - 1) + b"x"
             await good.close()
         finally:
             r.stop()

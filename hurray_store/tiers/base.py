@@ -67,6 +67,8 @@ def host_view(b: Blob) -> memoryview:
     if isinstance(b, torch.Tensor):
         arr: Any = b.cpu().contiguous().view(torch.uint8).numpy()
         return memoryview(arr).cast("B")
+    if isinstance(b, memoryview) and b.format == "B" and b.ndim == 1:
+        return b  # the caller's own view: a reader that fills it is seen to have
     mv = memoryview(b)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 

@@ -4,6 +4,9 @@ only module that imports ``redis``).
 One object is one value written by one SET (atomic: a reader sees all of it or none).
 Range reads are GETRANGE, pipelined; keys carry the segment id inside ``{...}``, Redis
 Cluster's hash tag, so one segment's objects share a slot and its pipelines one node.
+On a single Redis, a large SET (``_set_vectored``) and a large ranged read into the
+caller's buffers (``_getrange_into``) go through redis-py's blocking connection from
+worker threads, with no copy of the value on the event loop's thread.
 
 Outages: every call is guarded. A connection error or timeout turns the call into a
 miss (reads) or a skipped write (``False``), logs one warning for the whole outage, and
@@ -53,7 +56,9 @@ from hurray_store.tiers.base import (
 
 log = logging.getLogger(__name__)
 _PIPE_BYTES = 64 << 20  # values per pipeline round trip, at most (bounds client memory)
-_VECTORED_BYTES = 1 << 20  # a single Redis's SETs of this size or more: see _set_vectored
+# A single Redis's SETs, and ranged reads into buffers, of this size or more go out from
+# worker threads: see _set_vectored and _getrange_into.
+_VECTORED_BYTES = 1 << 20
 _VECTORED_THREADS = 4
 _OUTAGE = (
     RedisConnectionError,
@@ -133,8 +138,9 @@ class RedisTier(ServiceTier):
             self._master_kwargs = {**{k: v for k, v in auth.items() if v}, **common}
         else:
             self.client = aioredis.Redis.from_url(cfg.url, **common)
-        # Large SETs to a single Redis go out from threads, through redis-py's blocking
-        # client (see _set_vectored); its sockets time out per send and receive.
+        # Large SETs and ranged reads to a single Redis go out from threads, through
+        # redis-py's blocking client (_set_vectored, _getrange_into); its sockets time
+        # out per send and receive.
         self._sync: redis.Redis | None = None
         self._threads: ThreadPoolExecutor | None = None
         if not self.is_cluster:
@@ -142,7 +148,7 @@ class RedisTier(ServiceTier):
                 cfg.url, **{**common, "socket_timeout": cfg.timeout_s}
             )
             self._threads = ThreadPoolExecutor(
-                min(_VECTORED_THREADS, cfg.max_connections), thread_name_prefix="redis-set"
+                min(_VECTORED_THREADS, cfg.max_connections), thread_name_prefix="redis-io"
             )
         # redis-py's asyncio pools raise when exhausted instead of waiting: queue here.
         self._slots = asyncio.Semaphore(cfg.max_connections)
@@ -203,7 +209,59 @@ class RedisTier(ServiceTier):
     async def get_ranges(
         self, key: str, ranges: Sequence[Range], into: ReadInto = None
     ) -> list[Blob] | None:
+        nbytes = sum(ln for _, ln in ranges)
+        if (
+            self._sync is not None
+            and self._threads is not None
+            and isinstance(into, list | tuple)
+            and nbytes >= _VECTORED_BYTES
+        ):
+            loop = asyncio.get_running_loop()
+            threads, bufs = self._threads, [host_view(b) for b in into]
+
+            async def straight() -> list[Blob] | None:
+                return await loop.run_in_executor(threads, self._getrange_into, key, ranges, bufs)
+
+            return await self._guard("GETRANGE", straight, None, nbytes)
         return (await self.get_ranges_many([(key, ranges)]))[0]
+
+    def _getrange_into(
+        self, key: str, ranges: Sequence[Range], into: Sequence[memoryview]
+    ) -> list[Blob] | None:
+        """GETRANGE of each range, pipelined on one connection, each reply's bytes read
+        straight from the socket into its buffer (None: the key is absent or shorter
+        than a range).
+
+        redis-py hands every reply over as a new ``bytes``, after the asyncio transport,
+        its stream buffer and hiredis have each held a copy, and the caller then copies
+        it once more. Here redis-py's blocking connection (its pool, AUTH and TLS) sends
+        the commands, and each reply's ``$<length>`` header is parsed here and its bytes
+        land in place with ``recv_into``, from a worker thread."""
+        assert self._sync is not None
+        if len(into) != len(ranges) or any(
+            len(b) != ln for b, (_, ln) in zip(into, ranges, strict=True)
+        ):
+            raise ValueError(f"{key}: buffers of other sizes than its ranges")
+        k = self.k(key).encode()
+        cmds = b"".join(
+            b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$%d\r\n%d\r\n$%d\r\n%d\r\n"
+            % (len(k), k, len(str(off)), off, len(str(off + ln - 1)), off + ln - 1)
+            for off, ln in ranges
+        )
+        pool = self._sync.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([cmds], check_health=False)
+            replies = _BulkReplies(conn._sock)
+            whole = [replies.read_into(b) for b in into]
+            if replies.left:
+                raise RedisConnectionError("bytes past the replies on the connection")
+        except BaseException:
+            conn.disconnect()  # mid-reply: never reuse this connection
+            raise
+        finally:
+            pool.release(conn)
+        return list(into) if all(whole) else None
 
     async def get_ranges_many(
         self, items: Sequence[tuple[str, Sequence[Range]]]
@@ -441,3 +499,56 @@ class RedisTier(ServiceTier):
 
 def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+
+
+class _BulkReplies:
+    """RESP bulk-string replies read off a socket, each straight into a caller's buffer
+    (``recv_into``): only the headers and the last few bytes of a short read pass
+    through a small buffer of its own."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    @property
+    def left(self) -> int:
+        return len(self.buf)
+
+    def _fill(self) -> None:
+        got = self.sock.recv(1 << 16)
+        if not got:
+            raise RedisConnectionError("the server closed the connection mid-reply")
+        self.buf += got
+
+    def _line(self) -> bytes:
+        while (end := self.buf.find(b"\r\n")) < 0:
+            self._fill()
+        line = bytes(self.buf[:end])
+        del self.buf[: end + 2]
+        return line
+
+    def read_into(self, dst: memoryview) -> bool:
+        """The next reply into ``dst``; False: it is not ``len(dst)`` bytes long (then
+        it is read and dropped)."""
+        head = self._line()
+        if head[:1] == b"-":
+            raise RedisError(head[1:].decode(errors="replace"))
+        if head[:1] != b"$":
+            raise RedisConnectionError(f"not a bulk string reply: {head[:40]!r}")
+        n = int(head[1:])
+        if n < 0:
+            return False  # a nil reply: no body
+        whole = n == len(dst)
+        into = dst if whole else memoryview(bytearray(n))
+        have = min(len(self.buf), n)
+        into[:have] = self.buf[:have]
+        del self.buf[:have]
+        while have < n:
+            got = self.sock.recv_into(into[have:])
+            if not got:
+                raise RedisConnectionError("the server closed the connection mid-reply")
+            have += got
+        while len(self.buf) < 2:
+            self._fill()
+        del self.buf[:2]  # the reply's closing CRLF
+        return whole

@@ -657,7 +657,7 @@ time.sleep(60)  # killed before this ends
 def test_l2_adapter_killed_mid_store_leaves_no_record_without_its_object(
     tmp_path: Path,
 ) -> None:
-    """A process storing 48 keys through the adapter is SIGKILLed while it writes. A
+    """A process storing 128 keys through the adapter is SIGKILLed while it writes. A
     new adapter over the same folder: every key a lookup finds loads and verifies,
     bit for bit; none is found without its bytes."""
     import signal
@@ -673,7 +673,7 @@ def test_l2_adapter_killed_mid_store_leaves_no_record_without_its_object(
     cfg.write_text(
         f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"
     )
-    n_keys = 48
+    n_keys = 128  # 128 MiB: still being written when the third key commits
     env = dict(os.environ, LMCACHE_TRACK_USAGE="false")
     p = subprocess.Popen(
         [sys.executable, "-c", _L2_WRITER, str(cfg), str(n_keys)],

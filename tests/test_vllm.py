@@ -12,7 +12,10 @@ which ``make test`` builds), on a tiny random-weight Llama built here.
   disk, the store emptied or the cache server killed between lookup and load): the
   load reports its blocks, vLLM recomputes them, and the greedy output is the
   baseline's.
-- bf16, block size 128, chunked prefill (a prompt longer than the step's token budget).
+- bf16, block size 128, chunked prefill (a prompt longer than the step's token budget),
+  on the ``amx`` kernel where the CPU has AMX, ``vec`` elsewhere.
+- The KV packing the connector learns from each CPU attention kernel unpacks and packs
+  back exactly what the kernel wrote.
 """
 
 from __future__ import annotations
@@ -73,6 +76,49 @@ def _vllm(work: Path, model: Path, prompts: list[list[int]], *args: str) -> tupl
     assert p.returncode == 0 and out, (p.stdout + p.stderr)[-4000:]
     counts = json.loads(stats.read_text()) if stats.exists() else {}
     return json.loads(out[-1][len("RESULT ") :]), counts
+
+
+_PACKING_CHECK = """
+import torch
+from vllm import _custom_ops as ops
+from hurray_store.adapters.vllm import _learn_packing
+from hurray_store.spec import KVSpec
+
+kernels = [("vec", torch.float32, 64), ("vec", torch.bfloat16, 64), ("vec16", torch.float32, 48)]
+if torch.cpu._is_amx_tile_supported():
+    kernels.append(("amx", torch.bfloat16, 64))
+for isa, dtype, hd in kernels:
+    heads, bs = 2, 32
+    packed_of, logical_of = _learn_packing(isa, dtype, KVSpec("m", 1, heads, hd, bs, dtype))
+    g = torch.Generator().manual_seed(len(isa) + hd)
+    k, v = (torch.randn(bs, heads, hd, generator=g).to(dtype) for _ in "kv")
+    block = torch.zeros(1, heads, bs, 2 * hd, dtype=dtype)
+    kc, vc = block.view(1, heads, 2 * bs, hd).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(bs), isa)
+    x = block.view(1, heads, 2, bs * hd)
+    logical = x.gather(-1, logical_of.expand(x.shape)).view(heads, 2, bs, hd)
+    assert torch.equal(logical[:, 0].transpose(0, 1), k), isa
+    assert torch.equal(logical[:, 1].transpose(0, 1), v), isa
+    assert torch.equal(logical.view(x.shape).gather(-1, packed_of.expand(x.shape)), x), isa
+    print("LEARNED", isa, dtype)
+refused = _learn_packing("nope", torch.float32, KVSpec("m", 1, 2, 64, 32, torch.float32))
+assert isinstance(refused, str) and "nope" in refused, refused
+print("REFUSED nope")
+"""
+
+
+def test_the_connector_learns_each_cpu_kernels_packing_from_the_kernel(tmp_path: Path) -> None:
+    """The packing learned from a probe block unpacks what vLLM's own kernel wrote, for
+    every CPU attention kernel this machine runs (``amx`` where the CPU has AMX), and
+    packs it back the same; a kernel vLLM does not have is refused with a reason."""
+    script = tmp_path / "packing.py"
+    script.write_text(_PACKING_CHECK)
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    p = subprocess.run(
+        [str(VLLM_PY), str(script)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert p.stdout.count("LEARNED") >= 3 and "REFUSED nope" in p.stdout, p.stdout
 
 
 @pytest.fixture(scope="module")

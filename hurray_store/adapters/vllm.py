@@ -28,11 +28,15 @@ vLLM's two processes, each with the store of the same config on a thread of its 
   next lookup.
 
 Stored objects are honest block-paged Hurray objects (K and V ``[pages, page_size,
-kv_heads, head_dim]``), whatever the attention backend packs: on the CPU backend with
-its ``vec`` kernels each block holds, per head, K transposed ``[head_dim, block_size]``
-then V ``[block_size, head_dim]``; it is converted on save and back on load. A layout
-this module does not know (another kernel, a GPU backend's other packings) is refused
-with one log line, and vLLM serves without the cache.
+kv_heads, head_dim]``), whatever the attention backend packs. On the CPU backend each
+block holds, per head, a K region then a V region, each packed as its kernel wants: the
+``vec`` kernels keep K transposed ``[head_dim, block_size]`` and V ``[block_size,
+head_dim]``; the ``amx`` kernels (bfloat16 on CPUs with AMX) interleave pairs for their
+tiles. The connector learns the packing from the kernel itself when the KV caches are
+registered (``_learn_packing``: a probe block whose elements hold their own
+coordinates), then converts on save and back on load. A layout it cannot learn (a GPU
+backend, a packing that is not a permutation) is refused with one log line, and vLLM
+serves without the cache.
 
 The model's identity in the layout fingerprint is its checkpoint's weights
 (``identity.checkpoint_id``: the safetensors tensors, not the folder's name), so another
@@ -169,6 +173,8 @@ class HurrayConnector(KVConnectorBase_V1):
         self._unconfirmed: set[str] = set()  # loads planned, their outcome not yet reported
         # worker
         self._layers: list[torch.Tensor] = []
+        # The attention kernel's packing of a block's K and V regions (_learn_packing).
+        self._packed_of = self._logical_of = torch.empty(0, dtype=torch.long)
         self._layer_index: dict[str, int] = {}
         self._loading: _Loading | None = None  # this step's loads, while they run
         self._load_errors: set[int] = set()
@@ -285,7 +291,7 @@ class HurrayConnector(KVConnectorBase_V1):
         isa = {getattr(ctx.get(name), "isa", None) for name, _ in layers}
         if len(layers) != s.num_layers:
             self.disabled = f"{len(layers)} KV layers, the model has {s.num_layers}"
-        elif layers[0][1].device.type != "cpu" or isa != {"vec"}:
+        elif layers[0][1].device.type != "cpu" or len(isa) != 1 or None in isa:
             self.disabled = (
                 f"a KV packing this connector does not know (device "
                 f"{layers[0][1].device.type}, CPU attention kernel {sorted(map(str, isa))})"
@@ -293,6 +299,12 @@ class HurrayConnector(KVConnectorBase_V1):
         elif shape[1:] != (s.num_kv_heads, s.page_size, 2 * s.head_dim):
             self.disabled = f"KV cache shape {shape}, expected [blocks, {s.num_kv_heads}, "
             self.disabled += f"{s.page_size}, {2 * s.head_dim}]"
+        else:
+            packing = _learn_packing(str(next(iter(isa))), layers[0][1].dtype, s)
+            if isinstance(packing, str):
+                self.disabled = packing
+            else:
+                self._packed_of, self._logical_of = packing
         if self.disabled:
             log.warning("HurrayConnector: serving without the cache: %s", self.disabled)
             self._dump_counts()
@@ -300,26 +312,24 @@ class HurrayConnector(KVConnectorBase_V1):
         self._layers = [t for _, t in layers]
         self._layer_index = {name: i for i, (name, _) in enumerate(layers)}
 
-    def _vec_views(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K ``[blocks, heads, head_dim, block_size]`` and V ``[blocks, heads,
-        block_size, head_dim]``: views of a CPU ``vec`` KV layer tensor."""
+    def _regions(self, t: torch.Tensor) -> torch.Tensor:
+        """A KV layer tensor as ``[blocks, heads, 2, block_size * head_dim]``: per block
+        and head, the K region then the V region, each packed by the attention kernel."""
         s = self.spec
-        x = t.view(t.shape[0], s.num_kv_heads, 2, s.page_size * s.head_dim)
-        return (
-            x[:, :, 0].unflatten(-1, (s.head_dim, s.page_size)),
-            x[:, :, 1].unflatten(-1, (s.page_size, s.head_dim)),
-        )
+        return t.view(t.shape[0], s.num_kv_heads, 2, s.page_size * s.head_dim)
 
     def _staging(self, blocks: list[int]) -> PagedKVPool:
         """A pool of ``len(blocks)`` pages holding those vLLM blocks, in the store's
         layout (page ``i`` is block ``blocks[i]``)."""
+        s = self.spec
         idx = torch.tensor(blocks, dtype=torch.long)
         out = []
         for t in self._layers:
-            k, v = self._vec_views(t)
-            out.append(
-                torch.stack([k[idx].permute(0, 3, 1, 2), v[idx].permute(0, 2, 1, 3)]).contiguous()
-            )
+            x = self._regions(t)[idx]  # [n, heads, 2, packed]
+            # Unpacked: [n, heads, 2, block_size, head_dim], then the store's pages.
+            kv = x.gather(-1, self._logical_of.expand(x.shape))
+            kv = kv.unflatten(-1, (s.page_size, s.head_dim)).permute(2, 0, 3, 1, 4)
+            out.append(kv.contiguous())
         return PagedKVPool.from_tensors(self.spec, out)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -361,7 +371,7 @@ class HurrayConnector(KVConnectorBase_V1):
     def _scatter_layer(
         self, pool: PagedKVPool, li: int, tables: list[list[int]], loads: list[Transfer]
     ) -> None:
-        k, v = self._vec_views(self._layers[li])
+        x = self._regions(self._layers[li])
         src: list[int] = []
         dst: list[int] = []
         for tr, table in zip(loads, tables, strict=True):
@@ -370,8 +380,9 @@ class HurrayConnector(KVConnectorBase_V1):
         if src:
             s = torch.tensor(src, dtype=torch.long)
             d = torch.tensor(dst, dtype=torch.long)
-            k[d] = pool.layers[li][0][s].permute(0, 2, 3, 1)
-            v[d] = pool.layers[li][1][s].permute(0, 2, 1, 3)
+            # The store's pages [2, n, block_size, heads, head_dim], packed as vLLM's.
+            kv = pool.layers[li][:, s].permute(1, 3, 0, 2, 4).flatten(-2)
+            x[d] = kv.gather(-1, self._packed_of.expand(kv.shape))
 
     def _finish_load(self) -> None:
         """Wait for this step's loads; report every block they did not fill."""
@@ -502,3 +513,41 @@ def warm_with_vllm(
         "tokens not computed (cached)": loaded,
         "time": f"{time.perf_counter() - t0:.1f} s",
     }
+
+
+def _learn_packing(
+    isa: str, dtype: torch.dtype, spec: KVSpec
+) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """How vLLM's CPU attention kernel ``isa`` packs a block, learned from the kernel
+    itself: it writes a probe block whose every element holds its own coordinates
+    (token, dimension: 4 bits per pass, exact in any float dtype), and the result is
+    read back. Returns ``(packed_of, logical_of)``, each ``[2, block_size *
+    head_dim]`` (K, V): position ``p`` of a packed region holds element
+    ``packed_of[r, p]`` (``token * head_dim + dim``), and ``logical_of`` is its
+    inverse. A string: why it is not a permutation the connector can use."""
+    from vllm import _custom_ops as ops
+
+    bs, heads, hd = spec.page_size, spec.num_kv_heads, spec.head_dim
+    n = bs * hd
+    block = torch.zeros(1, heads, bs, 2 * hd, dtype=dtype)
+    k_cache, v_cache = block.view(1, heads, 2 * bs, hd).chunk(2, dim=2)
+    code = torch.arange(n).view(bs, 1, hd).expand(bs, heads, hd)
+    found = torch.zeros(heads, 2, n, dtype=torch.long)
+    try:
+        for shift in range(0, max(n - 1, 1).bit_length(), 4):
+            digit = ((code >> shift) & 15).to(dtype).contiguous()
+            block.zero_()
+            ops.cpu_attn_reshape_and_cache(
+                digit, (15 - digit).contiguous(), k_cache, v_cache, torch.arange(bs), isa
+            )
+            got = block.view(heads, 2, n).to(torch.long)
+            found[:, 0] += got[:, 0] << shift
+            found[:, 1] += (15 - got[:, 1]) << shift
+    except Exception as e:  # an ISA or dtype the kernel refuses
+        return f"the CPU attention kernel {isa!r} packs no probe block ({e})"
+    packed_of = found[0]
+    if not (found == packed_of).all() or not all(
+        torch.equal(torch.sort(p).values, torch.arange(n)) for p in packed_of
+    ):
+        return f"a KV packing this connector does not know (CPU attention kernel {isa!r})"
+    return packed_of, torch.argsort(packed_of, dim=-1)

@@ -16,8 +16,9 @@ stores each chunk through the store's object level as one object, one Hurray str
 The object's size (from the store's books) gives its page count, hence where every pool
 and the record sit. A get reads every layer's token bytes straight into LMCache's buffer
 and the record beside them, in one ranged read (on disk one file, on Redis one
-pipeline), and checks them there against the record. Any mismatch is a miss, never
-wrong data. (A chunk whose last page is partial comes back with a copy of its tokens:
+pipeline), and checks them there against the record. Gets run on LMCache's thread: from
+a disk tier they read there too, with no trip to the store's loop. Any mismatch is a
+miss, never wrong data. (A chunk whose last page is partial comes back with a copy of its tokens:
 the token count is in the record, read with them.)
 
 The object key derives from the ``CacheEngineKey`` (model, world size, worker, chunk
@@ -35,7 +36,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
@@ -113,7 +114,6 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._plans: dict[tuple[int, int], Any] = {}  # (layer, pages) -> LayerPlan
         self._record_bytes = chunk_record_bytes(num_layers)
         self._pages: dict[int, int] | None = None  # chunk object size -> its pages
-        self._getters = ThreadPoolExecutor(_GETS_IN_FLIGHT, "hurray-plugin-get")
 
     @staticmethod
     def _plugin_name(extra: dict[str, Any]) -> str:
@@ -367,7 +367,11 @@ class HurrayStoragePlugin(StoragePluginInterface):
         out = self._allocate(key, n)
         if out is None:
             return None
-        return _ChunkGet(key, slot, k, size, pages, pools, n, out, self)
+        try:
+            return _ChunkGet(key, slot, k, size, pages, pools, n, out, self)
+        except BaseException:
+            out.ref_count_down()
+            raise
 
     def _drop(self, key: CacheEngineKey, name: str, why: str) -> None:
         log.warning("hurray plugin: %s failed verification (%s); a miss", key, why)
@@ -462,7 +466,6 @@ class HurrayStoragePlugin(StoragePluginInterface):
         try:
             self.flush()
         finally:
-            self._getters.shutdown(wait=True)
             self._runner.close()
 
 

@@ -50,6 +50,8 @@ MAX_HASH_LEN = 64
 
 def checksum(*buffers: bytes | bytearray | memoryview) -> int:
     """xxh3-64 over the concatenation of ``buffers`` (integrity, not authentication)."""
+    if len(buffers) == 1:
+        return xxhash.xxh3_64_intdigest(buffers[0])
     h = xxhash.xxh3_64()
     for b in buffers:
         h.update(b)

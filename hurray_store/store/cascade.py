@@ -23,7 +23,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 from hurray_store.ledger import Group, Ledger
@@ -417,7 +417,8 @@ class TierCascade:
             self._reads_now.append((i, done, time.perf_counter() - t0))
         if len(self._reads_now) >= _READS_NOW_UNTOLD and not self._drain_asked:
             self._drain_asked = True
-            self.loop.call_soon_threadsafe(self.drain_reads_now)
+            with suppress(RuntimeError):  # the loop is closed: the store is closing
+                self.loop.call_soon_threadsafe(self.drain_reads_now)
         return out
 
     def drain_reads_now(self) -> None:

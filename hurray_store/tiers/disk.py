@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -440,11 +440,13 @@ class DiskTier(Tier):
                     if not isinstance(e, FileNotFoundError):
                         log.info("disk tier %s: %s not read off the loop: %s", self.name, r.key, e)
             jobs = _RangeReads(reads, fds, ok, each)
-            helpers = []
+            helpers: list[Future[None]] = []
             nbytes = sum(ln for j in fds if ok[j] for _, ln in reads[j].ranges)
             if len(jobs.work) > 1 and nbytes >= _SPLIT_BYTES:
                 pool = self._helper_pool()
-                helpers = [pool.submit(jobs.run) for _ in range(min(_HELPERS, len(jobs.work) - 1))]
+                with contextlib.suppress(RuntimeError):  # shut down: the tier is closing
+                    for _ in range(min(_HELPERS, len(jobs.work) - 1)):
+                        helpers.append(pool.submit(jobs.run))
             try:
                 jobs.run()
             finally:

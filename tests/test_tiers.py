@@ -460,6 +460,73 @@ class TestRedisTier(RedisBase):
         await down_then_back(t, redis_fresh, caplog)
         await t.close()
 
+    async def test_reads_off_the_loop_take_one_version_and_stay_in_step(
+        self, tier: Tier, redis_server: RedisProc
+    ) -> None:
+        # Ranges that cover most of the object come from one GET (one version of it),
+        # the bytes between them dropped; the connections stay in step after a key of
+        # another type (an error reply) and a key replaced by an object of another size.
+        obj = os.urandom(2 << 20)
+        assert await tier.put("v/a", [obj]) and await tier.put("v/b", [obj[:1000]])
+        raw = self.raw_client(tier)
+        raw.rpush(tier.k("v/list"), b"x")  # type: ignore[attr-defined]
+        spans = [(4096, 1 << 20), (16, 100), ((1 << 20) + 4096, (1 << 20) - 4096 - 64)]
+
+        def reads() -> list[NowRead]:
+            bufs = [memoryview(bytearray(n)) for _, n in spans]
+            return [
+                NowRead("v/a", spans, bufs, len(obj)),
+                NowRead("v/list", [(0, 1)], [memoryview(bytearray(1))], 1),
+                NowRead("v/b", [(0, 1000)], [memoryview(bytearray(1000))], 2000),
+                NowRead("v/b", [(0, 1000)], [memoryview(bytearray(1000))], 1000),
+            ]
+
+        for _ in range(3):
+            rs = reads()
+            got = await asyncio.to_thread(tier.read_into_now, rs)
+            assert got == [True, False, False, True]
+            assert [bytes(b) for b in rs[0].buffers] == [obj[o : o + n] for o, n in spans]
+            assert bytes(rs[3].buffers[0]) == obj[:1000]
+        assert tier.available
+
+    async def test_a_read_off_the_loop_in_an_outage_is_a_miss_then_recovers(
+        self, redis_fresh: RedisProc, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        t = RedisTier(
+            RedisTierConfig(
+                url=redis_fresh.url,
+                name="redis",
+                timeout_s=0.5,
+                backoff_initial_s=0.05,
+                backoff_max_s=0.2,
+            )
+        )
+        await t.open()
+        data = os.urandom(3 << 20)
+        assert await t.put("k", [data])
+
+        def read() -> tuple[bool, bytes]:
+            buf = memoryview(bytearray(len(data)))
+            return t.read_into_now([NowRead("k", [(0, len(data))], [buf], len(data))])[0], bytes(
+                buf
+            )
+
+        assert await asyncio.to_thread(read) == (True, data)
+        redis_fresh.stop()
+        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.base"):
+            for _ in range(3):  # the first finds the outage; the rest do not try
+                assert (await asyncio.to_thread(read))[0] is False
+                assert await t.get("k") is None  # the loop's read: a miss, no new timeout
+        assert not t.available and caplog.text.count("unreachable") == 1
+        redis_fresh.start()
+        assert await t.put("k", [data])  # a probe on the loop once the backoff is over
+        for _ in range(200):
+            if t.available or await t.put("k", [data]):
+                break
+            await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(read) == (True, data)
+        await t.close()
+
     async def test_open_with_the_server_down_does_not_raise(self) -> None:
         from tests.conftest import free_port
 

@@ -193,8 +193,9 @@ class Tier(ABC):
     # but asks it per request (``SharedTier.lookup_prefix``, ``sizes``) for what they added.
     shared: ClassVar[bool] = False
     # ``read_into_now`` works: reads from any thread, with no pin (objects are replaced
-    # whole, never written in place, so an open file is one whole object).
-    reads_now: ClassVar[bool] = False
+    # whole, never written in place, so an open file is one whole object). A tier may
+    # set it per instance (a single Redis does, a cluster does not).
+    reads_now: bool = False
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -247,10 +248,11 @@ class Tier(ABC):
         """Each read's ranges into its buffers from the calling thread (any thread, no
         event loop); ``each(j, i)`` runs as soon as range ``i`` of read ``j`` is in, on
         the thread that read it (to hash it while it is in the CPU's cache), possibly
-        a helper thread of the tier. Only a tier whose reads are plain system calls on
-        objects never changed in place offers it (``reads_now``): a disk tier. Per
-        read, False: not read here (no such tier, absent, of another size, or shorter
-        than a range); ``get_ranges`` on the store's loop decides."""
+        a helper thread of the tier. Only a tier whose reads are blocking calls that
+        see one whole version of an object, never one changed in place, offers it
+        (``reads_now``): a disk tier, a single Redis. Per read, False: not read here
+        (no such tier, absent, of another size, or shorter than a range);
+        ``get_ranges`` on the store's loop decides."""
         return [False] * len(reads)
 
     @abstractmethod

@@ -6,7 +6,10 @@ Range reads are GETRANGE, pipelined; keys carry the segment id inside ``{...}``,
 Cluster's hash tag, so one segment's objects share a slot and its pipelines one node.
 On a single Redis, a large SET (``_set_vectored``) and a large ranged read into the
 caller's buffers (``_getrange_into``) go through redis-py's blocking connection from
-worker threads, with no copy of the value on the event loop's thread.
+worker threads, with no copy of the value on the event loop's thread. An engine's own
+thread reads with no trip to the loop at all (``read_into_now``): one GET per object,
+on its thread and up to 3 workers, each on a connection of its own, the bytes received
+straight into its buffers.
 
 Outages: every call is guarded. A connection error or timeout turns the call into a
 miss (reads) or a skipped write (``False``), logs one warning for the whole outage, and
@@ -24,9 +27,11 @@ Redis evicted is a miss on read, and its segment then leaves the books and the i
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -46,6 +51,7 @@ from hurray_store.tiers.base import (
     Blob,
     Buffer,
     GroupObject,
+    NowRead,
     Outage,
     Range,
     ReadInto,
@@ -108,6 +114,9 @@ class RedisTier(ServiceTier):
                 f"url: expected redis://, rediss://, unix:// or redis+cluster://, got {cfg.url!r}"
             )
         self.is_cluster = cfg.cluster or scheme.endswith("+cluster")
+        # A SET replaces a value whole and a GET returns one version of it: any thread
+        # may read (read_into_now), on a single Redis.
+        self.reads_now = not self.is_cluster
         common: dict[str, Any] = {
             # Whole operations are timed by _guard (longer for more bytes): a fixed
             # socket timeout would fail a 100 MB SET that is merely slow.
@@ -242,12 +251,7 @@ class RedisTier(ServiceTier):
             len(b) != ln for b, (_, ln) in zip(into, ranges, strict=True)
         ):
             raise ValueError(f"{key}: buffers of other sizes than its ranges")
-        k = self.k(key).encode()
-        cmds = b"".join(
-            b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$%d\r\n%d\r\n$%d\r\n%d\r\n"
-            % (len(k), k, len(str(off)), off, len(str(off + ln - 1)), off + ln - 1)
-            for off, ln in ranges
-        )
+        cmds = _getrange_commands(self.k(key).encode(), ranges)
         pool = self._sync.connection_pool
         conn = pool.get_connection()
         try:
@@ -262,6 +266,37 @@ class RedisTier(ServiceTier):
         finally:
             pool.release(conn)
         return list(into) if all(whole) else None
+
+    def read_into_now(
+        self, reads: Sequence[NowRead], each: Callable[[int, int], None] | None = None
+    ) -> list[bool]:
+        """Each read's ranges from one GET of its whole object, on the calling thread and
+        up to 3 of the tier's worker threads (one connection each), the bytes of each
+        range received straight into its buffer; the bytes between ranges are dropped.
+        A GET is atomic, so the ranges all come from one version of the object (the
+        store's loop reads with pipelined GETRANGEs). A single Redis only, and only
+        where the ranges cover most of the object; an outage, an object of another size
+        or a missing one is a False, which the loop's read then decides."""
+        ok = [False] * len(reads)
+        if self._sync is None or self._threads is None or not self.outage.available:
+            return ok
+        todo = [(j, order) for j, r in enumerate(reads) if (order := _spans(r)) is not None]
+        if not todo:
+            return ok
+        gets = _NowGets(self, reads, todo, ok, each)
+        helpers: list[Future[None]] = []
+        nbytes = sum(reads[j].size for j, _ in todo)
+        if len(todo) > 1 and nbytes >= _VECTORED_BYTES:
+            with contextlib.suppress(RuntimeError):  # shut down: the tier is closing
+                for _ in range(min(_VECTORED_THREADS - 1, len(todo) - 1)):
+                    helpers.append(self._threads.submit(gets.run))
+        try:
+            gets.run()
+        finally:
+            for h in helpers:  # not started yet: nothing left for it; else wait for it
+                if not h.cancel():
+                    h.result()
+        return ok
 
     async def get_ranges_many(
         self, items: Sequence[tuple[str, Sequence[Range]]]
@@ -501,6 +536,129 @@ def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
+# A read off the loop GETs the whole object when the bytes outside its ranges are no more
+# than this, or an eighth of the object.
+_NOW_WASTE_BYTES = 64 << 10
+
+
+def _spans(r: NowRead) -> list[tuple[int, int]] | None:
+    """The order (offset, range index) in which ``r``'s ranges come in with one GET of its
+    object, or ``[]`` where they overlap or leave too much of it unread (then they are
+    read by GETRANGE, as the loop reads them); None: a range passes the object's end.
+    ValueError: a buffer of another size than its range."""
+    if len(r.ranges) != len(r.buffers) or any(
+        len(b) != ln for b, (_, ln) in zip(r.buffers, r.ranges, strict=True)
+    ):
+        raise ValueError(f"{r.key}: buffers of other sizes than its ranges")
+    if any(off < 0 or off + ln > r.size for off, ln in r.ranges):
+        return None
+    order = sorted((off, i) for i, (off, _) in enumerate(r.ranges))
+    pos = 0
+    for off, i in order:
+        if off < pos:
+            return []
+        pos = off + r.ranges[i][1]
+    unread = r.size - sum(ln for _, ln in r.ranges)
+    return order if unread <= max(_NOW_WASTE_BYTES, r.size // 8) else []
+
+
+class _NowGets:
+    """The GETs of one ``read_into_now``, taken one at a time by whichever thread is free
+    (the caller and the helpers), each thread on a connection of its own."""
+
+    def __init__(
+        self,
+        tier: RedisTier,
+        reads: Sequence[NowRead],
+        todo: list[tuple[int, list[tuple[int, int]]]],
+        ok: list[bool],
+        each: Callable[[int, int], None] | None,
+    ) -> None:
+        self.tier, self.reads, self.todo, self.ok, self.each = tier, reads, todo, ok, each
+        self._next = itertools.count()  # next() on it is atomic under the GIL
+        self.stop = False
+
+    def run(self) -> None:
+        assert self.tier._sync is not None
+        pool = self.tier._sync.connection_pool
+        if self.stop or not self.tier.outage.available:
+            return
+        try:
+            conn = pool.get_connection()
+        except _OUTAGE as e:  # none free, or no server: the loop reads what is left
+            log.debug("redis tier %s: no connection for a read off the loop: %s", self.tier.name, e)
+            return
+        try:
+            while not self.stop and (k := next(self._next)) < len(self.todo):
+                j, order = self.todo[k]
+                try:
+                    self.ok[j] = self._get(conn, j, order)
+                except _OUTAGE:
+                    raise
+                except RedisError as e:  # refused (a key of another type): the loop decides
+                    log.debug("redis tier %s: %s off the loop: %s", self.tier.name, j, e)
+                    conn.disconnect()  # its other replies are unread; the next send reconnects
+        except _OUTAGE as e:
+            # As the loop's guarded calls do: the outage starts here, and every pooled
+            # connection goes (after a restart they would all fail once more).
+            conn.disconnect()
+            self.stop = True
+            self.tier.outage.down("GET", e)
+            pool.disconnect()
+        except BaseException:
+            conn.disconnect()  # mid-reply: never reuse this connection
+            self.stop = True
+            raise
+        finally:
+            pool.release(conn)
+
+    def _get(self, conn: Any, j: int, order: list[tuple[int, int]]) -> bool:
+        r = self.reads[j]
+        k = self.tier.k(r.key).encode()
+        if not order:  # GETRANGE of each range, pipelined
+            conn.send_packed_command([_getrange_commands(k, r.ranges)], check_health=False)
+            replies = _BulkReplies(conn._sock)
+            whole = True
+            for i, b in enumerate(r.buffers):
+                whole = replies.read_into(b) and whole
+                if whole and self.each is not None:
+                    self.each(j, i)
+            return whole and self._clean(replies)
+        conn.send_packed_command(
+            [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)], check_health=False
+        )
+        replies = _BulkReplies(conn._sock)
+        n = replies.head()
+        if n != r.size:
+            if n >= 0:
+                replies.skip(n + 2)  # another object now: read and drop it
+            return False
+        pos = 0
+        for off, i in order:
+            replies.skip(off - pos)
+            replies.take(r.buffers[i])
+            pos = off + len(r.buffers[i])
+            if self.each is not None:
+                self.each(j, i)
+        replies.skip(n - pos + 2)  # the rest, and the reply's closing CRLF
+        return self._clean(replies)
+
+    @staticmethod
+    def _clean(replies: _BulkReplies) -> bool:
+        if replies.left:
+            raise RedisConnectionError("bytes past the replies on the connection")
+        return True
+
+
+def _getrange_commands(k: bytes, ranges: Sequence[Range]) -> bytes:
+    """GETRANGE of each range of key ``k``, in RESP, for one pipelined send."""
+    return b"".join(
+        b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$%d\r\n%d\r\n$%d\r\n%d\r\n"
+        % (len(k), k, len(str(off)), off, len(str(off + ln - 1)), off + ln - 1)
+        for off, ln in ranges
+    )
+
+
 class _BulkReplies:
     """RESP bulk-string replies read off a socket, each straight into a caller's buffer
     (``recv_into``): only the headers and the last few bytes of a short read pass
@@ -509,6 +667,7 @@ class _BulkReplies:
     def __init__(self, sock: Any) -> None:
         self.sock = sock
         self.buf = bytearray()
+        self._scratch: memoryview | None = None
 
     @property
     def left(self) -> int:
@@ -527,19 +686,21 @@ class _BulkReplies:
         del self.buf[: end + 2]
         return line
 
-    def read_into(self, dst: memoryview) -> bool:
-        """The next reply into ``dst``; False: it is not ``len(dst)`` bytes long (then
-        it is read and dropped)."""
+    def head(self) -> int:
+        """The next reply's length; -1: a nil reply (no body follows; RESP2's ``$-1`` or
+        RESP3's ``_``)."""
         head = self._line()
+        if head == b"_":
+            return -1  # RESP3's null
         if head[:1] == b"-":
             raise RedisError(head[1:].decode(errors="replace"))
-        if head[:1] != b"$":
+        if head[:1] != b"$" or not head[1:].lstrip(b"-").isdigit():
             raise RedisConnectionError(f"not a bulk string reply: {head[:40]!r}")
-        n = int(head[1:])
-        if n < 0:
-            return False  # a nil reply: no body
-        whole = n == len(dst)
-        into = dst if whole else memoryview(bytearray(n))
+        return int(head[1:])
+
+    def take(self, into: memoryview) -> None:
+        """The next ``len(into)`` bytes of the reply into ``into``."""
+        n = len(into)
         have = min(len(self.buf), n)
         into[:have] = self.buf[:have]
         del self.buf[:have]
@@ -548,7 +709,25 @@ class _BulkReplies:
             if not got:
                 raise RedisConnectionError("the server closed the connection mid-reply")
             have += got
-        while len(self.buf) < 2:
-            self._fill()
-        del self.buf[:2]  # the reply's closing CRLF
-        return whole
+
+    def skip(self, n: int) -> None:
+        """Read and drop the next ``n`` bytes of the reply."""
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(1 << 16))
+        while n > 0:
+            step = min(n, len(self._scratch))
+            self.take(self._scratch[:step])
+            n -= step
+
+    def read_into(self, dst: memoryview) -> bool:
+        """The next reply into ``dst``; False: it is not ``len(dst)`` bytes long (then
+        it is read and dropped)."""
+        n = self.head()
+        if n < 0:
+            return False  # a nil reply: no body
+        if n != len(dst):
+            self.skip(n + 2)
+            return False
+        self.take(dst)
+        self.skip(2)  # the reply's closing CRLF
+        return True

@@ -263,9 +263,10 @@ class HurrayL2Adapter(L2AdapterInterface):
         self._load_efd.notify()
 
     async def _load_wave(self, loads: list[_L2Load]) -> list[bool]:
-        # Objects on a disk tier are read off the loop, on a worker thread and the disk
-        # tier's helpers, each hashed as it comes in; the rest are read on the loop and
-        # hashed on workers (xxh3 lets go of the GIL: hashing runs on every core).
+        # Objects on a disk tier or a single Redis are read off the loop, on a worker
+        # thread and the tier's helpers, each hashed as it comes in; the rest are read
+        # on the loop and hashed on workers (xxh3 lets go of the GIL: hashing runs on
+        # every core).
         def hashed(j: int, i: int) -> None:
             if i == 0:
                 loads[j].csum = checksum(loads[j].dst)

@@ -10,7 +10,9 @@ chunk in turn. Reported: GB/s and bytes stored.
 
 Part 2, ``lmcache server``'s L2 adapters, each under ``lmcache bench l2`` with the same
 parameters: LMCache's ``fs`` and ``resp`` adapters, and HurrayL2Adapter over a disk tier
-and over a Redis tier. Store and load MB/s, as the tool reports them.
+and over a Redis tier. Store and load MB/s, as the tool reports them; beside them, the
+same Redis through plain sockets (SET and GET of the same values over 4 connections, no
+protocol library, no checks), the most any client of that server gets here.
 
     LMCACHE_TRACK_USAGE=false .venv/bin/python tools/bench_lmcache.py [--chunks 32] [--layers 8]
 """
@@ -174,6 +176,63 @@ def page_cache_floor(files: list[Path], rounds: int = 5) -> dict[str, float]:
     return out
 
 
+def redis_floor(
+    port: int, keys: int, size: int, rounds: int = 3, conns: int = 4
+) -> dict[str, float]:
+    """What the same Redis gives a client with no protocol library and no checks: SET
+    and GET of ``keys`` values of ``size`` bytes over ``conns`` connections (one thread
+    each; 4 was the best of 1-8 here), plain sockets, each value sent from and received
+    into preallocated memory (MiB/s, the mean of ``rounds`` rounds' rates, as
+    ``lmcache bench l2`` reports)."""
+    import itertools
+    import socket
+
+    src = memoryview(bytearray(os.urandom(size)))
+    dst = [memoryview(bytearray(size)) for _ in range(keys)]
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(conns)]
+
+    def line(s: socket.socket) -> bytes:
+        got = b""
+        while not got.endswith(b"\r\n"):
+            got += s.recv(1)
+        return got
+
+    def one_round(op: str, names: list[bytes]) -> float:
+        todo = itertools.count()
+
+        def work(s: socket.socket) -> None:
+            while (i := next(todo)) < len(names):
+                k = names[i]
+                if op == "store":
+                    s.sendall(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, size))
+                    s.sendall(src)
+                    s.sendall(b"\r\n")
+                    assert line(s) == b"+OK\r\n"
+                else:
+                    s.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k))
+                    assert line(s) == b"$%d\r\n" % size
+                    have = 0
+                    while have < size:
+                        have += s.recv_into(dst[i][have:])
+                    assert s.recv(2, socket.MSG_WAITALL) == b"\r\n"
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(conns) as pool:
+            list(pool.map(work, socks))
+        return keys * size / (time.perf_counter() - t0) / 2**20
+
+    out: dict[str, list[float]] = {"store": [], "load": []}
+    try:
+        for r in range(rounds):
+            names = [b"floor-%d-%d" % (r, i) for i in range(keys)]
+            for op in ("store", "load"):
+                out[op].append(one_round(op, names))
+    finally:
+        for s in socks:
+            s.close()
+    return {op: statistics.mean(v) for op, v in out.items()}
+
+
 def redis_bytes(port: int) -> int:
     out = subprocess.run(
         ["redis-cli", "-p", str(port), "--scan"], capture_output=True, text=True
@@ -187,6 +246,9 @@ def redis_bytes(port: int) -> int:
             or 0
         )
     return total
+
+
+_REDIS_FLOOR = "plain sockets to the Redis (4 conns)"
 
 
 def bench_l2(spec: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, float]:
@@ -365,6 +427,13 @@ def main() -> None:
                 got = bench_l2(spec, a, work)
                 for op in ("store", "load"):
                     l2.setdefault(name, {}).setdefault(op, []).append(got[op])
+            if not adapters:
+                break
+            # The same Redis through plain sockets, in the same turn: the server's limit.
+            subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
+            got = redis_floor(port, a.l2_keys, a.l2_kb << 10)
+            for op in ("store", "load"):
+                l2.setdefault(_REDIS_FLOOR, {}).setdefault(op, []).append(got[op])
         for name, ops in l2.items():
             l2_rows.append([name, *spread(ops["store"], ".0f"), *spread(ops["load"], ".0f")])
         l2_ratio = ratios(
@@ -372,6 +441,13 @@ def main() -> None:
             (
                 ("disk", "LMCache fs", "hurray_store, disk tier"),
                 ("redis", "LMCache resp (Redis)", "hurray_store, redis tier"),
+            ),
+        )
+        l2_floor = ratios(
+            l2,
+            (
+                ("LMCache resp", _REDIS_FLOOR, "LMCache resp (Redis)"),
+                ("hurray_store, redis tier", _REDIS_FLOOR, "hurray_store, redis tier"),
             ),
         )
     finally:
@@ -417,6 +493,8 @@ def main() -> None:
         print(table(["adapter", "store MB/s", "store range", "load MB/s", "load range"], l2_rows))
         print("\nours x LMCache's own adapter on the same medium (medians)\n")
         print(table(["medium", "store", "load"], l2_ratio))
+        print("\neach Redis adapter x plain sockets to the same Redis (medians)\n")
+        print(table(["adapter", "store", "load"], l2_floor))
     os._exit(0)  # LMCache leaves non-daemon threads behind
 
 

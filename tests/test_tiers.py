@@ -463,14 +463,14 @@ class TestRedisTier(RedisBase):
     async def test_reads_off_the_loop_take_one_version_and_stay_in_step(
         self, tier: Tier, redis_server: RedisProc
     ) -> None:
-        # Ranges that cover most of the object come from one GET (one version of it),
-        # the bytes between them dropped; the connections stay in step after a key of
-        # another type (an error reply) and a key replaced by an object of another size.
-        obj = os.urandom(2 << 20)
+        # Ranges in any order, past the piece size, with bytes between them; the
+        # connections stay in step after a key of another type (error replies inside
+        # the transaction) and a key replaced by an object of another size.
+        obj = os.urandom(5 << 20)
         assert await tier.put("v/a", [obj]) and await tier.put("v/b", [obj[:1000]])
         raw = self.raw_client(tier)
         raw.rpush(tier.k("v/list"), b"x")  # type: ignore[attr-defined]
-        spans = [(4096, 1 << 20), (16, 100), ((1 << 20) + 4096, (1 << 20) - 4096 - 64)]
+        spans = [(4096, 3 << 20), (16, 100), ((3 << 20) + 8192, (2 << 20) - 8192 - 64)]
 
         def reads() -> list[NowRead]:
             bufs = [memoryview(bytearray(n)) for _, n in spans]

@@ -113,6 +113,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._closed = False
         self._plans: dict[tuple[int, int], Any] = {}  # (layer, pages) -> LayerPlan
         self._record_bytes = chunk_record_bytes(num_layers)
+        self._record_descriptor = blob_descriptor(self._record_bytes)
         self._pages: dict[int, int] | None = None  # chunk object size -> its pages
 
     @staticmethod
@@ -166,6 +167,10 @@ class HurrayStoragePlugin(StoragePluginInterface):
         P = self.page_size
         pages = -(-n // P)
         full = n // P * P
+        # Each layer's key (or value) tokens are one run of the chunk's bytes: views of
+        # one byte view of the whole chunk, sliced (no tensor made per layer).
+        whole = byte_view(t)
+        nb, full_b = self._token_bytes(n), self._token_bytes(full)
         buffers: list[Any] = []
         entries = []
         offsets, size = self._layers_of(pages)
@@ -173,19 +178,20 @@ class HurrayStoragePlugin(StoragePluginInterface):
             pools = {}
             sums = {}
             for r, role in enumerate(("key", "value")):
-                tok = t[r, li]  # [n, heads * head_size], contiguous
-                parts = [byte_view(tok[:full])] if full else []
+                at = (r * self.num_layers + li) * nb
+                tok = whole[at : at + nb]
+                parts = [tok[:full_b]] if full else []
                 if full < n:  # the partial last page: the one copy
-                    last = torch.zeros((P, tok.shape[1]), dtype=tok.dtype)
-                    last[: n - full] = tok[full:]
+                    last = torch.zeros((P, t.shape[3]), dtype=t.dtype)
+                    last[: n - full] = t[r, li, full:]
                     parts.append(byte_view(last))
                 pools[role] = parts
-                sums[role] = checksum(byte_view(tok))
+                sums[role] = checksum(tok)
             for part in self._plan(li, pages).parts:
                 buffers += pools[part.role] if isinstance(part, Slot) else [part]
             entries.append(ChunkLayer(key_at, value_at, sums["key"], sums["value"]))
         record = pack_chunk_record(self.fingerprint, n, size, entries)
-        return [*buffers, blob_descriptor(self._record_bytes), *record]
+        return [*buffers, self._record_descriptor, *record]
 
     def _plan(self, layer: int, pages: int) -> Any:
         """The descriptors of a layer of ``pages`` pages (one sequence), made once."""
@@ -211,7 +217,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
             plan = self._plan(li, pages)
             pools.append((pos + plan.key_pool_offset, pos + plan.value_pool_offset))
             pos += plan.nbytes
-        return pools, pos + len(blob_descriptor(self._record_bytes)) + self._record_bytes
+        return pools, pos + len(self._record_descriptor) + self._record_bytes
 
     def _pages_of(self, size: int) -> int | None:
         """The page count of a chunk object of ``size`` bytes (None: no such object)."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -95,7 +95,15 @@ def pack_chunk_record(
             _CHUNK.pack(
                 CHUNK_MAGIC, CHUNK_VERSION, fingerprint, num_tokens, len(layers), object_size
             ),
-            *(_LAYER.pack(*astuple(lay)) for lay in layers),
+            *(
+                _LAYER.pack(
+                    lay.key_pool_offset,
+                    lay.value_pool_offset,
+                    lay.key_tokens_checksum,
+                    lay.value_tokens_checksum,
+                )
+                for lay in layers
+            ),
         ]
     )
     return [body, _SUM.pack(checksum(body))]

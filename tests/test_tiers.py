@@ -399,6 +399,15 @@ class RedisBase(MediumContract):
         assert found == {"ns/s/{x}/0": 5, "ns/o/y": 1}
 
 
+def _quick_to_fail(r: RedisProc) -> RedisTier:
+    """A Redis tier that times out and backs off quickly (outage tests)."""
+    return RedisTier(
+        RedisTierConfig(
+            url=r.url, name="redis", timeout_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.2
+        )
+    )
+
+
 class TestRedisTier(RedisBase):
     def raw_client(self, tier: Tier) -> redis.Redis:
         host, port = tier.cfg.url.split("//")[1].split("/")[0].split(":")
@@ -448,15 +457,7 @@ class TestRedisTier(RedisBase):
     async def test_down_server_is_a_miss_with_one_warning_then_recovers(
         self, redis_fresh: RedisProc, caplog: pytest.LogCaptureFixture
     ) -> None:
-        t = RedisTier(
-            RedisTierConfig(
-                url=redis_fresh.url,
-                name="redis",
-                timeout_s=0.5,
-                backoff_initial_s=0.05,
-                backoff_max_s=0.2,
-            )
-        )
+        t = _quick_to_fail(redis_fresh)
         await down_then_back(t, redis_fresh, caplog)
         await t.close()
 
@@ -492,15 +493,7 @@ class TestRedisTier(RedisBase):
     async def test_a_read_off_the_loop_in_an_outage_is_a_miss_then_recovers(
         self, redis_fresh: RedisProc, caplog: pytest.LogCaptureFixture
     ) -> None:
-        t = RedisTier(
-            RedisTierConfig(
-                url=redis_fresh.url,
-                name="redis",
-                timeout_s=0.5,
-                backoff_initial_s=0.05,
-                backoff_max_s=0.2,
-            )
-        )
+        t = _quick_to_fail(redis_fresh)
         await t.open()
         data = os.urandom(3 << 20)
         assert await t.put("k", [data])

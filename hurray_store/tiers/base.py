@@ -21,10 +21,12 @@ Host tiers return ``memoryview``/``bytes``; a device tier returns ``torch.Tensor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
@@ -53,6 +55,23 @@ def blob_nbytes(b: Blob) -> int:
     if isinstance(b, torch.Tensor):
         return b.numel() * b.element_size()
     return memoryview(b).nbytes
+
+
+def shared_run(run: Callable[[], None], pool: ThreadPoolExecutor | None, helpers: int) -> None:
+    """``run`` on the calling thread and on up to ``helpers`` threads of ``pool`` at once
+    (each call takes work items until none is left, so a busy pool never holds the
+    caller up); returns once every call that started has ended."""
+    started: list[Future[None]] = []
+    if pool is not None:
+        with contextlib.suppress(RuntimeError):  # shut down: the tier is closing
+            for _ in range(helpers):
+                started.append(pool.submit(run))
+    try:
+        run()
+    finally:
+        for h in started:  # not started yet: nothing left for it; else wait for it
+            if not h.cancel():
+                h.result()
 
 
 def one_buffer(buffers: Sequence[Buffer]) -> Buffer:

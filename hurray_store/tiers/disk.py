@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -47,7 +47,7 @@ import aiofiles.os
 import xxhash
 
 from hurray_store.config import DiskTierConfig
-from hurray_store.tiers.base import Blob, Buffer, NowRead, Range, ReadInto, Tier
+from hurray_store.tiers.base import Blob, Buffer, NowRead, Range, ReadInto, Tier, shared_run
 
 log = logging.getLogger(__name__)
 _TMP = ".tmp."  # then the writer's pid: ".tmp.<pid>.<n>.<name>"
@@ -440,19 +440,11 @@ class DiskTier(Tier):
                     if not isinstance(e, FileNotFoundError):
                         log.info("disk tier %s: %s not read off the loop: %s", self.name, r.key, e)
             jobs = _RangeReads(reads, fds, ok, each)
-            helpers: list[Future[None]] = []
             nbytes = sum(ln for j in fds if ok[j] for _, ln in reads[j].ranges)
             if len(jobs.work) > 1 and nbytes >= _SPLIT_BYTES:
-                pool = self._helper_pool()
-                with contextlib.suppress(RuntimeError):  # shut down: the tier is closing
-                    for _ in range(min(_HELPERS, len(jobs.work) - 1)):
-                        helpers.append(pool.submit(jobs.run))
-            try:
+                shared_run(jobs.run, self._helper_pool(), min(_HELPERS, len(jobs.work) - 1))
+            else:
                 jobs.run()
-            finally:
-                for h in helpers:  # not started yet: nothing left for it; else wait for it
-                    if not h.cancel():
-                        h.result()
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -28,11 +28,10 @@ Redis evicted is a miss on read, and its segment then leaves the books and the i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -59,6 +58,7 @@ from hurray_store.tiers.base import (
     ServiceTier,
     host_view,
     one_buffer,
+    shared_run,
 )
 
 log = logging.getLogger(__name__)
@@ -285,18 +285,9 @@ class RedisTier(ServiceTier):
         if not todo:
             return ok
         gets = _NowGets(self, reads, todo, ok, each)
-        helpers: list[Future[None]] = []
         nbytes = sum(len(b) for _, p in todo for _, _, b in p)
-        if len(todo) > 1 and nbytes >= _VECTORED_BYTES:
-            with contextlib.suppress(RuntimeError):  # shut down: the tier is closing
-                for _ in range(min(_VECTORED_THREADS - 1, len(todo) - 1)):
-                    helpers.append(self._threads.submit(gets.run))
-        try:
-            gets.run()
-        finally:
-            for h in helpers:  # not started yet: nothing left for it; else wait for it
-                if not h.cancel():
-                    h.result()
+        helpers = min(_VECTORED_THREADS - 1, len(todo) - 1) if nbytes >= _VECTORED_BYTES else 0
+        shared_run(gets.run, self._threads, helpers)
         return ok
 
     async def get_ranges_many(

@@ -74,6 +74,14 @@ def shared_run(run: Callable[[], None], pool: ThreadPoolExecutor | None, helpers
                 h.result()
 
 
+def check_into(key: str, ranges: Sequence[Range], buffers: Sequence[memoryview]) -> None:
+    """ValueError unless ``buffers`` are one per range, each of its range's length."""
+    if len(buffers) != len(ranges) or any(
+        len(b) != ln for b, (_, ln) in zip(buffers, ranges, strict=True)
+    ):
+        raise ValueError(f"{key}: buffers of other sizes than its ranges")
+
+
 def one_buffer(buffers: Sequence[Buffer]) -> Buffer:
     """One buffer of the concatenation of ``buffers``: the only one without a copy
     (redis-py and obstore send a memoryview as it is), else joined."""

@@ -47,7 +47,16 @@ import aiofiles.os
 import xxhash
 
 from hurray_store.config import DiskTierConfig
-from hurray_store.tiers.base import Blob, Buffer, NowRead, Range, ReadInto, Tier, shared_run
+from hurray_store.tiers.base import (
+    Blob,
+    Buffer,
+    NowRead,
+    Range,
+    ReadInto,
+    Tier,
+    check_into,
+    shared_run,
+)
 
 log = logging.getLogger(__name__)
 _TMP = ".tmp."  # then the writer's pid: ".tmp.<pid>.<n>.<name>"
@@ -425,10 +434,7 @@ class DiskTier(Tier):
         try:
             for j in which:
                 r = reads[j]
-                if len(r.ranges) != len(r.buffers) or any(
-                    len(b) != ln for b, (_, ln) in zip(r.buffers, r.ranges, strict=True)
-                ):
-                    raise ValueError(f"{r.key}: buffers of other sizes than its ranges")
+                check_into(r.key, r.ranges, r.buffers)
                 try:
                     fds[j] = fd = os.open(self.path_of(r.key), os.O_RDONLY)
                     # Another size: another process replaced it; a range past the end:

@@ -56,6 +56,7 @@ from hurray_store.tiers.base import (
     Range,
     ReadInto,
     ServiceTier,
+    check_into,
     host_view,
     one_buffer,
     shared_run,
@@ -248,10 +249,7 @@ class RedisTier(ServiceTier):
         the commands, and each reply's ``$<length>`` header is parsed here and its bytes
         land in place with ``recv_into``, from a worker thread."""
         assert self._sync is not None
-        if len(into) != len(ranges) or any(
-            len(b) != ln for b, (_, ln) in zip(into, ranges, strict=True)
-        ):
-            raise ValueError(f"{key}: buffers of other sizes than its ranges")
+        check_into(key, ranges, into)
         k = self.k(key).encode()
         cmds = b"".join(_getrange(k, off, ln) for off, ln in ranges)
         pool = self._sync.connection_pool
@@ -537,10 +535,7 @@ _NOW_PIECE = 2 << 20
 def _pieces(r: NowRead) -> list[tuple[int, int, memoryview]] | None:
     """``(range index, offset, buffer)`` of each piece ``r`` is read in; None: a range
     passes the object's end. ValueError: a buffer of another size than its range."""
-    if len(r.ranges) != len(r.buffers) or any(
-        len(b) != ln for b, (_, ln) in zip(r.buffers, r.ranges, strict=True)
-    ):
-        raise ValueError(f"{r.key}: buffers of other sizes than its ranges")
+    check_into(r.key, r.ranges, r.buffers)
     if any(off < 0 or off + ln > r.size for off, ln in r.ranges):
         return None
     return [
@@ -619,15 +614,15 @@ class _NowGets:
         conn.send_packed_command([b"".join(cmds), _resp(b"EXEC")], check_health=False)
         replies = _BulkReplies(conn._sock)
         for want in (b"+OK", *[b"+QUEUED"] * (len(cmds) - 1)):
-            if (got := replies._line()) != want:
+            if (got := replies.line()) != want:
                 raise RedisError(f"{got[:60]!r} where {want!r} was due")
-        head = replies._line()
+        head = replies.line()
         if head != b"*%d" % (len(cmds) - 1):
             if head[:1] in (b"-", b"_") or head == b"*-1":
                 return False  # aborted: no elements follow
             raise RedisError(f"{head[:60]!r} where EXEC's replies were due")
         # The object's size (an error, not an integer, for a key of another type).
-        whole = replies._line() == b":%d" % r.size
+        whole = replies.line() == b":%d" % r.size
         ends = {i: n for n, (i, _, _) in enumerate(pieces)}  # range -> its last piece
         for n, (i, _, buf) in enumerate(pieces):
             size = replies.head(errors=True)
@@ -669,7 +664,7 @@ class _BulkReplies:
             raise RedisConnectionError("the server closed the connection mid-reply")
         self.buf += got
 
-    def _line(self) -> bytes:
+    def line(self) -> bytes:
         while (end := self.buf.find(b"\r\n")) < 0:
             self._fill()
         line = bytes(self.buf[:end])
@@ -679,7 +674,7 @@ class _BulkReplies:
     def head(self, errors: bool = False) -> int:
         """The next reply's length; -1: a nil reply (no body follows; RESP2's ``$-1`` or
         RESP3's ``_``); -2: an error reply, with ``errors`` (else RedisError)."""
-        head = self._line()
+        head = self.line()
         if head == b"_":
             return -1  # RESP3's null
         if head[:1] == b"-":

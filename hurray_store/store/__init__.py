@@ -297,10 +297,9 @@ class TieredStore:
         """``read_object_into`` of each ``(key, ranges, buffers)`` on the calling
         thread, from any thread, with no trip to the store's loop, where the fastest
         tier holding the key reads with blocking calls (a disk tier, a single Redis).
-        ``each(j, i)``
-        runs as soon as range ``i`` of item ``j`` is in, on the thread that read it (a
-        large read is shared with the tier's helper threads), to check it while it is
-        in the CPU's cache. Per item, False: not read here; call ``read_object_into``
+        ``each(j, i)`` runs as soon as range ``i`` of item ``j`` is in, on the thread
+        that read it (a large read is shared with the tier's helper threads), to check
+        it while it is in the CPU's cache. Per item, False: not read here; call ``read_object_into``
         (which also says whether it is a miss). The reads are counted, and their
         objects marked used, at the store's next operation."""
         return self.objects.read_into_now(items, each)

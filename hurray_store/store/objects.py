@@ -121,8 +121,8 @@ class ObjectStore:
     ) -> list[bool]:
         """``read_into`` of each ``(name, ranges, buffers)`` on the calling thread, any
         thread, where the fastest tier holding the object reads with blocking calls
-        (a disk tier, a single Redis); ``each(j, i)`` once range ``i`` of item ``j`` is in. Per
-        item, False: not read; ``read_into`` decides."""
+        (a disk tier, a single Redis); ``each(j, i)`` once range ``i`` of item ``j`` is
+        in. Per item, False: not read; ``read_into`` decides."""
         return self.cascade.read_into_now([(self.key(n).stored, r, b) for n, r, b in items], each)
 
     async def contains(self, name: str) -> bool:

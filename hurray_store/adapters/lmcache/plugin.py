@@ -16,10 +16,10 @@ stores each chunk through the store's object level as one object, one Hurray str
 The object's size (from the store's books) gives its page count, hence where every pool
 and the record sit. A get reads every layer's token bytes straight into LMCache's buffer
 and the record beside them, in one ranged read (on disk one file, on Redis one
-GET), and checks them there against the record. Gets run on LMCache's thread: from a
-disk tier or a single Redis they read there too, with no trip to the store's loop. Any mismatch is a
-miss, never wrong data. (A chunk whose last page is partial comes back with a copy of its tokens:
-the token count is in the record, read with them.)
+transaction), and checks them there against the record. Gets run on LMCache's thread:
+from a disk tier or a single Redis they read there too, with no trip to the store's
+loop. Any mismatch is a miss, never wrong data. (A chunk whose last page is partial
+comes back with a copy of its tokens: the token count is in the record, read with them.)
 
 The object key derives from the ``CacheEngineKey`` (model, world size, worker, chunk
 hash, dtype) and from a layout fingerprint of LMCache's metadata (layers, kv heads, head
@@ -301,10 +301,9 @@ class HurrayStoragePlugin(StoragePluginInterface):
     def _get_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         """The chunks of ``keys``, None where missing, read on the calling thread
         (LMCache's; never the store's loop). Chunks on a disk tier or a single Redis
-        are read from here
-        with no trip to the store's loop (``read_objects_into_now``), as LMCache's own
-        disk backend reads, each range hashed as it comes in; the others are read on the
-        loop, all at once, and checked here. Any mismatch is a miss and leaves."""
+        are read from here with no trip to the store's loop (``read_objects_into_now``),
+        as LMCache's own disk backend reads, each range hashed as it comes in; the others
+        are read on the loop, all at once, and checked here. Any mismatch is a miss and leaves."""
         out: list[MemoryObj | None] = [None] * len(keys)
         gets: list[_ChunkGet] = []
         try:

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import logging
 import os
+import random
 import subprocess
 import sys
 import uuid
@@ -263,6 +264,25 @@ class DiskBase(MediumContract):
 
 
 class TestDiskTier(DiskBase):
+    async def test_an_object_of_many_buffers_of_every_size_is_written_byte_for_byte(
+        self, tier: Tier
+    ) -> None:
+        # Gathered writes: pieces of at most 8 MiB and 512 buffers each, a buffer split
+        # across two pieces, empty buffers, more buffers than one piece holds.
+        rnd = random.Random(7)
+        big = rnd.randbytes((8 << 20) + 5)
+        parts = [b"", b"a", b"xyz", big, b"", *(bytes([i % 251]) for i in range(600))]
+        parts += [memoryview(rnd.randbytes(100_000)), bytearray(b"tail")]
+        whole = b"".join(bytes(p) for p in parts)
+        assert await tier.put("many", parts)
+        assert self.raw_get(tier, "many") == whole
+        got = await tier.get_ranges("many", [(0, 10), ((8 << 20) - 3, 20), (len(whole) - 4, 4)])
+        assert got is not None and [as_bytes(g) for g in got] == [
+            whole[:10],
+            whole[(8 << 20) - 3 : (8 << 20) + 17],
+            b"tail",
+        ]
+
     async def test_keys_with_odd_characters_roundtrip_through_scan(self, tier: Tier) -> None:
         keys = ["ns/s/{ab}/m", "100%/x", "ünï cödé", "a..b", "../escape"]
         for k in keys:

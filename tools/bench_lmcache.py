@@ -191,6 +191,34 @@ def page_cache_floor(files: list[Path], rounds: int = 5) -> dict[str, float]:
     return out
 
 
+def page_cache_writes(folder: Path, files: int, size: int, rounds: int = 6) -> dict[str, float]:
+    """Writes of ``files`` files of ``size`` bytes, one ``write`` each, from one thread
+    (GB/s, median of ``rounds``): keeping every round's files (each round takes pages
+    the kernel has not used lately: on a VM that reports freed memory to its host, they
+    are faulted in afresh), and removing the previous round's files first (each round
+    reuses the pages just freed)."""
+    buf = os.urandom(size)
+    out = {}
+    for name, recycle in (("kept", False), ("removed", True)):
+        d = folder / "page-cache-writes"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        times, prev = [], []
+        for r in range(rounds):
+            for f in prev if recycle else []:
+                f.unlink()
+            prev = [d / f"{r}-{i}" for i in range(files)]
+            os.sync()
+            t0 = time.perf_counter()
+            for f in prev:
+                with open(f, "wb", buffering=0) as fh:
+                    fh.write(buf)
+            times.append(time.perf_counter() - t0)
+        out[name] = gbps(files * size, statistics.median(times))
+        shutil.rmtree(d)
+    return out
+
+
 def redis_floor(
     port: int, keys: int, size: int, rounds: int = 3, conns: int = 4
 ) -> dict[str, float]:
@@ -334,6 +362,7 @@ def main() -> None:
     rows: list[list[object]] = []
     results: dict[str, dict[str, list[float]]] = {}  # backend -> op -> GB/s per round
     floor: dict[str, float] = {}
+    writes: dict[str, float] = {}
     chunks: list[Path] = []
     try:
         plugin = {
@@ -393,6 +422,7 @@ def main() -> None:
                 if name == "hurray_store plugin, disk tier" and not floor:
                     chunks = sorted((work / "h-disk" / "objects").rglob("*%2Fc"))[: a.chunks]
                     floor = page_cache_floor(chunks)
+                    writes = page_cache_writes(work, a.chunks, nbytes // a.chunks)
                 for op, ts in secs.items():
                     results.setdefault(name, {}).setdefault(op, []).extend(
                         gbps(nbytes, t) for t in ts
@@ -512,7 +542,10 @@ def main() -> None:
                 f"\nthe machine's page cache, the plugin's {len(chunks)} chunk files, one "
                 f"thread per core ({os.cpu_count()}): read {floor['read']:.2f} GB/s, read "
                 f"and hashed {floor['read + xxh3']:.2f} GB/s "
-                f"({floor['read + xxh3'] / floor['read']:.2f}x)"
+                f"({floor['read + xxh3'] / floor['read']:.2f}x); {a.chunks} files of "
+                f"{nbytes // a.chunks >> 20} MiB written from one thread: "
+                f"{writes['kept']:.2f} GB/s keeping each round's files, "
+                f"{writes['removed']:.2f} GB/s removing the last round's first"
             )
     if l2_rows:
         print(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -49,7 +50,8 @@ def run_backend(
     cpu: Any, backend: Any, data: list[torch.Tensor], rounds: int, evict: bool
 ) -> dict[str, list[float]]:
     """Put every chunk, get them all in one batched get, then one by one, ``rounds``
-    times, each round under fresh keys; the seconds of each step of each round.
+    times, each round under fresh keys; the seconds of each step of each round, and
+    the CPU seconds (user, system) the process spent on each store.
 
     With ``evict`` (the disk backends), each round first removes the previous round's
     chunks, as a cache at its capacity evicts as much as it stores: the writes then
@@ -63,6 +65,7 @@ def run_backend(
     from lmcache.v1.memory_management import MemoryFormat
 
     secs: dict[str, list[float]] = {"store": [], "retrieve": [], "get one by one": []}
+    used: dict[str, list[float]] = {"store user": [], "store system": []}
     keys: list[Any] = []
     for r in range(rounds):
         for k in keys if evict else []:
@@ -77,11 +80,15 @@ def run_backend(
             o.tensor.copy_(t)
             objs.append(o)
         os.sync()
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         backend.batched_submit_put_task(keys, objs)
         while not all(backend.contains(k) for k in keys):
             time.sleep(0.0005)
         secs["store"].append(time.perf_counter() - t0)
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        used["store user"].append(ru1.ru_utime - ru0.ru_utime)
+        used["store system"].append(ru1.ru_stime - ru0.ru_stime)
         for o in objs:
             o.ref_count_down()
         for op, get in (
@@ -95,7 +102,7 @@ def run_backend(
             assert torch.equal(got[-1].tensor, data[-1]), "the last chunk came back different"
             for g in got:
                 g.ref_count_down()
-    return secs
+    return {**secs, **used}
 
 
 def run_case(extra: dict[str, Any], a: argparse.Namespace, evict: bool) -> dict[str, list[float]]:
@@ -363,6 +370,7 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = {}  # backend -> op -> GB/s per round
     floor: dict[str, float] = {}
     writes: dict[str, float] = {}
+    cpu_ms: dict[str, dict[str, list[float]]] = {}  # backend -> user/system -> ms per store
     chunks: list[Path] = []
     try:
         plugin = {
@@ -423,6 +431,10 @@ def main() -> None:
                     chunks = sorted((work / "h-disk" / "objects").rglob("*%2Fc"))[: a.chunks]
                     floor = page_cache_floor(chunks)
                     writes = page_cache_writes(work, a.chunks, nbytes // a.chunks)
+                for what in ("store user", "store system"):
+                    cpu_ms.setdefault(name, {}).setdefault(what, []).extend(
+                        t * 1e3 for t in secs.pop(what)
+                    )
                 for op, ts in secs.items():
                     results.setdefault(name, {}).setdefault(op, []).extend(
                         gbps(nbytes, t) for t in ts
@@ -533,6 +545,19 @@ def main() -> None:
                     "MiB stored per round",
                 ],
                 rows,
+            )
+        )
+        print(
+            "\nCPU time of the backend's process per store round, ms (median and range; "
+            "a Redis server's own not included)\n"
+        )
+        print(
+            table(
+                ["backend", "user", "user range", "system", "system range"],
+                [
+                    [name, *(c for ms in use.values() for c in spread(ms, ".0f"))]
+                    for name, use in cpu_ms.items()
+                ],
             )
         )
         print("\nours x LMCache's own backend on the same tier\n")

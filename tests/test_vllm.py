@@ -3,8 +3,9 @@ each in its own process (``tests/vllm_run.py`` in the vLLM environment, ``.venv-
 which ``make test`` builds), on a tiny random-weight Llama built here. Both of vLLM's
 process layouts: split (the engine core and the worker in processes of their own, the
 connector's scheduler half in one and its worker half in the other), as ``vllm serve``
-and ``LLM`` run by default, for the runs that store and first load; and one process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) for the baselines and the runs after them.
+and ``LLM`` run by default, for the runs that store and then load; and one process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) for the baselines, the loads of a warmed cache
+and the runs that meet a failure.
 
 - Greedy tokens without the connector == with it on an empty store == in a fresh
   process that loads from the store; the loading run reports cached tokens and its

@@ -8,6 +8,7 @@ import itertools
 import logging
 import os
 import random
+import struct
 import subprocess
 import sys
 import uuid
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import redis
 import torch
+from xxhash import xxh3_64_intdigest as xxh3
 
 from hurray_store import transport as tp
 from hurray_store.config import (
@@ -28,7 +30,16 @@ from hurray_store.config import (
     RemoteTierConfig,
     S3TierConfig,
 )
-from hurray_store.tiers import NowRead, StoredObject, Tier, blob_nbytes, host_view, open_tier
+from hurray_store.tiers import (
+    NowRead,
+    Sealed,
+    SealedObject,
+    StoredObject,
+    Tier,
+    blob_nbytes,
+    host_view,
+    open_tier,
+)
 from hurray_store.tiers.redis import RedisTier
 from hurray_store.transport import Msg
 from tests.conftest import S3_BUCKET, S3_KEY, S3_SECRET, RedisProc, SeaweedProc
@@ -187,6 +198,24 @@ class MediumContract(TierContract):
         parts = [b"head", os.urandom(3000), bytearray(b"tail")]
         assert await tier.put("m/{seg}/0", parts)
         assert self.raw_get(tier, "m/{seg}/0") == b"".join(bytes(p) for p in parts)
+
+    async def test_a_sealed_object_ends_in_the_checksums_of_its_parts(self, tier: Tier) -> None:
+        # A disk tier hashes the parts on its writer thread as it writes them; the
+        # others hash them first. Either way the record (the sums, packed) comes last.
+        rnd = random.Random(3)
+        parts = [rnd.randbytes(n) for n in (10, 600_000, 3, 2 << 20, 700_000)]
+        slots = [None, 0, None, 2, 1]
+        sealed = Sealed(parts, slots, [0, 0, 0], lambda s: [struct.pack("<3Q", *s)], 24, xxh3)
+        assert await tier.put_group([SealedObject("m/{sealed}/0", sealed)])
+        want = struct.pack("<3Q", *(xxh3(parts[i]) for i in (1, 4, 3)))
+        assert self.raw_get(tier, "m/{sealed}/0") == b"".join(parts) + want
+
+    async def test_a_seal_of_another_length_than_promised_stores_nothing(self, tier: Tier) -> None:
+        sealed = Sealed([b"abc", b"defg"], [0, None], [0], lambda s: [b"too long"], 3, xxh3)
+        with pytest.raises(ValueError, match="not the 3 bytes promised"):
+            await tier.put_group([SealedObject("m/{bad}/0", sealed)])
+        assert self.raw_get(tier, "m/{bad}/0") is None
+        assert [k async for k, _ in tier.scan()] == []
 
     async def test_reads_what_the_medium_holds(self, tier: Tier) -> None:
         data = os.urandom(4000)

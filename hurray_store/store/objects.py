@@ -26,11 +26,11 @@ from hurray_store.format import checksum
 from hurray_store.keys import ObjectKey, decode_group_record, encode_group_record
 from hurray_store.store.cascade import TierCascade
 from hurray_store.tiers import Blob, Buffer, Range, host_view
-from hurray_store.tiers.base import GroupObject, StoredObject
+from hurray_store.tiers.base import GroupObject, Sealed, SealedObject, StoredObject
 
 log = logging.getLogger(__name__)
 
-Data = Buffer | Sequence[Buffer]
+Data = Buffer | Sequence[Buffer] | Sealed
 
 
 def _bufs(data: Data) -> list[Buffer]:
@@ -52,16 +52,22 @@ class ObjectStore:
         return ObjectKey(self.namespace, name)
 
     async def put(self, name: str, data: Data, self_checked: bool = False) -> bool:
-        """Store one object (the concatenation of ``data`` when it is a list) in the top
-        tier that can hold it, and write-through below. False: stored nowhere.
+        """Store one object (the concatenation of ``data`` when it is a list; a
+        ``Sealed`` object ends in its own checksums, hashed as a disk tier writes it) in
+        the top tier that can hold it, and write-through below. False: stored nowhere.
 
         ``self_checked``: the object carries its own checksums and its reader checks
         them (the LMCache adapters' objects end in their record), so the store hashes
         none of its bytes and ``get`` checks nothing for it."""
         k = self.key(name)
-        bufs = _bufs(data)
-        sum_ = None if self_checked else checksum(*(host_view(b) for b in bufs))
-        ok = bool(await self.cascade.put_group(k, [StoredObject(k.stored, bufs)]))
+        obj: GroupObject
+        if isinstance(data, Sealed):  # checks itself, hashed where it is written
+            obj, sum_ = SealedObject(k.stored, data), None
+        else:
+            bufs = _bufs(data)
+            sum_ = None if self_checked else checksum(*(host_view(b) for b in bufs))
+            obj = StoredObject(k.stored, bufs)
+        ok = bool(await self.cascade.put_group(k, [obj]))
         if ok and sum_ is not None:
             self._sums[k.stored] = sum_
         elif ok:

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
@@ -188,6 +188,58 @@ class GroupObject(ABC):
     @abstractmethod
     def buffers(self) -> Sequence[Buffer]:
         """The object's bytes (their concatenation); the same every call."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sealed:
+    """An object's bytes that end in a record of checksums of some of them (the LMCache
+    plugin's chunks): ``parts`` in order, ``slots[i]`` where part ``i``'s checksum goes
+    in the record's list (None: not hashed), ``sums`` that list with the entries known
+    already, and ``seal(sums)`` the buffers that close the object (``seal_bytes``
+    long). ``hash`` hashes one part."""
+
+    parts: Sequence[Buffer]
+    slots: Sequence[int | None]
+    sums: Sequence[int]
+    seal: Callable[[list[int]], Sequence[Buffer]]
+    seal_bytes: int
+    hash: Callable[[Buffer], int]
+
+
+class SealedObject(GroupObject):
+    """A ``Sealed`` object. A tier that writes from a worker thread takes ``written()``
+    there: each part hashed just before it is written, while its bytes are still in
+    the CPU's cache for the copy, and the record last. Any other takes ``buffers()``,
+    hashed on first use."""
+
+    __slots__ = ("sealed", "_built")
+
+    def __init__(self, key: str, sealed: Sealed) -> None:
+        nbytes = sum(memoryview(b).nbytes for b in sealed.parts) + sealed.seal_bytes
+        super().__init__(key, nbytes)
+        self.sealed = sealed
+        self._built: list[Buffer] | None = None
+
+    def written(self) -> Iterator[Buffer]:
+        """The parts, each hashed as it is taken, then the closing buffers."""
+        s = self.sealed
+        sums = list(s.sums)
+        for part, slot in zip(s.parts, s.slots, strict=True):
+            if slot is not None:
+                sums[slot] = s.hash(part)
+            yield part
+        tail = list(s.seal(sums))
+        if sum(memoryview(b).nbytes for b in tail) != s.seal_bytes:
+            raise ValueError(f"{self.key}: the record is not the {s.seal_bytes} bytes promised")
+        self._built = [*s.parts, *tail]
+        yield from tail
+
+    def buffers(self) -> Sequence[Buffer]:
+        if self._built is None:
+            for _ in self.written():
+                pass
+        assert self._built is not None
+        return self._built
 
 
 class StoredObject(GroupObject):
@@ -370,7 +422,7 @@ class Tier(ABC):
                 tasks: list[asyncio.Future[bool]] = []
                 try:
                     for obj in batch:
-                        bufs = obj.buffers()  # built now, beside the previous write
+                        bufs = self._buffers_of(obj)  # built now, beside the previous write
                         tasks.append(asyncio.ensure_future(self._put_object(obj, bufs)))
                         await asyncio.sleep(0)  # let the write start
                 finally:
@@ -386,11 +438,16 @@ class Tier(ABC):
             if not ok:
                 await self.delete_many([o.key for o in objects])
 
-    async def _put_object(self, obj: GroupObject, bufs: Sequence[Buffer]) -> bool:
+    def _buffers_of(self, obj: GroupObject) -> Iterable[Buffer]:
+        """What ``put`` gets of ``obj``: its buffers (a tier that writes from a worker
+        thread may take a ``SealedObject``'s ``written()`` instead)."""
+        return obj.buffers()
+
+    async def _put_object(self, obj: GroupObject, bufs: Iterable[Buffer]) -> bool:
         res = obj.reservation
         if res is not None and res.tier is self and not res.committed:
             return await self.put_reserved(obj.key, res)
-        return await self.put(obj.key, bufs)
+        return await self.put(obj.key, bufs if isinstance(bufs, Sequence) else list(bufs))
 
 
 @runtime_checkable

@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -51,9 +51,11 @@ from hurray_store.config import DiskTierConfig
 from hurray_store.tiers.base import (
     Blob,
     Buffer,
+    GroupObject,
     NowRead,
     Range,
     ReadInto,
+    SealedObject,
     Tier,
     check_into,
     shared_run,
@@ -93,9 +95,9 @@ _HELPERS = max(1, (os.cpu_count() or 2) - 1)
 _OPEN_AT_ONCE = 64
 
 
-def _pieces(buffers: Sequence[Buffer]) -> Iterator[list[memoryview]]:
+def _pieces(buffers: Iterable[Buffer], most: int = _IO_CHUNK) -> Iterator[list[memoryview]]:
     """The bytes of ``buffers`` in order, in lists of views: one ``writev`` each. Runs of
-    buffers under ``_GATHER`` bytes are gathered, up to ``_IO_CHUNK`` bytes (and
+    buffers under ``_GATHER`` bytes are gathered, up to ``most`` bytes (and
     ``_IOV_MAX`` views) a list, so an object of many small buffers (a chunk's descriptors
     and pools) costs a system call, and a hand-over of the GIL, per 8 MiB rather than per
     buffer. A larger buffer goes alone, in pieces of at most ``_IO_CHUNK``: gathered with
@@ -107,7 +109,7 @@ def _pieces(buffers: Sequence[Buffer]) -> Iterator[list[memoryview]]:
         mv = memoryview(b).cast("B")
         if not len(mv):
             continue
-        if views and (len(mv) >= _GATHER or size + len(mv) > _IO_CHUNK or len(views) == _IOV_MAX):
+        if views and (len(mv) >= _GATHER or size + len(mv) > most or len(views) == _IOV_MAX):
             yield views
             views, size = [], 0
         if len(mv) >= _GATHER:
@@ -306,7 +308,11 @@ class DiskTier(Tier):
 
     # ------------------------------------------------------------------ sync bodies
 
-    def _put_sync(self, key: str, buffers: Sequence[Buffer]) -> bool:
+    def _put_sync(self, key: str, buffers: Iterable[Buffer]) -> bool:
+        """Write ``buffers`` as ``key``'s file, whole or not at all. Buffers made as
+        they are taken (a sealed object's, hashed on the way) go out in groups of at
+        most ``_GATHER`` bytes, each written while its bytes are still in the CPU's
+        cache."""
         try:
             dst = self.path_of(key)
         except KeyTooLongError as e:
@@ -319,7 +325,8 @@ class DiskTier(Tier):
             try:
                 # At most _IO_CHUNK per system call: one 100 MB write() stalls in the
                 # kernel's dirty-page throttling far longer than 8 MiB pieces do.
-                for views in _pieces(buffers):
+                most = _IO_CHUNK if isinstance(buffers, Sequence) else _GATHER
+                for views in _pieces(buffers, most):
                     while views:
                         n = os.writev(fd, views)
                         if n <= 0:
@@ -354,6 +361,10 @@ class DiskTier(Tier):
             else:
                 log.warning("disk tier %s: write of %s skipped: %s", self.name, key, e)
             return False
+        except BaseException:  # a sealed object's record failed: no file left behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def _read_sync(self, key: str) -> bytearray | None:
         try:
@@ -418,6 +429,15 @@ class DiskTier(Tier):
 
     async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
         return bool(await self._put(key, buffers))
+
+    def _buffers_of(self, obj: GroupObject) -> Iterable[Buffer]:
+        # A sealed object is hashed on the writer thread, part by part, as it is written.
+        return obj.written() if isinstance(obj, SealedObject) else obj.buffers()
+
+    async def _put_object(self, obj: GroupObject, bufs: Iterable[Buffer]) -> bool:
+        if isinstance(obj, SealedObject) and obj.reservation is None:
+            return bool(await self._put(obj.key, bufs))
+        return await super()._put_object(obj, bufs)
 
     async def get(self, key: str) -> Blob | None:
         got: bytearray | None = await self._read(key)

@@ -57,7 +57,7 @@ from hurray_store.format import Slot, checksum, plan_layer
 from hurray_store.format.encode import byte_view
 from hurray_store.format.wire import blob_descriptor
 from hurray_store.store import TieredStore
-from hurray_store.tiers import host_view
+from hurray_store.tiers import Sealed, host_view
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -145,11 +145,13 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     # ------------------------------------------------------------------ put
 
-    def _encode(self, obj: MemoryObj) -> list[Any]:
-        """The chunk object's buffers: views of LMCache's buffer, the descriptors, one
-        padded copy of a partial last page per pool, and the record. Runs on LMCache's
-        thread, so the buffer is read while LMCache holds it; the bytes it hashes are
-        hashed nowhere else."""
+    def _encode(self, obj: MemoryObj) -> Sealed:
+        """The chunk object: views of LMCache's buffer, the descriptors, one padded copy
+        of a partial last page per pool, and the record, sealed with the checksums of
+        the chunk's token bytes. Runs on LMCache's thread, which keeps a reference to
+        the buffer until the put completes. A pool of whole pages is hashed where the
+        object is written (a disk tier: on its writer thread, just before the write),
+        a pool with a partial last page here; each byte once."""
         t = obj.tensor
         assert t is not None
         if (
@@ -172,26 +174,41 @@ class HurrayStoragePlugin(StoragePluginInterface):
         whole = byte_view(t)
         nb, full_b = self._token_bytes(n), self._token_bytes(full)
         buffers: list[Any] = []
-        entries = []
+        slots: list[int | None] = []
+        sums = [0] * (2 * self.num_layers)  # per layer its key's and its value's
         offsets, size = self._layers_of(pages)
-        for li, (key_at, value_at) in enumerate(offsets):
-            pools = {}
-            sums = {}
+        for li in range(self.num_layers):
+            pools: dict[str, tuple[list[Any], list[int | None]]] = {}
             for r, role in enumerate(("key", "value")):
                 at = (r * self.num_layers + li) * nb
                 tok = whole[at : at + nb]
+                if full == n:  # hashed as it is written
+                    pools[role] = ([tok], [2 * li + r])
+                    continue
                 parts = [tok[:full_b]] if full else []
-                if full < n:  # the partial last page: the one copy
-                    last = torch.zeros((P, t.shape[3]), dtype=t.dtype)
-                    last[: n - full] = t[r, li, full:]
-                    parts.append(byte_view(last))
-                pools[role] = parts
-                sums[role] = checksum(tok)
+                last = torch.zeros((P, t.shape[3]), dtype=t.dtype)  # the one copy
+                last[: n - full] = t[r, li, full:]
+                parts.append(byte_view(last))
+                pools[role] = (parts, [None] * len(parts))
+                sums[2 * li + r] = checksum(tok)  # the token bytes, not the padding
             for part in self._plan(li, pages).parts:
-                buffers += pools[part.role] if isinstance(part, Slot) else [part]
-            entries.append(ChunkLayer(key_at, value_at, sums["key"], sums["value"]))
-        record = pack_chunk_record(self.fingerprint, n, size, entries)
-        return [*buffers, self._record_descriptor, *record]
+                if isinstance(part, Slot):
+                    buffers += pools[part.role][0]
+                    slots += pools[part.role][1]
+                else:
+                    buffers.append(part)
+                    slots.append(None)
+        buffers.append(self._record_descriptor)
+        slots.append(None)
+
+        def seal(sums: list[int]) -> list[bytes]:
+            entries = [
+                ChunkLayer(k_at, v_at, sums[2 * li], sums[2 * li + 1])
+                for li, (k_at, v_at) in enumerate(offsets)
+            ]
+            return pack_chunk_record(self.fingerprint, n, size, entries)
+
+        return Sealed(buffers, slots, sums, seal, self._record_bytes, checksum)
 
     def _plan(self, layer: int, pages: int) -> Any:
         """The descriptors of a layer of ``pages`` pages (one sequence), made once."""
@@ -233,7 +250,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
     def _token_bytes(self, n: int) -> int:
         return n * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
-    async def _put(self, key: CacheEngineKey, chunk: list[Any]) -> None:
+    async def _put(self, key: CacheEngineKey, chunk: Sealed) -> None:
         # One object per chunk, its record last: written whole or not at all.
         if not await self.store.put_object(self._chunk_key(key), chunk, self_checked=True):
             raise OSError("stored in no tier")

@@ -99,10 +99,10 @@ def _pieces(buffers: Iterable[Buffer], most: int = _IO_CHUNK) -> Iterator[list[m
     """The bytes of ``buffers`` in order, in lists of views: one ``writev`` each. Runs of
     buffers under ``_GATHER`` bytes are gathered, up to ``most`` bytes (and
     ``_IOV_MAX`` views) a list, so an object of many small buffers (a chunk's descriptors
-    and pools) costs a system call, and a hand-over of the GIL, per 8 MiB rather than per
-    buffer. A larger buffer goes alone, in pieces of at most ``_IO_CHUNK``: gathered with
-    the small ones beside it, 2 MiB values took 7-8 ms a ``writev`` here against 2 ms in
-    plain writes."""
+    and pools) costs a system call, and a hand-over of the GIL, per ``most`` bytes (8 MiB
+    unless the caller asks for less) rather than per buffer. A larger buffer goes alone,
+    in pieces of at most ``_IO_CHUNK``: gathered with the small ones beside it, 2 MiB
+    values took 7-8 ms a ``writev`` here against 2 ms in plain writes."""
     views: list[memoryview] = []
     size = 0
     for b in buffers:

@@ -4,6 +4,8 @@ tier configurations with real files and a real redis-server."""
 from __future__ import annotations
 
 import asyncio
+import random
+import struct
 import uuid
 from pathlib import Path
 from typing import Any
@@ -11,10 +13,12 @@ from typing import Any
 import pytest
 import torch
 from prometheus_client import generate_latest
+from xxhash import xxh3_64_intdigest as xxh3
 
 from hurray_store import PagedKVPool, PoolExhaustedError
 from hurray_store.keys import ObjectKey
 from hurray_store.store import open_store
+from hurray_store.tiers import Sealed
 from tests.conftest import RedisProc, SeaweedProc
 from tests.store_helpers import Batch, assert_pages_equal, random_pool, shared_batch, spec
 
@@ -505,6 +509,33 @@ async def test_put_objects_is_one_group_written_record_last(tmp_path: Path) -> N
         assert [await store.contains_object(k) for k in ("c2/0", "c2/1", "c2/r")] == [False] * 3
         got = await store.get_object("c1/1")
         assert got is not None and bytes(got) == b"b" * 600
+
+
+async def test_put_objects_takes_a_sealed_member(tmp_path: Path) -> None:
+    # A group whose last object seals itself (the checksums of its parts, hashed where
+    # a disk tier writes them): the store writes it as the group's record, in memory and
+    # on disk alike, and both hold the same bytes after a restart.
+    rnd = random.Random(5)
+    parts = [rnd.randbytes(n) for n in (700_000, 12, 300_000)]
+    sealed = Sealed(parts, [0, None, 1], [0, 0], lambda s: [struct.pack("<2Q", *s)], 16, xxh3)
+    want = b"".join(parts) + struct.pack("<2Q", xxh3(parts[0]), xxh3(parts[2]))
+    cfg = {
+        "tiers": [
+            {"type": "cpu", "capacity_bytes": 1 << 24},
+            {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30},
+        ]
+    }
+    async with await open_store(cfg) as store:
+        assert await store.put_objects([("s/0", b"a" * 600), ("s/r", sealed)])
+        await store.flush()
+        got = await store.get_object("s/r")
+        assert got is not None and bytes(got) == want
+    cfg["tiers"] = cfg["tiers"][1:]
+    async with await open_store(cfg) as store:
+        got = await store.get_object("s/r")
+        assert got is not None and bytes(got) == want
+        await store.delete_object("s/0")
+        assert not await store.contains_object("s/r"), "one group"
 
 
 async def test_object_groups_survive_a_restart_and_half_written_ones_are_deleted(

@@ -271,7 +271,8 @@ class TieredStore:
         return await self.objects.put(key, data, self_checked)
 
     async def put_objects(self, items: Sequence[tuple[str, Data]]) -> bool:
-        """Store several objects as one group, the last written after the others."""
+        """Store several objects as one group, the last written after the others (any of
+        them may be a ``Sealed`` object, as ``put_object`` takes)."""
         await self.sync()
         return await self.objects.put_many(items)
 

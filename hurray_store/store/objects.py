@@ -83,12 +83,20 @@ class ObjectStore:
         if len(items) == 1:
             return await self.put(*items[0])
         group = self.key(items[-1][0])
-        members: list[GroupObject] = [StoredObject(self.key(n).stored, _bufs(d)) for n, d in items]
+        members = [self._member(self.key(n).stored, d) for n, d in items]
         record = encode_group_record([(o.key, o.nbytes) for o in members])
         return bool(
             await self.cascade.put_group(
                 group, [StoredObject(group.group_record, [record]), *members]
             )
+        )
+
+    @staticmethod
+    def _member(stored: str, data: Data) -> GroupObject:
+        return (
+            SealedObject(stored, data)
+            if isinstance(data, Sealed)
+            else StoredObject(stored, _bufs(data))
         )
 
     async def get(self, name: str) -> Blob | None:

@@ -30,6 +30,7 @@ from hurray_store.config import (
     RemoteTierConfig,
     S3TierConfig,
 )
+from hurray_store.format import checksum
 from hurray_store.tiers import (
     NowRead,
     Sealed,
@@ -156,10 +157,11 @@ class TierContract:
     async def test_read_into_now_reads_exact_ranges_off_the_loop_or_declines(
         self, tier: Tier
     ) -> None:
-        big = os.urandom(3 << 20)  # past the size a read shares with helper threads
+        big = os.urandom(5 << 20)  # past the size a read shares with helper threads
         small = bytes(range(256)) * 4
         assert await tier.put("n/big", [big]) and await tier.put("n/small", [small])
-        spans = [(0, 1 << 20), (1 << 20, 1 << 20), (len(big) - 5, 5)]
+        # A range over 2 MiB (a Redis reads it in pieces, hashing on), an empty one.
+        spans = [(0, 1 << 20), (1 << 20, (3 << 20) + 3), (len(big) - 5, 5), (7, 0)]
         reads = [
             NowRead("n/big", spans, [memoryview(bytearray(n)) for _, n in spans], len(big)),
             NowRead("n/small", [(10, 20)], [memoryview(bytearray(20))], len(small)),
@@ -167,9 +169,11 @@ class TierContract:
             NowRead("n/small", [(0, 4)], [memoryview(bytearray(4))], len(small) + 1),
             NowRead("n/small", [(len(small) - 2, 4)], [memoryview(bytearray(4))], len(small)),
         ]
-        seen: list[tuple[int, int]] = []
+        seen: list[tuple[int, int, int]] = []
         # From a thread of its own, as an engine's thread calls it: no event loop there.
-        got = await asyncio.to_thread(tier.read_into_now, reads, lambda j, i: seen.append((j, i)))
+        got = await asyncio.to_thread(
+            tier.read_into_now, reads, lambda j, i, s: seen.append((j, i, s))
+        )
         if not tier.reads_now:
             assert got == [False] * 5 and not seen
             return
@@ -179,7 +183,11 @@ class TierContract:
         assert got == [True, True, False, False, False]
         assert [bytes(b) for b in reads[0].buffers] == [big[o : o + n] for o, n in spans]
         assert bytes(reads[1].buffers[0]) == small[10:30]
-        assert sorted(seen) == [(0, 0), (0, 1), (0, 2), (1, 0)]
+        # Each range reported once, with the checksum of its bytes, hashed as they came.
+        want = [big[o : o + n] for o, n in spans]
+        assert sorted(seen) == [(0, i, checksum(b)) for i, b in enumerate(want)] + [
+            (1, 0, checksum(small[10:30]))
+        ]
         with pytest.raises(ValueError, match="buffers of other sizes"):
             tier.read_into_now([NowRead("n/small", [(0, 8)], [memoryview(bytearray(4))], 1024)])
 

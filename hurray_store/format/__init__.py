@@ -24,6 +24,7 @@ from hurray_store.format.manifest import (
     checksum,
     object_checksum,
     page_checksum,
+    running_checksum,
 )
 from hurray_store.format.wire import blob_descriptor, parse_blob_descriptor
 
@@ -43,6 +44,7 @@ __all__ = [
     "page_checksum",
     "parse_blob_descriptor",
     "parse_layer",
+    "running_checksum",
     "plan_layer",
     "quantize_int8",
     "Slot",

@@ -58,6 +58,12 @@ def checksum(*buffers: bytes | bytearray | memoryview) -> int:
     return h.intdigest()
 
 
+def running_checksum() -> xxhash.xxh3_64:
+    """``checksum`` taken piece by piece, as bytes arrive: ``update(piece)`` for each
+    piece in order, then ``intdigest()`` is the ``checksum`` of their concatenation."""
+    return xxhash.xxh3_64()
+
+
 def page_checksum(
     page: bytes | bytearray | memoryview, scales: bytes | bytearray | memoryview | None = None
 ) -> int:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from hurray_store.buffers import BufferPool
@@ -46,7 +46,7 @@ from hurray_store.store.objects import Data, ObjectStore
 from hurray_store.store.reader import SegmentReader
 from hurray_store.store.results import PutResult, RetrievedLayer, RetrieveResult
 from hurray_store.store.writer import SegmentWriter
-from hurray_store.tiers import Blob, Range, Tier, open_tier
+from hurray_store.tiers import Blob, Range, RangeIn, Tier, open_tier
 
 log = logging.getLogger(__name__)
 
@@ -293,15 +293,16 @@ class TieredStore:
     def read_objects_into_now(
         self,
         items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]],
-        each: Callable[[int, int], None] | None = None,
+        each: RangeIn | None = None,
     ) -> list[bool]:
         """``read_object_into`` of each ``(key, ranges, buffers)`` on the calling
         thread, from any thread, with no trip to the store's loop, where the fastest
         tier holding the key reads with blocking calls (a disk tier, a single Redis).
-        ``each(j, i)`` runs as soon as range ``i`` of item ``j`` is in, on the thread
-        that read it (a large read is shared with the tier's helper threads), to check
-        it while it is in the CPU's cache. Per item, False: not read here; call ``read_object_into``
-        (which also says whether it is a miss). The reads are counted, and their
+        ``each(j, i, sum)`` runs as soon as range ``i`` of item ``j`` is in, on the thread
+        that read it (a large read is shared with the tier's helper threads), with
+        ``sum`` the ``checksum`` of its bytes, taken while they were in the CPU's
+        cache. Per item, False: not read here; call ``read_object_into`` (which also
+        says whether it is a miss). The reads are counted, and their
         objects marked used, at the store's next operation."""
         return self.objects.read_into_now(items, each)
 

@@ -29,7 +29,16 @@ from typing import Any, TypeVar
 from hurray_store.ledger import Group, Ledger
 from hurray_store.metrics import StoreMetrics
 from hurray_store.policy import Policy, Victim
-from hurray_store.tiers import Blob, NowRead, Range, Reservation, Tier, blob_nbytes, host_view
+from hurray_store.tiers import (
+    Blob,
+    NowRead,
+    Range,
+    RangeIn,
+    Reservation,
+    Tier,
+    blob_nbytes,
+    host_view,
+)
 from hurray_store.tiers.base import GroupObject, ReadInto, StoredObject
 
 log = logging.getLogger(__name__)
@@ -381,12 +390,12 @@ class TierCascade:
     def read_into_now(
         self,
         items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]],
-        each: Callable[[int, int], None] | None = None,
+        each: RangeIn | None = None,
     ) -> list[bool]:
         """``read_into`` of each ``(key, ranges, buffers)`` on the calling thread, from
         any thread, where the fastest tier holding the key reads with blocking calls
         (a disk tier, a single Redis): no trip to the store's loop and no pin;
-        ``each(j, i)`` runs once range ``i`` of item ``j`` is in (see
+        ``each(j, i, sum)`` runs once range ``i`` of item ``j`` is in (see
         ``Tier.read_into_now``). Per item, False: not read here; ``read_into`` on the
         loop decides (another tier first, a miss, the books to heal). The hits, their
         time and their recency reach the books on the loop, at its next operation
@@ -547,10 +556,8 @@ class TierCascade:
         return out
 
 
-def _renumbered(
-    each: Callable[[int, int], None] | None, items: list[int]
-) -> Callable[[int, int], None] | None:
+def _renumbered(each: RangeIn | None, items: list[int]) -> RangeIn | None:
     """``each`` for a tier's share of the items: its read ``j`` is item ``items[j]``."""
     if each is None:
         return None
-    return lambda j, i: each(items[j], i)
+    return lambda j, i, s: each(items[j], i, s)

@@ -18,14 +18,14 @@ checks (the LMCache adapters' objects end in a record with their checksums).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from hurray_store.format import checksum
 from hurray_store.keys import ObjectKey, decode_group_record, encode_group_record
 from hurray_store.store.cascade import TierCascade
-from hurray_store.tiers import Blob, Buffer, Range, host_view
+from hurray_store.tiers import Blob, Buffer, Range, RangeIn, host_view
 from hurray_store.tiers.base import GroupObject, Sealed, SealedObject, StoredObject
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class ObjectStore:
     def read_into_now(
         self,
         items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]],
-        each: Callable[[int, int], None] | None = None,
+        each: RangeIn | None = None,
     ) -> list[bool]:
         """``read_into`` of each ``(name, ranges, buffers)`` on the calling thread, any
         thread, where the fastest tier holding the object reads with blocking calls

@@ -42,6 +42,11 @@ Range = tuple[int, int]  # (offset, length)
 ReadInto = bytearray | memoryview | list[memoryview] | None
 
 
+# ``each(j, i, sum)`` of a ``read_into_now``: range ``i`` of read ``j`` is in, and ``sum``
+# is the ``checksum`` of its bytes, taken as they came in.
+RangeIn = Callable[[int, int, int], None]
+
+
 # The slowest transfer rate an operation's timeout allows for: a timeout grows by one
 # second per 50 MB moved.
 TRANSFER_BYTES_PER_S = 50e6
@@ -321,15 +326,15 @@ class Tier(ABC):
         it), or a list of writable memoryviews, one per range (the results are then
         those very views)."""
 
-    def read_into_now(
-        self, reads: Sequence[NowRead], each: Callable[[int, int], None] | None = None
-    ) -> list[bool]:
+    def read_into_now(self, reads: Sequence[NowRead], each: RangeIn | None = None) -> list[bool]:
         """Each read's ranges into its buffers from the calling thread (any thread, no
-        event loop); ``each(j, i)`` runs as soon as range ``i`` of read ``j`` is in, on
-        the thread that read it (to hash it while it is in the CPU's cache), possibly
-        a helper thread of the tier. Only a tier whose reads are blocking calls that
-        see one whole version of an object, never one changed in place, offers it
-        (``reads_now``): a disk tier, a single Redis. Per read, False: not read here
+        event loop); ``each(j, i, sum)`` runs as soon as range ``i`` of read ``j`` is
+        in, on the thread that read it (possibly a helper thread of the tier), with
+        ``sum`` the ``checksum`` of its bytes, hashed while they were in the CPU's cache
+        (a disk tier: each range after its read; a Redis: each received piece). Only
+        a tier whose reads are blocking calls that see one whole version of an
+        object, never one changed in place, offers it (``reads_now``): a disk tier, a
+        single Redis. Per read, False: not read here
         (no such tier, absent, of another size, or shorter than a range);
         ``get_ranges`` on the store's loop decides."""
         return [False] * len(reads)

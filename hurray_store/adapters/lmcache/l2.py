@@ -264,12 +264,12 @@ class HurrayL2Adapter(L2AdapterInterface):
 
     async def _load_wave(self, loads: list[_L2Load]) -> list[bool]:
         # Objects on a disk tier or a single Redis are read off the loop, on a worker
-        # thread and the tier's helpers, each hashed as it comes in; the rest are read
-        # on the loop and hashed on workers (xxh3 lets go of the GIL: hashing runs on
-        # every core).
-        def hashed(j: int, i: int) -> None:
+        # thread and the tier's helpers, each hashed by the tier as it comes in; the
+        # rest are read on the loop and hashed on workers (xxh3 lets go of the GIL:
+        # hashing runs on every core).
+        def hashed(j: int, i: int, s: int) -> None:
             if i == 0:
-                loads[j].csum = checksum(loads[j].dst)
+                loads[j].csum = s
 
         now = await asyncio.to_thread(
             self.store.read_objects_into_now, [(x.name, x.ranges, x.into) for x in loads], hashed

@@ -226,7 +226,11 @@ class SealedObject(GroupObject):
         self._built: list[Buffer] | None = None
 
     def written(self) -> Iterator[Buffer]:
-        """The parts, each hashed as it is taken, then the closing buffers."""
+        """The parts, each hashed as it is taken, then the closing buffers (once built,
+        the same buffers again, hashed no more)."""
+        if self._built is not None:
+            yield from self._built
+            return
         s = self.sealed
         sums = list(s.sums)
         for part, slot in zip(s.parts, s.slots, strict=True):

@@ -147,3 +147,25 @@ async def test_an_object_replaced_unannounced_with_the_same_size_is_a_miss(tmp_p
         assert await store.put_object("y", b"y" * 10)
         disk.path_of("hurray/o/y").write_bytes(b"c" * 7)
         assert await store.get_object("y") is None, "another size is a miss too"
+
+
+async def test_a_store_skips_reading_back_only_its_own_lines_with_none_unread_before(
+    tmp_path: Path,
+) -> None:
+    """A store counts the journal lines it appends as read, so the next operation does
+    not read them back, but only when nothing unread lies before them: another store's
+    line written just before its own is still heard."""
+    cfg = fc.config(str(tmp_path), 1 << 30)
+    async with TieredStore(cfg) as a, TieredStore(cfg) as b:
+        da, db = a.tiers[0], b.tiers[0]
+        assert isinstance(da, DiskTier) and isinstance(db, DiskTier)
+        journal = tmp_path / "journal"
+        db.announce(added=["k/from-b"])
+        da.announce(added=["k/from-a"])
+        da.announce(removed=["k/gone-a"])
+        assert da.changes() == [(True, "k/from-b")]
+        assert da.changes() == []
+        da.announce(added=["k/more-a"])  # right after all it read: counted read
+        assert da._seen == journal.stat().st_size
+        assert da.changes() == []
+        assert db.changes() == [(True, "k/from-a"), (False, "k/gone-a"), (True, "k/more-a")]

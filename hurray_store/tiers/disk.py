@@ -256,8 +256,15 @@ class DiskTier(Tier):
             return
         lines = [json.dumps([self._me, "+", k]) for k in added]
         lines += [json.dumps([self._me, "-", k]) for k in removed]
+        data = ("\n".join(lines) + "\n").encode()
         try:
-            os.write(self._journal_fd, ("\n".join(lines) + "\n").encode())
+            n = os.write(self._journal_fd, data)
+            # An append leaves the offset at the end of what it wrote. Right after all
+            # that was read, nothing unread lies before these lines: count them read,
+            # so the next operation does not read this store's own lines back.
+            end = os.lseek(self._journal_fd, 0, os.SEEK_CUR)
+            if n == len(data) and end - n == self._seen:
+                self._seen = end
         except OSError as e:
             log.warning("disk tier %s: journal write failed: %s", self.name, e)
 

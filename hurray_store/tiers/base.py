@@ -338,9 +338,8 @@ class Tier(ABC):
         (a disk tier: each range after its read; a Redis: each received piece). Only
         a tier whose reads are blocking calls that see one whole version of an
         object, never one changed in place, offers it (``reads_now``): a disk tier, a
-        single Redis. Per read, False: not read here
-        (no such tier, absent, of another size, or shorter than a range);
-        ``get_ranges`` on the store's loop decides."""
+        single Redis. Per read, False: not read here (no such tier, absent, of another
+        size, or shorter than a range); ``get_ranges`` on the store's loop decides."""
         return [False] * len(reads)
 
     @abstractmethod

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from hurray_store import PagedKVPool, load_config, open_store
+from hurray_store.adapters.store_thread import StoreThread
 from hurray_store.config import DiskTierConfig
 from hurray_store.format import Manifest, ManifestLayer, ManifestSeq, page_checksum, plan_layer
 from hurray_store.keys import SegmentKey, page_hashes
@@ -411,3 +413,40 @@ async def test_reads_off_the_loop_come_from_disk_and_reach_the_books_at_the_next
         ]
         assert await s2.read_object_into("m", [(0, 1000)], into)
         assert bytes(into[0]) == blobs["a"]
+
+
+def test_a_store_thread_hands_a_batch_over_at_once_and_settles_each_future() -> None:
+    """``StoreThread.start_all`` runs each coroutine on the store's loop and sets its
+    outcome on its own future (callbacks added before the hand-over run); a future
+    cancelled first never runs its coroutine; on a closed loop every future fails."""
+    st = StoreThread({"tiers": [{"type": "cpu", "capacity_bytes": 1 << 20}]}, "t")
+    ran: list[int] = []
+
+    async def double(x: int) -> int:
+        await asyncio.sleep(0)
+        ran.append(x)
+        return 2 * x
+
+    async def bad() -> int:
+        raise ValueError("no such chunk")
+
+    try:
+        futs: list[Future[int]] = [Future() for _ in range(4)]
+        seen: list[int] = []
+        futs[0].add_done_callback(lambda f: seen.append(f.result()))
+        futs[3].cancel()
+        st.start_all([(double(1), futs[0]), (bad(), futs[1]), (double(5), futs[2])])
+        st.start_all([(double(7), futs[3])])
+        assert futs[0].result(10) == 2 and futs[2].result(10) == 10
+        with pytest.raises(ValueError, match="no such chunk"):
+            futs[1].result(10)
+        st.call(asyncio.sleep(0))  # the cancelled one's turn has passed
+        assert seen == [2] and sorted(ran) == [1, 5], "the cancelled coroutine never ran"
+    finally:
+        st.close()
+    st.loop.close()
+    late: Future[int] = Future()
+    with pytest.raises(RuntimeError):
+        st.start_all([(double(9), late)])
+    with pytest.raises(RuntimeError):
+        late.result(0)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
-from concurrent.futures import Future
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import CancelledError, Future
+from functools import partial
 from typing import Any, TypeVar
 
 from hurray_store.store import TieredStore, open_store
@@ -31,6 +32,28 @@ class StoreThread:
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def start_all(self, items: Sequence[tuple[Coroutine[Any, Any, T], Future[T]]]) -> None:
+        """Run each coroutine on the store's loop, its outcome set on its future (made
+        by the caller, who may have added callbacks), all handed over at once: one
+        wake-up of the loop's thread for the lot, not one per coroutine. If the loop is
+        closed, every future fails with the RuntimeError, which is raised too."""
+
+        def start() -> None:
+            for coro, fut in items:
+                if not fut.set_running_or_notify_cancel():
+                    coro.close()  # cancelled before it ran
+                    continue
+                self.loop.create_task(coro).add_done_callback(partial(_settle, fut))
+
+        try:
+            self.loop.call_soon_threadsafe(start)
+        except RuntimeError as e:
+            for coro, fut in items:
+                coro.close()
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(e)
+            raise
+
     def close(self) -> None:
         """Flush and close the store, then stop the loop."""
         try:
@@ -38,6 +61,15 @@ class StoreThread:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
+
+
+def _settle(fut: Future[T], task: asyncio.Task[T]) -> None:
+    if task.cancelled():
+        fut.set_exception(CancelledError())
+    elif (e := task.exception()) is not None:
+        fut.set_exception(e)
+    else:
+        fut.set_result(task.result())
 
 
 async def pin_objects(store: TieredStore, keys: list[str], pin: bool) -> None:

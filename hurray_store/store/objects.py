@@ -60,13 +60,13 @@ class ObjectStore:
         them (the LMCache adapters' objects end in their record), so the store hashes
         none of its bytes and ``get`` checks nothing for it."""
         k = self.key(name)
-        obj: GroupObject
-        if isinstance(data, Sealed):  # checks itself, hashed where it is written
-            obj, sum_ = SealedObject(k.stored, data), None
-        else:
-            bufs = _bufs(data)
-            sum_ = None if self_checked else checksum(*(host_view(b) for b in bufs))
-            obj = StoredObject(k.stored, bufs)
+        obj = self._member(k.stored, data)
+        # A sealed object checks itself, hashed where it is written.
+        sum_ = (
+            None
+            if self_checked or isinstance(data, Sealed)
+            else checksum(*(host_view(b) for b in obj.buffers()))
+        )
         ok = bool(await self.cascade.put_group(k, [obj]))
         if ok and sum_ is not None:
             self._sums[k.stored] = sum_

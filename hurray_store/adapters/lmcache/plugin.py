@@ -57,7 +57,7 @@ from hurray_store.format import Slot, checksum, plan_layer
 from hurray_store.format.encode import byte_view
 from hurray_store.format.wire import blob_descriptor
 from hurray_store.store import TieredStore
-from hurray_store.tiers import Sealed, host_view
+from hurray_store.tiers import RangeIn, Sealed, host_view
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -374,7 +374,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         return out
 
     @staticmethod
-    def _hash_range(gets: list[_ChunkGet]) -> Callable[[int, int, int], None]:
+    def _hash_range(gets: list[_ChunkGet]) -> RangeIn:
         def hashed(j: int, i: int, s: int) -> None:  # hashed as it came in
             g = gets[j]
             if i < len(g.dst):

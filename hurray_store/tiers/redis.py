@@ -635,7 +635,8 @@ class _NowGets:
         k = self.tier.k(r.key).encode()
         cmds = [_resp(b"MULTI"), _resp(b"STRLEN", k)]
         cmds += [_getrange(k, off, len(b)) for _, off, b in pieces]
-        conn.send_packed_command([b"".join(cmds), _resp(b"EXEC")], check_health=False)
+        # One send: the server wakes once for the whole transaction.
+        conn.send_packed_command([b"".join([*cmds, _resp(b"EXEC")])], check_health=False)
         replies = _BulkReplies(conn._sock)
         for want in (b"+OK", *[b"+QUEUED"] * (len(cmds) - 1)):
             if (got := replies.line()) != want:

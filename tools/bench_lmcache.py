@@ -163,6 +163,50 @@ def ratios(
     ]
 
 
+def verify_cost(
+    results: dict[str, dict[str, list[float]]],
+    floor: dict[str, float],
+    writes: dict[str, float],
+    l2: dict[str, dict[str, list[float]]],
+) -> list[list[object]]:
+    """Per row that verification slows: the machine's raw operation hashed over plain
+    (measured in this run), and ours over LMCache's own on it (medians)."""
+
+    def mine(rates: dict[str, dict[str, list[float]]], ref: str, ours: str, op: str) -> str:
+        if ref not in rates or ours not in rates:
+            return "-"
+        m = statistics.median
+        return f"{m(rates[ours][op]) / m(rates[ref][op]):.2f}"
+
+    disk = ("LMCache LocalDiskBackend", "hurray_store plugin, disk tier")
+    redis = ("LMCache resp (Redis)", "hurray_store, redis tier")
+    m = statistics.median
+    rows: list[list[object]] = []
+    if floor and writes:
+        rows += [
+            [
+                "page cache write, one thread per core (plugin, disk store)",
+                f"{writes['removed, threads + xxh3'] / writes['removed, threads']:.2f}",
+                mine(results, *disk, "store"),
+            ],
+            [
+                "page cache read, one thread per core (plugin, disk retrieve)",
+                f"{floor['read + xxh3'] / floor['read']:.2f}",
+                mine(results, *disk, "retrieve"),
+            ],
+        ]
+    if _REDIS_FLOOR in l2:
+        for op, what in (("store", "SET (L2, Redis store)"), ("load", "GET (L2, Redis load)")):
+            rows.append(
+                [
+                    f"Redis {what}, plain sockets",
+                    f"{m(l2[_REDIS_FLOOR_H][op]) / m(l2[_REDIS_FLOOR][op]):.2f}",
+                    mine(l2, *redis, op),
+                ]
+            )
+    return rows
+
+
 def page_cache_floor(files: list[Path], rounds: int = 5) -> dict[str, float]:
     """What this machine allows for a batched retrieve of ``files`` from the page cache
     (GB/s, median of ``rounds``), one thread per core: one ``readinto`` per file (what
@@ -201,28 +245,50 @@ def page_cache_floor(files: list[Path], rounds: int = 5) -> dict[str, float]:
 
 
 def page_cache_writes(folder: Path, files: int, size: int, rounds: int = 6) -> dict[str, float]:
-    """Writes of ``files`` files of ``size`` bytes, one ``write`` each, from one thread
-    (GB/s, median of ``rounds``): keeping every round's files (each round takes pages
-    the kernel has not used lately: on a VM that reports freed memory to its host, they
-    are faulted in afresh), and removing the previous round's files first (each round
-    reuses the pages just freed)."""
-    buf = os.urandom(size)
+    """Writes of ``files`` files of ``size`` bytes, each from its own source buffer (GB/s,
+    median of ``rounds``): from one thread, one ``write`` a file, keeping every round's
+    files (each round takes pages the kernel has not used lately: on a VM that reports
+    freed memory to its host, they are faulted in afresh) and removing the previous
+    round's files first (each round reuses the pages just freed); then, removing the
+    last round's, one thread per core, plain and with each MiB hashed with xxh3 just
+    before its ``write`` (the least a verified write costs: what the disk tier does)."""
+    import xxhash
+
+    bufs = [memoryview(os.urandom(size)) for _ in range(files)]
+    step = 1 << 20
+
+    def plain(f: Path, i: int) -> None:
+        with open(f, "wb", buffering=0) as fh:
+            fh.write(bufs[i])
+
+    def hashed(f: Path, i: int) -> None:
+        h = xxhash.xxh3_64()
+        with open(f, "wb", buffering=0) as fh:
+            for off in range(0, size, step):
+                h.update(bufs[i][off : off + step])
+                fh.write(bufs[i][off : off + step])
+
+    cores = os.cpu_count() or 2
     out = {}
-    for name, recycle in (("kept", False), ("removed", True)):
+    for name, recycle, threads, write in (
+        ("kept", False, 1, plain),
+        ("removed", True, 1, plain),
+        ("removed, threads", True, cores, plain),
+        ("removed, threads + xxh3", True, cores, hashed),
+    ):
         d = folder / "page-cache-writes"
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir()
         times, prev = [], []
-        for r in range(rounds):
-            for f in prev if recycle else []:
-                f.unlink()
-            prev = [d / f"{r}-{i}" for i in range(files)]
-            os.sync()
-            t0 = time.perf_counter()
-            for f in prev:
-                with open(f, "wb", buffering=0) as fh:
-                    fh.write(buf)
-            times.append(time.perf_counter() - t0)
+        with ThreadPoolExecutor(threads) as pool:
+            for r in range(rounds):
+                for f in prev if recycle else []:
+                    f.unlink()
+                prev = [d / f"{r}-{i}" for i in range(files)]
+                os.sync()
+                t0 = time.perf_counter()
+                list(pool.map(write, prev, range(files)))
+                times.append(time.perf_counter() - t0)
         out[name] = gbps(files * size, statistics.median(times))
         shutil.rmtree(d)
     return out
@@ -235,10 +301,16 @@ def redis_floor(
     and GET of ``keys`` values of ``size`` bytes over ``conns`` connections (one thread
     each; 4 was the best of 1-8 here), plain sockets, each value sent from and received
     into preallocated memory (MiB/s, the mean of ``rounds`` rounds' rates, as
-    ``lmcache bench l2`` reports)."""
+    ``lmcache bench l2`` reports), received at most 256 KiB a ``recv_into``; and the
+    same with each value hashed with xxh3 (the least verification costs): each value
+    just before it is sent, each piece received as it comes in (what the Redis tier
+    does)."""
     import itertools
     import socket
 
+    import xxhash
+
+    step = 256 << 10
     src = memoryview(bytearray(os.urandom(size)))
     dst = [memoryview(bytearray(size)) for _ in range(keys)]
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(conns)]
@@ -249,7 +321,7 @@ def redis_floor(
             got += s.recv(1)
         return got
 
-    def one_round(op: str, names: list[bytes]) -> float:
+    def one_round(op: str, names: list[bytes], hashed: bool) -> float:
         todo = itertools.count()
 
         def work(s: socket.socket) -> None:
@@ -257,15 +329,20 @@ def redis_floor(
                 k = names[i]
                 if op == "store":
                     s.sendall(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, size))
+                    if hashed:
+                        xxhash.xxh3_64_intdigest(src)
                     s.sendall(src)
                     s.sendall(b"\r\n")
                     assert line(s) == b"+OK\r\n"
                 else:
                     s.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k))
                     assert line(s) == b"$%d\r\n" % size
-                    have = 0
+                    have, h = 0, xxhash.xxh3_64()
                     while have < size:
-                        have += s.recv_into(dst[i][have:])
+                        got = s.recv_into(dst[i][have : have + step])
+                        if hashed:
+                            h.update(dst[i][have : have + got])
+                        have += got
                     assert s.recv(2, socket.MSG_WAITALL) == b"\r\n"
 
         t0 = time.perf_counter()
@@ -273,12 +350,14 @@ def redis_floor(
             list(pool.map(work, socks))
         return keys * size / (time.perf_counter() - t0) / 2**20
 
-    out: dict[str, list[float]] = {"store": [], "load": []}
+    out: dict[str, list[float]] = {}
     try:
-        for r in range(rounds):
-            names = [b"floor-%d-%d" % (r, i) for i in range(keys)]
-            for op in ("store", "load"):
-                out[op].append(one_round(op, names))
+        for r in range(rounds):  # plain and hashed rounds alternate
+            for hashed in (False, True):
+                names = [b"floor-%d-%d-%d" % (r, hashed, i) for i in range(keys)]
+                for op in ("store", "load"):
+                    name = f"{op} + xxh3" if hashed else op
+                    out.setdefault(name, []).append(one_round(op, names, hashed))
     finally:
         for s in socks:
             s.close()
@@ -301,6 +380,7 @@ def redis_bytes(port: int) -> int:
 
 
 _REDIS_FLOOR = "plain sockets to the Redis (4 conns)"
+_REDIS_FLOOR_H = "the same, each value hashed (xxh3)"
 
 
 def bench_l2(spec: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, float]:
@@ -507,6 +587,7 @@ def main() -> None:
             got = redis_floor(port, a.l2_keys, a.l2_kb << 10)
             for op in ("store", "load"):
                 l2.setdefault(_REDIS_FLOOR, {}).setdefault(op, []).append(got[op])
+                l2.setdefault(_REDIS_FLOOR_H, {}).setdefault(op, []).append(got[f"{op} + xxh3"])
         for name, ops in l2.items():
             l2_rows.append([name, *spread(ops["store"], ".0f"), *spread(ops["load"], ".0f")])
         l2_ratio = ratios(
@@ -585,6 +666,14 @@ def main() -> None:
         print(table(["medium", "store", "load"], l2_ratio))
         print("\neach Redis adapter x plain sockets to the same Redis (medians)\n")
         print(table(["adapter", "store", "load"], l2_floor))
+    cost = verify_cost(results, floor, writes, l2)
+    if cost:
+        print(
+            "\nwhat verifying costs on this machine: the raw operation with each byte hashed "
+            "(xxh3, as ours does) x without, beside ours x LMCache's own (which verifies "
+            "nothing)\n"
+        )
+        print(table(["operation", "raw, hashed x plain", "ours x LMCache's own"], cost))
     os._exit(0)  # LMCache leaves non-daemon threads behind
 
 

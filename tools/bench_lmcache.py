@@ -653,7 +653,10 @@ def main() -> None:
                 f"({floor['read + xxh3'] / floor['read']:.2f}x); {a.chunks} files of "
                 f"{nbytes // a.chunks >> 20} MiB written from one thread: "
                 f"{writes['kept']:.2f} GB/s keeping each round's files, "
-                f"{writes['removed']:.2f} GB/s removing the last round's first"
+                f"{writes['removed']:.2f} GB/s removing the last round's first; from one "
+                f"thread per core, removing the last round's: {writes['removed, threads']:.2f} "
+                f"GB/s, each MiB hashed just before its write "
+                f"{writes['removed, threads + xxh3']:.2f} GB/s"
             )
     if l2_rows:
         print(

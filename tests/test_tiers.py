@@ -8,6 +8,7 @@ import itertools
 import logging
 import os
 import random
+import shutil
 import struct
 import subprocess
 import sys
@@ -326,6 +327,16 @@ class TestDiskTier(DiskBase):
             whole[(8 << 20) - 3 : (8 << 20) + 17],
             b"tail",
         ]
+
+    async def test_a_shard_folder_removed_under_the_tier_is_made_again(self, tier: Tier) -> None:
+        # The tier remembers the shard folders it has made; one removed by hand since
+        # (here the whole objects folder, the tier open) is made again by the next put.
+        assert await tier.put("k", [b"one"])
+        shutil.rmtree(tier.objects)  # type: ignore[attr-defined]
+        assert await tier.put("k", [b"two"])
+        assert self.raw_get(tier, "k") == b"two"
+        got = await tier.get("k")
+        assert got is not None and as_bytes(got) == b"two"
 
     async def test_keys_with_odd_characters_roundtrip_through_scan(self, tier: Tier) -> None:
         keys = ["ns/s/{ab}/m", "100%/x", "ünï cödé", "a..b", "../escape"]

@@ -195,6 +195,7 @@ class DiskTier(Tier):
         self._scan = aiofiles.os.wrap(self._scan_sync)
         self._read_many = aiofiles.os.wrap(self._read_many_sync)
         self.alone = True  # no other store had the folder open when this one opened it
+        self._made: set[Path] = set()  # shard folders this tier has seen exist
         self._lock_fd: int | None = None
         self._journal_fd: int | None = None
         self._journal_path = self.root / "journal"
@@ -320,6 +321,20 @@ class DiskTier(Tier):
 
     # ------------------------------------------------------------------ sync bodies
 
+    def _create(self, tmp: Path) -> int:
+        """A new file ``tmp``, open for writing; its shard folder made the first time
+        (a mkdir per put cost two system calls and an exception), and again if it has
+        gone since (removed by hand)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        if tmp.parent in self._made:
+            try:
+                return os.open(tmp, flags, 0o644)
+            except FileNotFoundError:
+                self._made.discard(tmp.parent)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        self._made.add(tmp.parent)
+        return os.open(tmp, flags, 0o644)
+
     def _put_sync(self, key: str, buffers: Iterable[Buffer]) -> bool:
         """Write ``buffers`` as ``key``'s file, whole or not at all. Buffers made as
         they are taken (a sealed object's, hashed on the way) go out in groups of at
@@ -332,8 +347,7 @@ class DiskTier(Tier):
             return False
         tmp = dst.with_name(f"{_TMP}{os.getpid()}.{next(_counter)}.{dst.name[:100]}")
         try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = self._create(tmp)
             try:
                 # At most _IO_CHUNK per system call: one 100 MB write() stalls in the
                 # kernel's dirty-page throttling far longer than 8 MiB pieces do.

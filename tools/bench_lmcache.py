@@ -107,6 +107,17 @@ def run_backend(
     return {op: ts[first:] for op, ts in {**secs, **used}.items()}
 
 
+def child_env(a: argparse.Namespace) -> dict[str, str]:
+    """The environment of the processes that run the backends and adapters: with
+    ``--omp-passive``, OpenMP's idle threads sleep at once (``OMP_WAIT_POLICY=passive``)
+    rather than spin on the cores for a while after each of torch's parallel
+    operations, such as the bench's zeroing of its load buffers before each round."""
+    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1"}
+    if a.omp_passive:
+        env["OMP_WAIT_POLICY"] = "passive"
+    return env
+
+
 def run_case(extra: dict[str, Any], a: argparse.Namespace, evict: bool) -> dict[str, list[float]]:
     """One backend in a process of its own (no backend's leftovers slow another: a
     closed LMCache Redis backend leaves a thread blocked in its close), through LMCache's
@@ -115,7 +126,7 @@ def run_case(extra: dict[str, Any], a: argparse.Namespace, evict: bool) -> dict[
     argv += ["--evict"] if evict else []
     for opt in ("chunks", "layers", "heads", "dim", "chunk_size", "rounds"):
         argv += [f"--{opt.replace('_', '-')}", str(getattr(a, opt))]
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=child_env(a))
     if p.returncode != 0:
         raise SystemExit(f"backend run failed: {p.stderr[-2000:]}")
     got: dict[str, list[float]] = json.loads(p.stdout.strip().splitlines()[-1])
@@ -408,7 +419,7 @@ def bench_l2(spec: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
         cmd,
         capture_output=True,
         text=True,
-        env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"},
+        env=child_env(args),
         timeout=600,
     )
     if p.returncode != 0:
@@ -439,6 +450,12 @@ def main() -> None:
     ap.add_argument("--l2-runs", type=int, default=5, help="`lmcache bench l2` runs per adapter")
     ap.add_argument(
         "--part", choices=["1", "2", "both"], default="both", help="in-process (1), L2 (2)"
+    )
+    ap.add_argument(
+        "--omp-passive",
+        action="store_true",
+        help="run every backend and adapter with OMP_WAIT_POLICY=passive (idle OpenMP "
+        "threads sleep instead of spinning after torch's parallel operations)",
     )
     ap.add_argument("--one-case", help=argparse.SUPPRESS)  # a child's backend (JSON)
     ap.add_argument("--evict", action="store_true", help=argparse.SUPPRESS)
@@ -607,6 +624,8 @@ def main() -> None:
     finally:
         redis_proc.kill()
         shutil.rmtree(work, ignore_errors=True)
+    if a.omp_passive:
+        print("\nevery backend and adapter ran with OMP_WAIT_POLICY=passive")
     if rows:
         print(
             f"\n{a.chunks} chunks of [2, {a.layers}, {a.chunk_size}, {a.heads * a.dim}] fp16 "

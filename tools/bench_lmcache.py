@@ -162,16 +162,17 @@ def ratios(
     """Per ``(label, reference, ours)``: ours over the reference, median over median, for
     each operation."""
     return [
-        [
-            label,
-            *(
-                f"{statistics.median(rates[ours][op]) / statistics.median(rates[ref][op]):.2f}"
-                for op in rates[ref]
-            ),
-        ]
+        [label, *(ratio(rates, ref, ours, op) for op in rates[ref])]
         for label, ref, ours in pairs
         if ref in rates
     ]
+
+
+def ratio(rates: dict[str, dict[str, list[float]]], ref: str, ours: str, op: str) -> str:
+    """``ours`` over ``ref`` for ``op``, median over median ("-" where either is missing)."""
+    if ref not in rates or ours not in rates:
+        return "-"
+    return f"{statistics.median(rates[ours][op]) / statistics.median(rates[ref][op]):.2f}"
 
 
 def verify_cost(
@@ -182,28 +183,20 @@ def verify_cost(
 ) -> list[list[object]]:
     """Per row that verification slows: the machine's raw operation hashed over plain
     (measured in this run), and ours over LMCache's own on it (medians)."""
-
-    def mine(rates: dict[str, dict[str, list[float]]], ref: str, ours: str, op: str) -> str:
-        if ref not in rates or ours not in rates:
-            return "-"
-        m = statistics.median
-        return f"{m(rates[ours][op]) / m(rates[ref][op]):.2f}"
-
     disk = ("LMCache LocalDiskBackend", "hurray_store plugin, disk tier")
     redis = ("LMCache resp (Redis)", "hurray_store, redis tier")
-    m = statistics.median
     rows: list[list[object]] = []
     if floor and writes:
         rows += [
             [
                 "page cache write, one thread per core (plugin, disk store)",
                 f"{writes['removed, threads + xxh3'] / writes['removed, threads']:.2f}",
-                mine(results, *disk, "store"),
+                ratio(results, *disk, "store"),
             ],
             [
                 "page cache read, one thread per core (plugin, disk retrieve)",
                 f"{floor['read + xxh3'] / floor['read']:.2f}",
-                mine(results, *disk, "retrieve"),
+                ratio(results, *disk, "retrieve"),
             ],
         ]
     if _REDIS_FLOOR in l2:
@@ -211,8 +204,8 @@ def verify_cost(
             rows.append(
                 [
                     f"Redis {what}, plain sockets",
-                    f"{m(l2[_REDIS_FLOOR_H][op]) / m(l2[_REDIS_FLOOR][op]):.2f}",
-                    mine(l2, *redis, op),
+                    ratio(l2, _REDIS_FLOOR, _REDIS_FLOOR_H, op),
+                    ratio(l2, *redis, op),
                 ]
             )
     return rows
@@ -348,10 +341,10 @@ def redis_floor(
                 else:
                     s.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k))
                     assert line(s) == b"$%d\r\n" % size
-                    have, h = 0, xxhash.xxh3_64()
+                    have, h = 0, xxhash.xxh3_64() if hashed else None
                     while have < size:
                         got = s.recv_into(dst[i][have : have + step])
-                        if hashed:
+                        if h is not None:
                             h.update(dst[i][have : have + got])
                         have += got
                     assert s.recv(2, socket.MSG_WAITALL) == b"\r\n"

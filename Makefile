@@ -7,7 +7,12 @@ STAMP  := $(VENV)/.hurray-setup
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.hurray-setup
 
-.PHONY: setup vllm-env redis run test lint bench clean
+# LMCache's next release, while it is a release candidate: its own environment.
+LMCACHE_NEXT ?= 0.5.7rc2
+NEXT_VENV    ?= .venv-lmcache-next
+NEXT_STAMP   := $(NEXT_VENV)/.hurray-setup-$(LMCACHE_NEXT)
+
+.PHONY: setup vllm-env lmcache-next-env redis run test test-lmcache-next lint bench clean
 
 setup: $(STAMP)
 
@@ -33,6 +38,16 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q -c tools/vllm-constraints.txt -e .
 	@touch $@
 
+# LMCache's release candidate (pinned by LMCACHE_NEXT) beside hurray_store, for
+# `make test-lmcache-next`: about 3 minutes and 1.5 GB.
+lmcache-next-env: $(NEXT_STAMP)
+
+$(NEXT_STAMP): pyproject.toml
+	@test -x $(NEXT_VENV)/bin/python || python3 -m venv $(NEXT_VENV)
+	@$(NEXT_VENV)/bin/python -c "import torch" 2>/dev/null || $(NEXT_VENV)/bin/pip install -q torch==2.13.0
+	$(NEXT_VENV)/bin/pip install -q -e ".[test]" "lmcache==$(LMCACHE_NEXT)"
+	@touch $@
+
 # redis-server from Debian, for the Redis tier's tests (when missing and running as root).
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
@@ -53,6 +68,11 @@ run: setup
 test: setup redis vllm-env
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
+# The LMCache tests (the plugin in LMCache's engine, the L2 adapter under `lmcache bench
+# l2` and `lmcache server`) and the docs' commands against LMCache's release candidate.
+test-lmcache-next: lmcache-next-env redis
+	LMCACHE_TRACK_USAGE=false $(NEXT_VENV)/bin/python -m pytest -q tests/test_lmcache_plugin.py tests/test_lmcache_engine.py tests/test_docs.py
+
 lint: setup
 	$(VENV)/bin/ruff check hurray_store tests tools
 	$(VENV)/bin/ruff format --check hurray_store tests tools
@@ -68,4 +88,4 @@ bench: setup redis
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_attack.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models
+	rm -rf $(VENV) $(VLLM_VENV) $(NEXT_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models

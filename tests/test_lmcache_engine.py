@@ -19,9 +19,15 @@ import torch
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 pytest.importorskip("lmcache", reason="the lmcache extra is not installed (make test installs it)")
 
-from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
+try:  # LMCache 0.5.7 moved the in-process engine, with no shim
+    from lmcache.inprocess.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.inprocess.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+except ImportError:  # 0.5.6
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder  # type: ignore[no-redef]
+    from lmcache.v1.gpu_connector.gpu_connectors import (  # type: ignore[no-redef]
+        GPUConnectorInterface,
+    )
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
 from hurray_store.adapters.lmcache import HurrayStoragePlugin  # noqa: E402

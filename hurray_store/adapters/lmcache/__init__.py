@@ -1,5 +1,6 @@
-"""hurray_store behind LMCache 0.5.6: the in-process storage plugin and the L2 adapter of
-``lmcache server`` (this package is the only one that imports ``lmcache``).
+"""hurray_store behind LMCache 0.5.6 (and 0.5.7rc2): the in-process storage plugin and
+the L2 adapter of ``lmcache server`` (this package is the only one that imports
+``lmcache``).
 
 - ``plugin.HurrayStoragePlugin``: chunks through the store's object level, per-layer
   block-paged objects plus a checksummed chunk record (the commit point).

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark of the LMCache integration.
 
-Part 1, the in-process engine's storage backends (LMCache 0.5.6, ``CreateStorageBackends``):
+Part 1, the in-process engine's storage backends (``CreateStorageBackends``):
 the same KV chunks go through LMCache's LocalDiskBackend, its Redis RemoteBackend, and
 the hurray_store plugin over a disk tier and over a Redis tier. Store means submit until
 the backend reports the chunk; retrieve means ``batched_get_blocking`` of all the chunks
@@ -22,6 +22,7 @@ protocol library, no checks), the most any client of that server gets here.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import resource
@@ -456,6 +457,9 @@ def main() -> None:
     if a.one_case:
         one_case(json.loads(a.one_case), a)
     nbytes = a.chunks * 2 * a.layers * a.chunk_size * a.heads * a.dim * 2
+    # Which LMCache the references are (a run from .venv-lmcache-next measures its
+    # release candidate's own backends and adapters).
+    print(f"LMCache {importlib.metadata.version('lmcache')} as the reference", flush=True)
     work = Path(tempfile.mkdtemp(prefix="bench-lmcache-"))
     redis_proc, port = start_redis(work)
     rows: list[list[object]] = []

@@ -99,27 +99,38 @@ _OPEN_AT_ONCE = 64
 
 def _pieces(buffers: Iterable[Buffer], most: int = _IO_CHUNK) -> Iterator[list[memoryview]]:
     """The bytes of ``buffers`` in order, in lists of views: one ``writev`` each. Runs of
-    buffers under ``_GATHER`` bytes are gathered, up to ``most`` bytes (and
-    ``_IOV_MAX`` views) a list, so an object of many small buffers (a chunk's descriptors
-    and pools) costs a system call, and a hand-over of the GIL, per ``most`` bytes (8 MiB
+    buffers under ``_GATHER`` bytes are gathered until they reach ``most`` bytes (or
+    ``_IOV_MAX`` views), so an object of many small buffers (a chunk's descriptors and
+    pools) costs a system call, and a hand-over of the GIL, per ``most`` bytes (8 MiB
     unless the caller asks for less) rather than per buffer. A larger buffer goes alone,
     in pieces of at most ``_IO_CHUNK``: gathered with the small ones beside it, 2 MiB
-    values took 7-8 ms a ``writev`` here against 2 ms in plain writes."""
+    values took 7-8 ms a ``writev`` here against 2 ms in plain writes.
+
+    A list is handed out as soon as it is full, before the next buffer is taken: taking
+    a sealed object's buffer hashes it (``SealedObject.written``), and a buffer hashed
+    a list ahead of its write has left the CPU's cache by then. The plugin's chunks
+    (pools of 512 KiB) go out in lists of about 1 MiB, each pool hashed just before.
+    Written straight from their sealed objects by 2 threads, the two ways alternating
+    round by round in one process: 3.49-4.16 GB/s against 3.34-3.86 when each pool was
+    hashed a list ahead (medians of 6 processes, faster in each)."""
     views: list[memoryview] = []
     size = 0
     for b in buffers:
         mv = memoryview(b).cast("B")
         if not len(mv):
             continue
-        if views and (len(mv) >= _GATHER or size + len(mv) > most or len(views) == _IOV_MAX):
-            yield views
-            views, size = [], 0
         if len(mv) >= _GATHER:
+            if views:
+                yield views
+                views, size = [], 0
             for at in range(0, len(mv), _IO_CHUNK):
                 yield [mv[at : at + _IO_CHUNK]]
-        else:
-            views.append(mv)
-            size += len(mv)
+            continue
+        views.append(mv)
+        size += len(mv)
+        if size >= most or len(views) == _IOV_MAX:
+            yield views
+            views, size = [], 0
     if views:
         yield views
 

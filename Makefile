@@ -39,7 +39,7 @@ $(VLLM_STAMP): pyproject.toml
 	@touch $@
 
 # LMCache's release candidate (pinned by LMCACHE_NEXT) beside hurray_store, for
-# `make test-lmcache-next`: about 3 minutes and 1.5 GB.
+# `make test-lmcache-next`: about 3 minutes and 2.1 GB.
 lmcache-next-env: $(NEXT_STAMP)
 
 $(NEXT_STAMP): pyproject.toml

@@ -348,9 +348,9 @@ class DiskTier(Tier):
 
     def _put_sync(self, key: str, buffers: Iterable[Buffer]) -> bool:
         """Write ``buffers`` as ``key``'s file, whole or not at all. Buffers made as
-        they are taken (a sealed object's, hashed on the way) go out in groups of at
-        most ``_GATHER`` bytes, each written while its bytes are still in the CPU's
-        cache."""
+        they are taken (a sealed object's, hashed on the way) go out in groups of about
+        ``_GATHER`` bytes (a group goes once it reaches them), each written while its
+        bytes are still in the CPU's cache."""
         try:
             dst = self.path_of(key)
         except KeyTooLongError as e:
@@ -360,8 +360,10 @@ class DiskTier(Tier):
         try:
             fd = self._create(tmp)
             try:
-                # At most _IO_CHUNK per system call: one 100 MB write() stalls in the
-                # kernel's dirty-page throttling far longer than 8 MiB pieces do.
+                # About _IO_CHUNK per system call (a gathered group goes once it
+                # reaches it, a large buffer in pieces of at most that): one 100 MB
+                # write() stalls in the kernel's dirty-page throttling far longer than
+                # 8 MiB pieces do.
                 most = _IO_CHUNK if isinstance(buffers, Sequence) else _GATHER
                 for views in _pieces(buffers, most):
                     while views:

@@ -115,6 +115,12 @@ class SegmentPart:
         return self.layer is None
 
 
+def object_stored(namespace: str, name: str) -> str:
+    """The stored key of object ``name`` in ``namespace`` (``ObjectKey.stored``), made
+    without the key's dataclass, for the books' lookups from engines' threads."""
+    return f"{namespace}/o/{name}"
+
+
 @dataclass(frozen=True, slots=True)
 class ObjectKey:
     """An object-level key; as a group id it names the group whose last object it is."""
@@ -124,7 +130,7 @@ class ObjectKey:
 
     @property
     def stored(self) -> str:
-        return f"{self.namespace}/o/{self.name}"
+        return object_stored(self.namespace, self.name)
 
     @property
     def group_record(self) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import hurray
 import pytest
@@ -140,6 +141,22 @@ def test_put_get_bit_exact_and_restart(opened: Any) -> None:
         got = p2.get_blocking(key(i))
         assert got is not None and torch.equal(got.tensor, w)
         got.ref_count_down()
+
+
+def test_a_chunk_is_stored_under_the_documented_key(opened: Any, tmp_path: Path) -> None:
+    """The key scheme docs/lmcache.md gives (a negative chunk hash as its 64 bits): a
+    cache written by an earlier version is found after an upgrade only if it holds."""
+    b = opened()
+    p = plugin_of(b)
+    obj = chunk(b, 64, 1)
+    p.batched_submit_put_task([CacheEngineKey("tiny", 1, 0, -5, torch.float16)], [obj])
+    p.flush()
+    name = f"lmc/{p.fingerprint[:8].hex()}/tiny@1@0@fffffffffffffffb@float16/c"
+    assert p.store.has_object(name)
+    on_disk = [unquote(f.name) for f in (tmp_path / "cache" / "objects").glob("*/*")]
+    assert [n for n in on_disk if n.endswith(f"/o/{name}")], on_disk
+    assert not p.store.has_object(name.replace("@float16", "@bfloat16"))
+    obj.ref_count_down()
 
 
 def test_a_truncated_chunk_object_is_a_miss_and_leaves(opened: Any, tmp_path: Path) -> None:

@@ -58,6 +58,9 @@ class TierCascade:
         max_pending_bytes: int,
     ) -> None:
         self.tiers = list(tiers)
+        # A tier is shared or not by its kind, and the tiers are fixed: asked per
+        # ``contains`` from engines' threads, so worked out once.
+        self._shared = any(t.shared for t in self.tiers)
         self.policy = policy
         self.ledger: Ledger = policy.ledger
         self.metrics = metrics
@@ -87,7 +90,7 @@ class TierCascade:
 
     @property
     def shared(self) -> bool:
-        return any(t.shared for t in self.tiers)
+        return self._shared
 
     def reachable(self, group: Group) -> bool:
         """Some tier holding the group READY is up now (not in an outage)."""

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from hurray_store.format import checksum
-from hurray_store.keys import ObjectKey, decode_group_record, encode_group_record
+from hurray_store.keys import ObjectKey, decode_group_record, encode_group_record, object_stored
 from hurray_store.store.cascade import TierCascade
 from hurray_store.tiers import Blob, Buffer, Range, RangeIn, host_view
 from hurray_store.tiers.base import GroupObject, Sealed, SealedObject, StoredObject
@@ -150,13 +150,13 @@ class ObjectStore:
         """``contains`` from the books alone (no I/O): true only once a get of it will
         find it, the whole group written. Safe from another thread (membership tests of
         dicts are atomic in CPython)."""
-        return bool(self.cascade.ledger.holders(self.key(name).stored))
+        return bool(self.cascade.ledger.holders(object_stored(self.namespace, name)))
 
     def size_now(self, name: str) -> int | None:
         """``size`` from the books alone (no I/O), from any thread: None when they do
         not know it (or changed under the call)."""
         try:
-            return self.cascade.ledger.key_size(self.key(name).stored)
+            return self.cascade.ledger.key_size(object_stored(self.namespace, name))
         except (KeyError, RuntimeError):
             return None
 

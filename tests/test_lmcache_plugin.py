@@ -4,7 +4,7 @@ to its real LocalCPUBackend."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -194,6 +194,49 @@ async def test_async_contains_and_get_stop_at_the_first_miss(opened: Any) -> Non
     assert len(got) == 2
     for g in got:
         g.ref_count_down()
+
+
+def _pinned(p: HurrayStoragePlugin, hashes: Sequence[int]) -> list[int]:
+    """Which of the chunks ``key(h)`` the store's books hold pinned, once the store's
+    loop has taken every pin and unpin handed to it (``flush`` waits for it)."""
+    p.flush()
+    led = p.store.cascade.ledger
+    return [h for h in hashes if led.is_pinned(p.store.objects.key(p._chunk_key(key(h))))]
+
+
+def test_a_pinned_lookup_pins_the_hit_prefix_and_each_unpin_lets_one_pin_go(
+    opened: Any,
+) -> None:
+    b = opened()
+    p = plugin_of(b)
+    p.batched_submit_put_task([key(1), key(2), key(4)], [chunk(b, 64, i) for i in (1, 2, 4)])
+    p.flush()
+    # What LMCache's engine asks on vLLM's lookup: the hits up to the first miss, pinned.
+    assert p.batched_contains([key(1), key(2), key(3), key(4)], pin=True) == 2
+    assert _pinned(p, [1, 2, 4]) == [1, 2]
+    assert p.batched_contains([key(1)], pin=True) == 1  # a second lookup of the prefix
+    assert p.unpin(key(1)) and p.unpin(key(2)) and not p.unpin(key(4))
+    assert _pinned(p, [1, 2, 4]) == [1]  # key 1's second pin holds
+    assert p.unpin(key(1)) and not p.unpin(key(1))
+    assert _pinned(p, [1, 2, 4]) == []
+    # A forced remove lets its pins go: the chunk put again is not pinned.
+    assert p.contains(key(4), pin=True) and not p.remove(key(4), force=False)
+    assert p.remove(key(4)) and not p.contains(key(4))
+    p.batched_submit_put_task([key(4)], [chunk(b, 64, 4)])
+    assert _pinned(p, [4]) == [] and p.contains(key(4))
+    assert not p.pin(key(3))  # absent: nothing pinned
+    assert _pinned(p, [3]) == []
+
+
+async def test_async_lookup_with_pin_pins_the_hit_prefix(opened: Any) -> None:
+    b = opened()
+    p = plugin_of(b)
+    p.batched_submit_put_task([key(1), key(2), key(4)], [chunk(b, 64, i) for i in (1, 2, 4)])
+    p.flush()
+    assert await p.batched_async_contains("req", [key(1), key(2), key(3), key(4)], pin=True) == 2
+    assert _pinned(p, [1, 2, 4]) == [1, 2]
+    assert p.unpin(key(1)) and p.unpin(key(2))
+    assert _pinned(p, [1, 2, 4]) == []
 
 
 def test_pin_remove_and_a_corrupt_chunk_is_a_miss(opened: Any, tmp_path: Path) -> None:

@@ -50,9 +50,10 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 def run_backend(
     cpu: Any, backend: Any, data: list[torch.Tensor], rounds: int, evict: bool
 ) -> dict[str, list[float]]:
-    """Put every chunk, get them all in one batched get, then one by one, ``rounds``
-    times, each round under fresh keys; the seconds of each step of each round, and
-    the CPU seconds (user, system) the process spent on each store.
+    """Put every chunk, look them up with pins (then unpin each), get them all in one
+    batched get, then one by one, ``rounds`` times, each round under fresh keys; the
+    seconds of each step of each round, and the CPU seconds (user, system) the process
+    spent on each store.
 
     With ``evict`` (the disk backends), each round first removes the previous round's
     chunks, as a cache at its capacity evicts as much as it stores (an unmeasured round
@@ -67,7 +68,7 @@ def run_backend(
     from lmcache.v1.memory_management import MemoryFormat
 
     secs: dict[str, list[float]] = {"store": [], "retrieve": [], "get one by one": []}
-    used: dict[str, list[float]] = {"store user": [], "store system": []}
+    used: dict[str, list[float]] = {"store user": [], "store system": [], "lookup": []}
     keys: list[Any] = []
     first = 1 if evict else 0
     for r in range(first + rounds):
@@ -94,6 +95,14 @@ def run_backend(
         used["store system"].append(ru1.ru_stime - ru0.ru_stime)
         for o in objs:
             o.ref_count_down()
+        # What LMCache's engine does on vLLM's lookup of a prompt: the chunks up to the
+        # first miss, pinned, then each let go once the prompt's KV is loaded.
+        t0 = time.perf_counter()
+        hits = backend.batched_contains(keys, True)
+        for k in keys[:hits]:
+            backend.unpin(k)
+        used["lookup"].append(time.perf_counter() - t0)
+        assert hits == len(keys), "a lookup missed a stored chunk"
         for op, get in (
             ("retrieve", backend.batched_get_blocking),
             ("get one by one", lambda ks: [backend.get_blocking(k) for k in ks]),
@@ -386,6 +395,11 @@ def redis_bytes(port: int) -> int:
 
 _REDIS_FLOOR = "plain sockets to the Redis (4 conns)"
 _REDIS_FLOOR_H = "the same, each value hashed (xxh3)"
+# The reference of each of our backends in the lookup table.
+_LOOKUP_REF = {
+    "hurray_store plugin, disk tier": "LMCache LocalDiskBackend",
+    "hurray_store plugin, redis tier": "LMCache RemoteBackend (Redis)",
+}
 
 
 def bench_l2(spec: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, float]:
@@ -467,6 +481,7 @@ def main() -> None:
     floor: dict[str, float] = {}
     writes: dict[str, float] = {}
     cpu_ms: dict[str, dict[str, list[float]]] = {}  # backend -> user/system -> ms per store
+    lookup_us: dict[str, list[float]] = {}  # backend -> us per lookup (pin, then unpin)
     chunks: list[Path] = []
     try:
         plugin = {
@@ -531,6 +546,7 @@ def main() -> None:
                     cpu_ms.setdefault(name, {}).setdefault(what, []).extend(
                         t * 1e3 for t in secs.pop(what)
                     )
+                lookup_us.setdefault(name, []).extend(t * 1e6 for t in secs.pop("lookup"))
                 for op, ts in secs.items():
                     results.setdefault(name, {}).setdefault(op, []).extend(
                         gbps(nbytes, t) for t in ts
@@ -661,6 +677,28 @@ def main() -> None:
         )
         print("\nours x LMCache's own backend on the same tier\n")
         print(table(["tier", "store", "retrieve", "get one by one"], ratio_rows))
+        print(
+            f"\nlookup of the {a.chunks} stored chunks with pins, then an unpin of each (what "
+            "LMCache's engine does on vLLM's lookup; LMCache's Redis backend pins nothing), "
+            "us (median and range), and LMCache's own over ours (above 1: ours faster)\n"
+        )
+        print(
+            table(
+                ["backend", "us", "range", "LMCache's x ours"],
+                [
+                    [
+                        name,
+                        *spread(us, ".0f"),
+                        (
+                            f"{statistics.median(lookup_us[ref]) / statistics.median(us):.2f}"
+                            if (ref := _LOOKUP_REF.get(name)) in lookup_us
+                            else "-"
+                        ),
+                    ]
+                    for name, us in lookup_us.items()
+                ],
+            )
+        )
         if floor:
             print(
                 f"\nthe machine's page cache, the plugin's {len(chunks)} chunk files, one "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import CancelledError, Future
 from functools import partial
 from typing import Any, TypeVar
@@ -24,6 +24,10 @@ class StoreThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self.store: TieredStore = self.call(open_store(config))
+        # Unpins wait here for the loop, which takes them all at its next turn: an
+        # engine lets a lookup's chunks go one call per chunk.
+        self._unpins: list[str] = []
+        self._unpins_lock = threading.Lock()
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the store's loop and wait for its result."""
@@ -54,6 +58,46 @@ class StoreThread:
                     fut.set_exception(e)
             raise
 
+    def call_now(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` (no ``await`` in it) on the store's loop and wait for its result:
+        a plain callback, with no task, about 35 us a trip here against 55 for
+        ``call``."""
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the caller, who raises it
+                fut.set_exception(e)
+
+        self.loop.call_soon_threadsafe(run)
+        return fut.result()
+
+    def pin_prefix(self, keys: Sequence[str]) -> int:
+        """Pin, in one trip to the store's loop, the longest run of ``keys`` from the
+        first that a get will find; its length. The books are read and the pins taken
+        in one step of the loop, so nothing is evicted in between. A shared tier (a
+        cache server) is asked about what the books lack, and what it holds is pinned
+        in the books too."""
+        if self.store.shared:
+            return self.call(_pin_prefix_shared(self.store, list(keys)))
+        return self.call_now(partial(_pin_prefix, self.store, list(keys)))
+
+    def unpin_soon(self, keys: Sequence[str]) -> None:
+        """Unpin ``keys`` without waiting: the loop takes every unpin handed over
+        since its last turn at once, before anything submitted after this call (its
+        callbacks run in the order they were handed over)."""
+        with self._unpins_lock:
+            first = not self._unpins
+            self._unpins += keys
+        if first:
+            self.loop.call_soon_threadsafe(self._take_unpins)
+
+    def _take_unpins(self) -> None:
+        with self._unpins_lock:
+            keys, self._unpins = self._unpins, []
+        self.store.unpin_objects(keys)
+
     def close(self) -> None:
         """Flush and close the store, then stop the loop."""
         try:
@@ -72,6 +116,18 @@ def _settle(fut: Future[T], task: asyncio.Task[T]) -> None:
         fut.set_result(task.result())
 
 
-async def pin_objects(store: TieredStore, keys: list[str], pin: bool) -> None:
-    """Pin (or unpin) objects, on the store's loop: the books are the loop's alone."""
-    (store.pin_objects if pin else store.unpin_objects)(keys)
+def _pin_prefix(store: TieredStore, keys: list[str]) -> int:
+    """On the store's loop (the books are the loop's alone): the books, then the pins."""
+    n = next((i for i, k in enumerate(keys) if not store.has_object(k)), len(keys))
+    store.pin_objects(keys[:n])
+    return n
+
+
+async def _pin_prefix_shared(store: TieredStore, keys: list[str]) -> int:
+    n = 0
+    for k in keys:
+        if not (store.has_object(k) or await store.contains_object(k)):
+            break
+        n += 1
+    store.pin_objects(keys[:n])
+    return n

@@ -174,7 +174,11 @@ class ObjectStore:
     def _groups(self, names: Sequence[str]) -> list[object]:
         """The group of each named object (itself when no tier holds it)."""
         led = self.cascade.ledger
-        return [next(iter(led.groups_of((k := self.key(n)).stored).values()), k) for n in names]
+        out: list[object] = []
+        for n in names:
+            g = next(iter(led.groups_of(object_stored(self.namespace, n)).values()), None)
+            out.append(self.key(n) if g is None else g)
+        return out
 
     async def delete(self, name: str) -> None:
         """Delete an object everywhere; an object stored with ``put_many`` takes its

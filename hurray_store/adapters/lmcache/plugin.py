@@ -51,7 +51,7 @@ from hurray_store.adapters.lmcache.records import (
     pack_chunk_record,
     parse_chunk_record,
 )
-from hurray_store.adapters.store_thread import StoreThread, pin_objects
+from hurray_store.adapters.store_thread import StoreThread
 from hurray_store.errors import FormatError
 from hurray_store.format import Slot, checksum, plan_layer
 from hurray_store.format.encode import byte_view
@@ -111,7 +111,9 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self.store: TieredStore = self._runner.store
         self._pending: dict[CacheEngineKey, Future[None]] = {}
         self._lock = threading.Lock()
-        self._pinned: set[CacheEngineKey] = set()
+        # Pins this engine holds, by chunk: LMCache may pin a chunk twice (two lookups
+        # of one prefix) and lets each go once.
+        self._pinned: dict[CacheEngineKey, int] = {}
         self._closed = False
         self._plans: dict[tuple[int, int], Any] = {}  # (layer, pages) -> LayerPlan
         self._record_bytes = chunk_record_bytes(num_layers)
@@ -330,15 +332,36 @@ class HurrayStoragePlugin(StoragePluginInterface):
     # ------------------------------------------------------------------ get
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        ck = self._chunk_key(key)
-        # The books first (no trip to the store's loop); a cache server shared with
-        # other engines is asked when they say no, as LMCache's remote backend asks.
-        ok = self.store.has_object(ck) or (
-            self.store.shared and bool(self._call(self.store.contains_object(ck)))
-        )
-        if ok and pin:
-            self.pin(key)
-        return ok
+        return self.batched_contains([key], pin) == 1
+
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        """How many of ``keys``, from the first, a get will find: what LMCache's engine
+        asks on every lookup (vLLM's with ``pin``). Without ``pin``, the books are read
+        here, with no trip to the store's loop; a cache server shared with other engines
+        is asked when they say no, as LMCache's remote backend asks. With ``pin``, the
+        store's loop reads the books and pins the hits in one trip (two trips per chunk
+        took 0.3 ms a chunk here)."""
+        if pin:
+            return self._pin_prefix(keys)
+        n = 0
+        for key in keys:
+            ck = self._chunk_key(key)
+            if not (
+                self.store.has_object(ck)
+                or (self.store.shared and self._call(self.store.contains_object(ck)))
+            ):
+                break
+            n += 1
+        return n
+
+    def _pin_prefix(self, keys: Sequence[CacheEngineKey]) -> int:
+        """Pin the chunks of ``keys`` a get will find, from the first to the first miss;
+        how many."""
+        n = self._runner.pin_prefix([self._chunk_key(k) for k in keys])
+        with self._lock:
+            for key in keys[:n]:
+                self._pinned[key] = self._pinned.get(key, 0) + 1
+        return n
 
     def _get_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         """The chunks of ``keys``, None where missing, read on the calling thread
@@ -454,9 +477,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
             self._runner.submit(self._contains_all([self._chunk_key(k) for k in keys]))
         )
         n = found.index(False) if False in found else len(found)
-        if pin:
-            for key in keys[:n]:
-                self.pin(key)
+        if pin and n:
+            return await asyncio.to_thread(self._pin_prefix, keys[:n])
         return n
 
     async def _contains_all(self, names: list[str]) -> list[bool]:
@@ -482,26 +504,32 @@ class HurrayStoragePlugin(StoragePluginInterface):
     # ------------------------------------------------------------------ the rest
 
     def pin(self, key: CacheEngineKey) -> bool:
-        if not self._call(self.store.contains_object(self._chunk_key(key))):
-            return False
-        self._pinned.add(key)
-        self._call(pin_objects(self.store, [self._chunk_key(key)], True))
-        return True
+        return self._pin_prefix([key]) == 1
 
     def unpin(self, key: CacheEngineKey) -> bool:
-        if key not in self._pinned:
-            return False
-        self._pinned.discard(key)
-        self._call(pin_objects(self.store, [self._chunk_key(key)], False))
+        """Let a pinned chunk go; the store's loop takes it at its next turn (LMCache
+        lets a lookup's chunks go one call per chunk)."""
+        with self._lock:
+            n = self._pinned.pop(key, 0)
+            if not n:
+                return False
+            if n > 1:
+                self._pinned[key] = n - 1
+        self._runner.unpin_soon([self._chunk_key(key)])
         return True
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
-        if key in self._pinned and not force:
-            return False
-        had = self._call(self.store.contains_object(self._chunk_key(key)))
-
-        self._call(self.store.delete_object(self._chunk_key(key)))
-        self._pinned.discard(key)
+        """Delete a chunk; a pinned one only with ``force``, its pins let go with it
+        (else a chunk put again under the key would stay pinned)."""
+        ck = self._chunk_key(key)
+        with self._lock:
+            if key in self._pinned and not force:
+                return False
+            n = self._pinned.pop(key, 0)
+        if n:
+            self._runner.unpin_soon([ck] * n)
+        had = self._call(self.store.contains_object(ck))
+        self._call(self.store.delete_object(ck))
         return bool(had)
 
     def get_allocator_backend(self) -> Any:

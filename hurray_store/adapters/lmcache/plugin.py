@@ -528,9 +528,12 @@ class HurrayStoragePlugin(StoragePluginInterface):
             n = self._pinned.pop(key, 0)
         if n:
             self._runner.unpin_soon([ck] * n)
-        had = self._call(self.store.contains_object(ck))
-        self._call(self.store.delete_object(ck))
-        return bool(had)
+        return self._call(self._remove(ck))
+
+    async def _remove(self, name: str) -> bool:
+        had = await self.store.contains_object(name)
+        await self.store.delete_object(name)
+        return had
 
     def get_allocator_backend(self) -> Any:
         return self.local_cpu_backend

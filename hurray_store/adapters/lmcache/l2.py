@@ -181,11 +181,16 @@ class HurrayL2Adapter(L2AdapterInterface):
         return tid
 
     async def _lookup(self, tid: L2TaskId, keys: list[Any]) -> None:
-        names = [self._key(key) for key in keys]
-        found = await asyncio.gather(*(self.store.contains_object(k) for k in names))
+        # What other processes sharing a tier did, heard once; then each key from the
+        # books, pinned in the same step of the loop as its check (nothing evicts it in
+        # between). A shared tier (a cache server) is asked about what the books lack.
+        await self.store.sync()
         bitmap = Bitmap(len(keys))
-        for i, (k, hit) in enumerate(zip(names, found, strict=True)):
-            if hit:
+        for i, key in enumerate(keys):
+            k = self._key(key)
+            if self.store.has_object(k) or (
+                self.store.shared and await self.store.contains_object(k)
+            ):
                 bitmap.set(i)
                 self._locks[k] = self._locks.get(k, 0) + 1
                 self.store.pin_objects([k])

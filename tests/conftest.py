@@ -4,6 +4,7 @@ three-master Redis Cluster built with ``redis-cli --cluster create``."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import socket
 import subprocess
@@ -22,22 +23,41 @@ needs_redis = pytest.mark.skipif(
 )
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections' own ends."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(bus: bool = False) -> int:
     """A free loopback port; with ``bus``, one whose cluster bus port (+10000) is free
-    and valid too."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if not bus:
-            return port
-        if port + 10000 <= 65535:
-            try:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + 10000))
+    and valid too. Taken below the range the kernel hands outgoing connections their
+    own ends from: a port from that range can be taken by any connection between the
+    pick and the server's bind (a SeaweedFS restarted on its ports once found one of
+    them taken so)."""
+    top = _ephemeral_low() - 1 - (10000 if bus else 0)
+    if top < 10000:  # an unusual range: the kernel's own pick, as a last resort
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if not bus or (port + 10000 <= 65535 and _bindable(port + 10000)):
                 return port
-            except OSError:
-                pass
+    while True:
+        port = random.randint(10000, top)
+        if _bindable(port) and (not bus or _bindable(port + 10000)):
+            return port
 
 
 def wait_listening(

@@ -3,6 +3,7 @@ to its real LocalCPUBackend."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -589,6 +590,10 @@ def test_two_engines_share_chunks_through_a_cache_server(opened: Any, tmp_path: 
         b = opened(lower=remote)
         pb = plugin_of(b)
         assert pb.contains(key(11)) and pb.contains(key(12)) and not pb.contains(key(13))
+        # Lookups of what only the server holds: asked there, up to the first miss.
+        assert pb.batched_contains([key(11), key(12), key(13)], pin=True) == 2
+        assert pb.unpin(key(11)) and pb.unpin(key(12))
+        assert asyncio.run(pb.batched_async_contains("r", [key(12), key(13), key(11)])) == 1
         for k, w in ((key(11), want[0]), (key(12), want[1])):
             got = pb.get_blocking(k)
             assert got is not None and torch.equal(got.tensor, w)

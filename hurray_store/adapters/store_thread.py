@@ -80,7 +80,7 @@ class StoreThread:
         cache server) is asked about what the books lack, and what it holds is pinned
         in the books too."""
         if self.store.shared:
-            return self.call(_pin_prefix_shared(self.store, list(keys)))
+            return self.call(held_prefix(self.store, list(keys), pin=True))
         return self.call_now(partial(_pin_prefix, self.store, list(keys)))
 
     def unpin_soon(self, keys: Sequence[str]) -> None:
@@ -123,11 +123,16 @@ def _pin_prefix(store: TieredStore, keys: list[str]) -> int:
     return n
 
 
-async def _pin_prefix_shared(store: TieredStore, keys: list[str]) -> int:
-    n = 0
-    for k in keys:
-        if not (store.has_object(k) or await store.contains_object(k)):
-            break
-        n += 1
-    store.pin_objects(keys[:n])
+async def held_prefix(store: TieredStore, keys: list[str], pin: bool) -> int:
+    """On the store's loop: how many of ``keys``, from the first, a get will find,
+    pinned with ``pin``. What other processes sharing a tier did is heard first; then
+    the books, and the pins in the same step when no tier is shared. A shared tier (a
+    cache server) is asked, all at once, about the keys from the first the books lack."""
+    await store.sync()
+    n = next((i for i, k in enumerate(keys) if not store.has_object(k)), len(keys))
+    if store.shared and n < len(keys):
+        rest = await asyncio.gather(*(store.contains_object(k) for k in keys[n:]))
+        n += rest.index(False) if False in rest else len(rest)
+    if pin:
+        store.pin_objects(keys[:n])
     return n

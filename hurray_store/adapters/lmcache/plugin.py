@@ -51,7 +51,7 @@ from hurray_store.adapters.lmcache.records import (
     pack_chunk_record,
     parse_chunk_record,
 )
-from hurray_store.adapters.store_thread import StoreThread
+from hurray_store.adapters.store_thread import StoreThread, held_prefix
 from hurray_store.errors import FormatError
 from hurray_store.format import Slot, checksum, plan_layer
 from hurray_store.format.encode import byte_view
@@ -358,10 +358,14 @@ class HurrayStoragePlugin(StoragePluginInterface):
         """Pin the chunks of ``keys`` a get will find, from the first to the first miss;
         how many."""
         n = self._runner.pin_prefix([self._chunk_key(k) for k in keys])
-        with self._lock:
-            for key in keys[:n]:
-                self._pinned[key] = self._pinned.get(key, 0) + 1
+        self._count_pins(keys[:n])
         return n
+
+    def _count_pins(self, keys: Sequence[CacheEngineKey]) -> None:
+        """The store pinned these chunks for this engine: one more pin each."""
+        with self._lock:
+            for key in keys:
+                self._pinned[key] = self._pinned.get(key, 0) + 1
 
     def _get_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         """The chunks of ``keys``, None where missing, read on the calling thread
@@ -472,17 +476,13 @@ class HurrayStoragePlugin(StoragePluginInterface):
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
     ) -> int:
-        """How many of ``keys``, from the first, the store holds (asked all at once)."""
-        found = await asyncio.wrap_future(
-            self._runner.submit(self._contains_all([self._chunk_key(k) for k in keys]))
-        )
-        n = found.index(False) if False in found else len(found)
-        if pin and n:
-            return await asyncio.to_thread(self._pin_prefix, keys[:n])
+        """How many of ``keys``, from the first, a get will find, pinned with ``pin``:
+        one task on the store's loop (a shared tier is asked about all of them at once)."""
+        names = [self._chunk_key(k) for k in keys]
+        n = await asyncio.wrap_future(self._runner.submit(held_prefix(self.store, names, pin)))
+        if pin:
+            self._count_pins(keys[:n])
         return n
-
-    async def _contains_all(self, names: list[str]) -> list[bool]:
-        return list(await asyncio.gather(*(self.store.contains_object(k) for k in names)))
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """Every chunk of ``keys``, None where missing, read all at once: what LMCache's

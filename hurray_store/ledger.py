@@ -16,10 +16,18 @@ it. ``record`` notes a READY group found in a tier (restart scan, discovery).
 
 Group ids are opaque hashable values to the books (``keys.SegmentKey``,
 ``keys.ObjectKey``); keys are the stored strings the tiers know.
+
+The store's loop is the only writer of the books. Other threads read them (``holders``)
+and take and let go pins (``pin_ready``, ``pin``, ``unpin``): every change of what a
+tier holds, and every pin, is made under ``lock``, which the policy holds too while it
+chooses its victims and takes them off the books, so a group another thread finds
+READY and pins under the lock is never a victim after that, and one chosen as a victim
+is off the books before any thread can pin it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +65,7 @@ class Ledger:
         self.tiers = list(tiers)
         self._books = [_TierBooks(t) for t in self.tiers]
         self._pins: dict[Group, int] = {}
+        self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ readers' view
 
@@ -65,7 +74,8 @@ class Ledger:
         out = []
         for i, b in enumerate(self._books):
             g = b.key_group.get(key)
-            if g is not None and b.groups[g].ready:
+            # ``get`` twice: from another thread, the group may leave in between.
+            if g is not None and (e := b.groups.get(g)) is not None and e.ready:
                 out.append(i)
         return out
 
@@ -80,6 +90,14 @@ class Ledger:
     def groups_of(self, key: str) -> dict[int, Group]:
         """Per tier whose books know ``key`` (READY or WRITING), the group it is in."""
         return {i: g for i, b in enumerate(self._books) if (g := b.key_group.get(key)) is not None}
+
+    def first_group(self, key: str) -> Group | None:
+        """The group of ``key`` in the fastest tier whose books know it (READY or
+        WRITING)."""
+        for b in self._books:
+            if (g := b.key_group.get(key)) is not None:
+                return g
+        return None
 
     def group_of(self, tier: int, key: str) -> Group | None:
         return self._books[tier].key_group.get(key)
@@ -139,27 +157,31 @@ class Ledger:
 
     def begin_write(self, tier: int, group: Group, sizes: Mapping[str, int], depth: int) -> None:
         """The group's room is taken in ``tier``; readers do not see it yet."""
-        self._drop(tier, group)
-        self._add(tier, group, dict(sizes), depth, ready=False)
+        with self.lock:
+            self._drop(tier, group)
+            self._add(tier, group, dict(sizes), depth, ready=False)
 
     def complete_write(self, tier: int, group: Group, ok: bool) -> None:
         """The write ``begin_write`` announced ended: READY, or gone when it failed."""
-        e = self._books[tier].groups.get(group)
-        if e is None:
-            return
-        if ok:
-            e.ready = True
-        else:
-            self._drop(tier, group)
+        with self.lock:
+            e = self._books[tier].groups.get(group)
+            if e is None:
+                return
+            if ok:
+                e.ready = True
+            else:
+                self._drop(tier, group)
 
     def record(self, tier: int, group: Group, sizes: Mapping[str, int], *, depth: int = 0) -> None:
         """Note a READY group found in a tier (restart scan, discovery)."""
-        self._drop(tier, group)
-        self._add(tier, group, dict(sizes), depth, ready=True)
+        with self.lock:
+            self._drop(tier, group)
+            self._add(tier, group, dict(sizes), depth, ready=True)
 
     def forget(self, tier: int, group: Group) -> dict[str, int]:
         """The group left the tier (evicted, deleted, found missing); its sizes."""
-        e = self._drop(tier, group)
+        with self.lock:
+            e = self._drop(tier, group)
         return e.sizes if e else {}
 
     def touch(self, groups: Iterable[Group]) -> None:
@@ -173,16 +195,35 @@ class Ledger:
                 b.groups.move_to_end(g)
 
     def pin(self, groups: Iterable[Group]) -> None:
-        for g in groups:
-            self._pins[g] = self._pins.get(g, 0) + 1
+        with self.lock:
+            for g in groups:
+                self._pins[g] = self._pins.get(g, 0) + 1
 
     def unpin(self, groups: Iterable[Group]) -> None:
-        for g in groups:
-            n = self._pins.get(g, 0) - 1
-            if n <= 0:
-                self._pins.pop(g, None)
-            else:
-                self._pins[g] = n
+        with self.lock:
+            for g in groups:
+                n = self._pins.get(g, 0) - 1
+                if n <= 0:
+                    self._pins.pop(g, None)
+                else:
+                    self._pins[g] = n
+
+    def pin_ready(self, keys: Sequence[str]) -> int:
+        """From any thread: pin the group of each of ``keys``, from the first, that a
+        get finds now (READY in some tier), up to the first that it does not; how many.
+        The check and the pin are one step under ``lock``: no victim is chosen between."""
+        with self.lock:
+            n = 0
+            for k in keys:
+                for b in self._books:
+                    g = b.key_group.get(k)
+                    if g is not None and b.groups[g].ready:
+                        self._pins[g] = self._pins.get(g, 0) + 1
+                        break
+                else:
+                    break
+                n += 1
+            return n
 
     def _add(
         self, tier: int, group: Group, sizes: dict[str, int], depth: int, *, ready: bool

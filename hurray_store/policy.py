@@ -79,7 +79,15 @@ class Policy:
         written, until it fits. The victims are off the books when this returns (the
         cascade deletes their bytes, demoting them first where ``demote_to`` says). A
         group already there is replaced. The writer ends with ``ledger.complete_write``.
+        Other threads take pins: the choice and the books' change are one step under
+        the books' lock, so nothing is pinned in between.
         """
+        with self.ledger.lock:
+            return self._plan_write(tier, group, sizes, depth)
+
+    def _plan_write(
+        self, tier: int, group: Group, sizes: Mapping[str, int], depth: int
+    ) -> Admission:
         led = self.ledger
         cap = self.tiers[tier].capacity_bytes
         need = sum(sizes.values())

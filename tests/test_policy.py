@@ -3,6 +3,10 @@ evicted, where puts land, what is promoted."""
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
+
 import pytest
 
 from hurray_store.ledger import Ledger
@@ -216,3 +220,54 @@ def test_flush_skips_groups_still_being_written() -> None:
     admit(p, 0, "a", {"a/0": 10})
     assert p.plan_write(0, "b", {"b/0": 10}).accepted
     assert p.flush_targets() == [("a", 0, 1)]
+
+
+def test_pin_ready_pins_the_ready_prefix_only() -> None:
+    p = make([MEM])
+    evicted(p, 0, "a", 10)
+    evicted(p, 0, "b", 10)
+    assert p.plan_write(0, "w", {"w/0": 10}).accepted  # WRITING: no get finds it yet
+    assert p.ledger.pin_ready(["a/0", "b/0", "w/0", "a/0"]) == 2
+    assert p.ledger.is_pinned("a") and p.ledger.is_pinned("b")
+    assert not p.ledger.is_pinned("w")
+    assert p.ledger.pin_ready(["nowhere", "a/0"]) == 0
+    p.ledger.unpin(["a"])
+    assert not p.ledger.is_pinned("a")
+
+
+def test_a_group_pinned_from_another_thread_is_never_a_victim() -> None:
+    """Engines' threads pin from the books while the store's loop evicts: a group is
+    either pinned before the policy chooses (then it stays) or off the books before
+    the pin is tried (then the pin misses), never chosen after a pin succeeded."""
+    p = make([MEM])
+    led = p.ledger
+    held: set[str] = set()  # groups this thread holds a pin on: a subset of the books' pins
+    stop = threading.Event()
+    pinned_count = [0]
+
+    def pinner() -> None:
+        while not stop.is_set():
+            with led.lock:  # the next victim: the least recently used group
+                g = next(iter(led.groups(0)), None)
+            if g is not None and led.pin_ready([g + "/0"]):
+                held.add(g)
+                pinned_count[0] += 1
+                time.sleep(0)
+                held.discard(g)
+                led.unpin([g])
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # hand the GIL over as often as it can
+    t = threading.Thread(target=pinner)
+    t.start()
+    try:
+        for n in range(20000):
+            adm = p.plan_write(0, f"g{n}", {f"g{n}/0": 30})
+            assert adm.accepted, adm.reason
+            assert not {v.group for v in adm.victims} & held  # type: ignore[misc]
+            led.complete_write(0, f"g{n}", True)
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)
+    assert pinned_count[0] > 0  # the thread did pin, often

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from concurrent.futures import CancelledError, Future
 from functools import partial
 from typing import Any, TypeVar
@@ -17,17 +17,14 @@ T = TypeVar("T")
 
 class StoreThread:
     """A store on an event loop of its own thread: LMCache calls from its threads;
-    every store call (pins included) runs on this loop."""
+    every store call runs on this loop but the books' reads and pins, and the reads
+    of ``read_objects_into_now``, which run on the caller's thread."""
 
     def __init__(self, config: Any, name: str) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self.store: TieredStore = self.call(open_store(config))
-        # Unpins wait here for the loop, which takes them all at its next turn: an
-        # engine lets a lookup's chunks go one call per chunk.
-        self._unpins: list[str] = []
-        self._unpins_lock = threading.Lock()
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the store's loop and wait for its result."""
@@ -58,45 +55,15 @@ class StoreThread:
                     fut.set_exception(e)
             raise
 
-    def call_now(self, fn: Callable[[], T]) -> T:
-        """Run ``fn()`` (no ``await`` in it) on the store's loop and wait for its result:
-        a plain callback, with no task, about 35 us a trip here against 55 for
-        ``call``."""
-        fut: Future[T] = Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # handed to the caller, who raises it
-                fut.set_exception(e)
-
-        self.loop.call_soon_threadsafe(run)
-        return fut.result()
-
     def pin_prefix(self, keys: Sequence[str]) -> int:
-        """Pin, in one trip to the store's loop, the longest run of ``keys`` from the
-        first that a get will find; its length. The books are read and the pins taken
-        in one step of the loop, so nothing is evicted in between. A shared tier (a
-        cache server) is asked about what the books lack, and what it holds is pinned
-        in the books too."""
+        """Pin the longest run of ``keys`` from the first that a get will find; its
+        length. From the books, on the calling thread (their lock keeps any victim from
+        being chosen between the check and the pin). A shared tier (a cache server) is
+        asked about what the books lack, on the store's loop, and what it holds is
+        pinned in the books too."""
         if self.store.shared:
             return self.call(held_prefix(self.store, list(keys), pin=True))
-        return self.call_now(partial(_pin_prefix, self.store, list(keys)))
-
-    def unpin_soon(self, keys: Sequence[str]) -> None:
-        """Unpin ``keys`` without waiting: the loop takes every unpin handed over
-        since its last turn at once, before anything submitted after this call (its
-        callbacks run in the order they were handed over)."""
-        with self._unpins_lock:
-            first = not self._unpins
-            self._unpins += keys
-        if first:
-            self.loop.call_soon_threadsafe(self._take_unpins)
-
-    def _take_unpins(self) -> None:
-        with self._unpins_lock:
-            keys, self._unpins = self._unpins, []
-        self.store.unpin_objects(keys)
+        return self.store.pin_held_objects(keys)
 
     def close(self) -> None:
         """Flush and close the store, then stop the loop."""
@@ -119,13 +86,6 @@ def _settle(fut: Future[T], task: asyncio.Task[T]) -> None:
 def _books_prefix(store: TieredStore, keys: list[str]) -> int:
     """How many of ``keys``, from the first, the books hold where a get will find them."""
     return next((i for i, k in enumerate(keys) if not store.has_object(k)), len(keys))
-
-
-def _pin_prefix(store: TieredStore, keys: list[str]) -> int:
-    """On the store's loop (the books are the loop's alone): the books, then the pins."""
-    n = _books_prefix(store, keys)
-    store.pin_objects(keys[:n])
-    return n
 
 
 async def held_prefix(store: TieredStore, keys: list[str], pin: bool) -> int:

@@ -325,9 +325,16 @@ class TieredStore:
         return self.objects.has(key)
 
     def pin_objects(self, keys: Sequence[str]) -> None:
+        """Keep these objects from eviction until ``unpin_objects`` (any thread)."""
         self.objects.pin(keys)
 
+    def pin_held_objects(self, keys: Sequence[str]) -> int:
+        """From any thread, from the books alone: pin the objects of ``keys``, from the
+        first, that a get will find now, up to the first it will not; how many."""
+        return self.objects.pin_held(keys)
+
     def unpin_objects(self, keys: Sequence[str]) -> None:
+        """Let one pin of each go (any thread)."""
         self.objects.unpin(keys)
 
     def touch_objects(self, keys: Sequence[str]) -> None:

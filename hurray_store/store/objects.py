@@ -161,11 +161,22 @@ class ObjectStore:
             return None
 
     def pin(self, names: Sequence[str]) -> None:
-        """Keep the groups of these objects from eviction until ``unpin``."""
-        self.cascade.ledger.pin(self._groups(names))
+        """Keep the groups of these objects from eviction until ``unpin`` (any thread)."""
+        led = self.cascade.ledger
+        with led.lock:
+            led.pin(self._groups(names))
+
+    def pin_held(self, names: Sequence[str]) -> int:
+        """From any thread: pin the objects of ``names``, from the first, that a get
+        will find now, up to the first it will not; how many. Nothing is evicted
+        between the check and the pin (the books' lock)."""
+        return self.cascade.ledger.pin_ready([object_stored(self.namespace, n) for n in names])
 
     def unpin(self, names: Sequence[str]) -> None:
-        self.cascade.ledger.unpin(self._groups(names))
+        """Let one pin of each go (any thread)."""
+        led = self.cascade.ledger
+        with led.lock:
+            led.unpin(self._groups(names))
 
     def touch(self, names: Sequence[str]) -> None:
         """Mark these objects' groups used now (eviction takes the least recent)."""
@@ -173,12 +184,8 @@ class ObjectStore:
 
     def _groups(self, names: Sequence[str]) -> list[object]:
         """The group of each named object (itself when no tier holds it)."""
-        led = self.cascade.ledger
-        out: list[object] = []
-        for n in names:
-            g = next(iter(led.groups_of(object_stored(self.namespace, n)).values()), None)
-            out.append(self.key(n) if g is None else g)
-        return out
+        first, ns = self.cascade.ledger.first_group, self.namespace
+        return [first(object_stored(ns, n)) or self.key(n) for n in names]
 
     async def delete(self, name: str) -> None:
         """Delete an object everywhere; an object stored with ``put_many`` takes its

@@ -113,7 +113,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._lock = threading.Lock()
         # Pins this engine holds, by chunk: LMCache may pin a chunk twice (two lookups
         # of one prefix) and lets each go once.
-        self._pinned: dict[CacheEngineKey, int] = {}
+        self._pinned: dict[CacheEngineKey, tuple[int, str]] = {}  # pins, chunk name
         self._closed = False
         self._plans: dict[tuple[int, int], Any] = {}  # (layer, pages) -> LayerPlan
         self._record_bytes = chunk_record_bytes(num_layers)
@@ -357,15 +357,17 @@ class HurrayStoragePlugin(StoragePluginInterface):
     def _pin_prefix(self, keys: Sequence[CacheEngineKey]) -> int:
         """Pin the chunks of ``keys`` a get will find, from the first to the first miss;
         how many."""
-        n = self._runner.pin_prefix([self._chunk_key(k) for k in keys])
-        self._count_pins(keys[:n])
+        names = [self._chunk_key(k) for k in keys]
+        n = self._runner.pin_prefix(names)
+        self._count_pins(keys[:n], names)
         return n
 
-    def _count_pins(self, keys: Sequence[CacheEngineKey]) -> None:
-        """The store pinned these chunks for this engine: one more pin each."""
+    def _count_pins(self, keys: Sequence[CacheEngineKey], names: Sequence[str]) -> None:
+        """The store pinned these chunks (``names``) for this engine: one more pin each."""
         with self._lock:
-            for key in keys:
-                self._pinned[key] = self._pinned.get(key, 0) + 1
+            for key, name in zip(keys, names, strict=False):
+                n, _ = self._pinned.get(key, (0, name))
+                self._pinned[key] = (n + 1, name)
 
     def _get_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         """The chunks of ``keys``, None where missing, read on the calling thread
@@ -481,7 +483,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         names = [self._chunk_key(k) for k in keys]
         n = await asyncio.wrap_future(self._runner.submit(held_prefix(self.store, names, pin)))
         if pin:
-            self._count_pins(keys[:n])
+            self._count_pins(keys[:n], names)
         return n
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
@@ -507,15 +509,15 @@ class HurrayStoragePlugin(StoragePluginInterface):
         return self._pin_prefix([key]) == 1
 
     def unpin(self, key: CacheEngineKey) -> bool:
-        """Let a pinned chunk go; the store's loop takes it at its next turn (LMCache
-        lets a lookup's chunks go one call per chunk)."""
+        """Let one pin of a chunk go, here on the caller's thread (LMCache lets a
+        lookup's chunks go one call per chunk)."""
         with self._lock:
-            n = self._pinned.pop(key, 0)
+            n, name = self._pinned.pop(key, (0, ""))
             if not n:
                 return False
             if n > 1:
-                self._pinned[key] = n - 1
-        self._runner.unpin_soon([self._chunk_key(key)])
+                self._pinned[key] = (n - 1, name)
+        self.store.unpin_objects([name])
         return True
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
@@ -525,9 +527,9 @@ class HurrayStoragePlugin(StoragePluginInterface):
         with self._lock:
             if key in self._pinned and not force:
                 return False
-            n = self._pinned.pop(key, 0)
+            n, _ = self._pinned.pop(key, (0, ck))
         if n:
-            self._runner.unpin_soon([ck] * n)
+            self.store.unpin_objects([ck] * n)
         return self._call(self._remove(ck))
 
     async def _remove(self, name: str) -> bool:

@@ -144,6 +144,27 @@ def test_put_get_bit_exact_and_restart(opened: Any) -> None:
         got.ref_count_down()
 
 
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        ([2, LAYERS, 32, (HEADS + 1) * DIM], torch.float16),  # another width
+        ([2, LAYERS + 1, 32, HEADS * DIM], torch.float16),  # another layer count
+        ([2, LAYERS, 32, HEADS * DIM], torch.bfloat16),  # another dtype
+    ],
+)
+def test_a_chunk_of_another_layout_is_refused_and_nothing_stored(
+    opened: Any, shape: list[int], dtype: torch.dtype
+) -> None:
+    b = opened()
+    p = plugin_of(b)
+    obj = b["LocalCPUBackend"].allocate(torch.Size(shape), dtype, MemoryFormat.KV_2LTD)
+    with pytest.raises(ValueError, match="expected a KV_2LTD chunk"):
+        p.batched_submit_put_task([key(1)], [obj])
+    p.flush()
+    assert obj.get_ref_count() == 1  # the plugin kept no reference
+    assert not p.contains(key(1)) and not p.exists_in_put_tasks(key(1))
+
+
 def test_a_chunk_is_stored_under_the_documented_key(opened: Any, tmp_path: Path) -> None:
     """The key scheme docs/lmcache.md gives (a negative chunk hash as its 64 bits): a
     cache written by an earlier version is found after an upgrade only if it holds."""

@@ -33,6 +33,8 @@ required) and ``...page_size`` (default 16). See docs/lmcache.md.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -54,7 +56,6 @@ from hurray_store.adapters.lmcache.records import (
 from hurray_store.adapters.store_thread import StoreThread, held_prefix
 from hurray_store.errors import FormatError
 from hurray_store.format import Slot, checksum, plan_layer
-from hurray_store.format.encode import byte_view
 from hurray_store.format.wire import blob_descriptor
 from hurray_store.store import TieredStore
 from hurray_store.tiers import RangeIn, Sealed, host_view
@@ -63,6 +64,30 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _GETS_IN_FLIGHT = 2  # chunks read at once on the store's loop (more was slower here)
 _HASH_MASK = 2**64 - 1  # LMCache's chunk hashes are Python ints, possibly negative
+
+
+@functools.lru_cache(maxsize=1024)
+def _byte_array(n: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
+    # One ctypes array type per size, made once: each new one is a heap type that is
+    # never freed (LMCache#3767).
+    return ctypes.c_ubyte * n
+
+
+def _bytes_of(obj: MemoryObj) -> memoryview:
+    """A writable byte view of LMCache's buffer ``obj`` (its logical bytes), made from
+    its address with no torch operation: each of those lets go of the GIL, and with the
+    store's threads busy on 2 cores a slice or view of a tensor waited 0.1-3 ms here to
+    get it back, against about 1 us for this. The caller holds a reference on ``obj``
+    for as long as it uses the view."""
+    raw = getattr(obj, "raw_data", None)
+    if not isinstance(raw, torch.Tensor) or raw.device.type != "cpu":
+        t = obj.tensor
+        assert t is not None and t.is_contiguous()
+        return host_view(t)
+    n = obj.get_size()
+    if n > raw.nbytes:
+        raise ValueError(f"a buffer of {raw.nbytes} bytes cannot hold {n}")
+    return memoryview(_byte_array(n).from_address(raw.data_ptr())).cast("B")
 
 
 class HurrayStoragePlugin(StoragePluginInterface):
@@ -157,27 +182,29 @@ class HurrayStoragePlugin(StoragePluginInterface):
         the buffer until the put completes. A pool of whole pages is hashed where the
         object is written (a disk tier: on its writer thread, just before the write),
         a pool with a partial last page here; each byte once."""
-        t = obj.tensor
-        assert t is not None
+        shape = obj.get_shape()
+        width = self.num_kv_heads * self.head_size
         if (
-            t.dim() != 4
-            or t.shape[0] != 2
-            or t.shape[1] != self.num_layers
-            or t.shape[3] != self.num_kv_heads * self.head_size
-            or not t.is_contiguous()
+            len(shape) != 4
+            or shape[0] != 2
+            or shape[1] != self.num_layers
+            or shape[3] != width
+            or obj.get_dtype() != self.dtype
         ):
             raise ValueError(
-                f"expected a contiguous KV_2LTD chunk [2, {self.num_layers}, tokens, "
-                f"{self.num_kv_heads * self.head_size}], got {tuple(t.shape)}"
+                f"expected a KV_2LTD chunk [2, {self.num_layers}, tokens, {width}] of "
+                f"{self.dtype}, got {tuple(shape)} of {obj.get_dtype()}"
             )
-        n = int(t.shape[2])
+        n = int(shape[2])
         P = self.page_size
         pages = -(-n // P)
         full = n // P * P
         # Each layer's key (or value) tokens are one run of the chunk's bytes: views of
         # one byte view of the whole chunk, sliced (no tensor made per layer).
-        whole = byte_view(t)
+        whole = _bytes_of(obj)
         nb, full_b = self._token_bytes(n), self._token_bytes(full)
+        if len(whole) != 2 * self.num_layers * nb:
+            raise ValueError(f"a chunk of {n} tokens in {len(whole)} bytes")
         buffers: list[Any] = []
         slots: list[int | None] = []
         sums = [0] * (2 * self.num_layers)  # per layer its key's and its value's
@@ -191,9 +218,9 @@ class HurrayStoragePlugin(StoragePluginInterface):
                     pools[role] = ([tok], [2 * li + r])
                     continue
                 parts = [tok[:full_b]] if full else []
-                last = torch.zeros((P, t.shape[3]), dtype=t.dtype)  # the one copy
-                last[: n - full] = t[r, li, full:]
-                parts.append(byte_view(last))
+                last = bytearray(self._token_bytes(P))  # the one copy, zero padded
+                last[: nb - full_b] = tok[full_b:]
+                parts.append(memoryview(last))
                 pools[role] = (parts, [None] * len(parts))
                 sums[2 * li + r] = checksum(tok)  # the token bytes, not the padding
             for part in self._plan(li, pages).parts:
@@ -456,9 +483,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     def _pool_views(self, obj: MemoryObj) -> list[memoryview]:
         """Byte views of a chunk's token rows, per layer its keys then its values."""
-        t = obj.tensor
-        assert t is not None and t.is_contiguous()
-        whole, L = host_view(t), self.num_layers  # [2, layers, tokens, width]: one view
+        whole, L = _bytes_of(obj), self.num_layers  # [2, layers, tokens, width]: one view
         nb = len(whole) // (2 * L)
         return [whole[(r * L + li) * nb : (r * L + li + 1) * nb] for li in range(L) for r in (0, 1)]
 

@@ -144,6 +144,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._record_bytes = chunk_record_bytes(num_layers)
         self._record_descriptor = blob_descriptor(self._record_bytes)
         self._pages: dict[int, int] | None = None  # chunk object size -> its pages
+        self._layouts: dict[int, tuple[list[tuple[int, int]], int]] = {}  # by page count
 
     @staticmethod
     def _plugin_name(extra: dict[str, Any]) -> str:
@@ -260,13 +261,19 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     def _layers_of(self, pages: int) -> tuple[list[tuple[int, int]], int]:
         """Where each layer's key and value pools start in a chunk object of ``pages``
-        pages, and the object's size."""
-        pools, pos = [], 0
-        for li in range(self.num_layers):
-            plan = self._plan(li, pages)
-            pools.append((pos + plan.key_pool_offset, pos + plan.value_pool_offset))
-            pos += plan.nbytes
-        return pools, pos + len(self._record_descriptor) + self._record_bytes
+        pages, and the object's size (made once per page count; not to be changed)."""
+        got = self._layouts.get(pages)
+        if got is None:
+            pools, pos = [], 0
+            for li in range(self.num_layers):
+                plan = self._plan(li, pages)
+                pools.append((pos + plan.key_pool_offset, pos + plan.value_pool_offset))
+                pos += plan.nbytes
+            got = self._layouts[pages] = (
+                pools,
+                pos + len(self._record_descriptor) + self._record_bytes,
+            )
+        return got
 
     def _pages_of(self, size: int) -> int | None:
         """The page count of a chunk object of ``size`` bytes (None: no such object)."""

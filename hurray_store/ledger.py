@@ -213,17 +213,21 @@ class Ledger:
         get finds now (READY in some tier), up to the first that it does not; how many.
         The check and the pin are one step under ``lock``: no victim is chosen between."""
         with self.lock:
-            n = 0
+            groups = []
             for k in keys:
-                for b in self._books:
-                    g = b.key_group.get(k)
-                    if g is not None and b.groups[g].ready:
-                        self._pins[g] = self._pins.get(g, 0) + 1
-                        break
-                else:
+                if (g := self._ready_group(k)) is None:
                     break
-                n += 1
-            return n
+                groups.append(g)
+            self.pin(groups)
+            return len(groups)
+
+    def _ready_group(self, key: str) -> Group | None:
+        """The group of ``key`` in the fastest tier holding it READY."""
+        for b in self._books:
+            g = b.key_group.get(key)
+            if g is not None and b.groups[g].ready:
+                return g
+        return None
 
     def _add(
         self, tier: int, group: Group, sizes: dict[str, int], depth: int, *, ready: bool

@@ -83,18 +83,13 @@ def _settle(fut: Future[T], task: asyncio.Task[T]) -> None:
         fut.set_result(task.result())
 
 
-def _books_prefix(store: TieredStore, keys: list[str]) -> int:
-    """How many of ``keys``, from the first, the books hold where a get will find them."""
-    return next((i for i, k in enumerate(keys) if not store.has_object(k)), len(keys))
-
-
 async def held_prefix(store: TieredStore, keys: list[str], pin: bool) -> int:
     """On the store's loop: how many of ``keys``, from the first, a get will find,
     pinned with ``pin``. What other processes sharing a tier did is heard first; then
     the books, and the pins in the same step when no tier is shared. A shared tier (a
     cache server) is asked, all at once, about the keys from the first the books lack."""
     await store.sync()
-    n = _books_prefix(store, keys)
+    n = next((i for i, k in enumerate(keys) if not store.has_object(k)), len(keys))
     if store.shared and n < len(keys):
         rest = await asyncio.gather(*(store.contains_object(k) for k in keys[n:]))
         n += rest.index(False) if False in rest else len(rest)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import itertools
 import json
 import logging
@@ -176,9 +177,6 @@ class _RangeReads:
                 self.each(j, i, checksum(r.buffers[i]))
 
 
-# Paths of this many keys are kept made (about 200 bytes each).
-_PATHS_KEPT = 8192
-
 # File names stay under the usual 255-byte limit with room for the temp prefix.
 MAX_NAME_BYTES = 230
 
@@ -192,6 +190,19 @@ class KeyTooLongError(FileNotFoundError):
     """A key too long to be a file name: this tier cannot hold it."""
 
 
+@functools.lru_cache(maxsize=8192)
+def _object_path(objects: Path, key: str) -> Path:
+    """``DiskTier.path_of``, kept made for the last few thousand keys."""
+    name = quote(key, safe="")
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise KeyTooLongError(
+            errno.ENAMETOOLONG,
+            f"the key's file name takes {len(name.encode())} bytes, at most {MAX_NAME_BYTES}",
+        )
+    shard = f"{xxhash.xxh3_64_intdigest(key.encode()) & 0xFF:02x}"
+    return objects / shard / name
+
+
 class DiskTier(Tier):
     config_cls = DiskTierConfig
     persistent = True
@@ -201,7 +212,6 @@ class DiskTier(Tier):
         super().__init__(cfg, namespace)
         self.root = Path(cfg.path)
         self.objects = self.root / "objects"
-        self._paths: dict[str, Path] = {}  # key -> path_of(key), recent keys
         self.quarantine_dir = self.root / "quarantine"
         self.fsync = cfg.fsync
         self._put = aiofiles.os.wrap(self._put_sync)
@@ -224,23 +234,7 @@ class DiskTier(Tier):
         has none (KeyTooLongError, a FileNotFoundError): reads of it miss, writes of it
         are skipped with a warning. Kept for the last few thousand keys (an engine
         reads what it wrote: making a path took 14 us of a 620 us get here)."""
-        path = self._paths.get(key)
-        if path is None:
-            path = self._make_path(key)
-            if len(self._paths) >= _PATHS_KEPT:
-                self._paths.clear()
-            self._paths[key] = path
-        return path
-
-    def _make_path(self, key: str) -> Path:
-        name = quote(key, safe="")
-        if len(name.encode()) > MAX_NAME_BYTES:
-            raise KeyTooLongError(
-                errno.ENAMETOOLONG,
-                f"the key's file name takes {len(name.encode())} bytes, at most {MAX_NAME_BYTES}",
-            )
-        shard = f"{xxhash.xxh3_64_intdigest(key.encode()) & 0xFF:02x}"
-        return self.objects / shard / name
+        return _object_path(self.objects, key)
 
     async def open(self) -> None:
         await aiofiles.os.makedirs(self.objects, exist_ok=True)

@@ -33,8 +33,6 @@ required) and ``...page_size`` (default 16). See docs/lmcache.md.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import functools
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -58,36 +56,12 @@ from hurray_store.errors import FormatError
 from hurray_store.format import Slot, checksum, plan_layer
 from hurray_store.format.wire import blob_descriptor
 from hurray_store.store import TieredStore
-from hurray_store.tiers import RangeIn, Sealed, host_view
+from hurray_store.tiers import RangeIn, Sealed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _GETS_IN_FLIGHT = 2  # chunks read at once on the store's loop (more was slower here)
 _HASH_MASK = 2**64 - 1  # LMCache's chunk hashes are Python ints, possibly negative
-
-
-@functools.lru_cache(maxsize=1024)
-def _byte_array(n: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
-    # One ctypes array type per size, made once: each new one is a heap type that is
-    # never freed (LMCache#3767).
-    return ctypes.c_ubyte * n
-
-
-def _bytes_of(obj: MemoryObj) -> memoryview:
-    """A writable byte view of LMCache's buffer ``obj`` (its logical bytes), made from
-    its address with no torch operation: each of those lets go of the GIL, and with the
-    store's threads busy on 2 cores a slice or view of a tensor waited 0.1-3 ms here to
-    get it back, against about 1 us for this. The caller holds a reference on ``obj``
-    for as long as it uses the view."""
-    raw = getattr(obj, "raw_data", None)
-    if not isinstance(raw, torch.Tensor) or raw.device.type != "cpu":
-        t = obj.tensor
-        assert t is not None and t.is_contiguous()
-        return host_view(t)
-    n = obj.get_size()
-    if n > raw.nbytes:
-        raise ValueError(f"a buffer of {raw.nbytes} bytes cannot hold {n}")
-    return memoryview(_byte_array(n).from_address(raw.data_ptr())).cast("B")
 
 
 class HurrayStoragePlugin(StoragePluginInterface):
@@ -201,8 +175,11 @@ class HurrayStoragePlugin(StoragePluginInterface):
         pages = -(-n // P)
         full = n // P * P
         # Each layer's key (or value) tokens are one run of the chunk's bytes: views of
-        # one byte view of the whole chunk, sliced (no tensor made per layer).
-        whole = _bytes_of(obj)
+        # one byte view of the whole chunk, sliced (no tensor made per layer). LMCache's
+        # ``byte_array`` is made from the buffer's address with no torch operation: each
+        # of those lets go of the GIL, and with the store's threads busy a slice or view
+        # of a tensor waited 0.1-3 ms here to get it back, against about 1 us for this.
+        whole = memoryview(obj.byte_array).cast("B")
         nb, full_b = self._token_bytes(n), self._token_bytes(full)
         if len(whole) != 2 * self.num_layers * nb:
             raise ValueError(f"a chunk of {n} tokens in {len(whole)} bytes")
@@ -490,7 +467,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     def _pool_views(self, obj: MemoryObj) -> list[memoryview]:
         """Byte views of a chunk's token rows, per layer its keys then its values."""
-        whole, L = _bytes_of(obj), self.num_layers  # [2, layers, tokens, width]: one view
+        # [2, layers, tokens, width]: one view, with no torch operation (see _encode)
+        whole, L = memoryview(obj.byte_array).cast("B"), self.num_layers
         nb = len(whole) // (2 * L)
         return [whole[(r * L + li) * nb : (r * L + li + 1) * nb] for li in range(L) for r in (0, 1)]
 

@@ -13,6 +13,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -121,9 +122,11 @@ def object_stored(namespace: str, name: str) -> str:
     return f"{namespace}/o/{name}"
 
 
-@dataclass(frozen=True, slots=True)
-class ObjectKey:
-    """An object-level key; as a group id it names the group whose last object it is."""
+class ObjectKey(NamedTuple):
+    """An object-level key; as a group id it names the group whose last object it is.
+    A named tuple, not a dataclass: as a group id it is hashed a few times on every pin
+    and unpin of an engine's lookup, and a tuple's hash is C (26 ns here against 82 for a
+    frozen dataclass's generated ``__hash__``)."""
 
     namespace: str
     name: str

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
+import sys
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +30,7 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
 
 from hurray_store.adapters.lmcache import HurrayStoragePlugin  # noqa: E402
+from hurray_store.adapters.lmcache import plugin as plugin_module  # noqa: E402
 
 LAYERS, HEADS, DIM = 3, 2, 16
 
@@ -259,6 +263,70 @@ async def test_async_lookup_with_pin_pins_the_hit_prefix(opened: Any) -> None:
     assert _pinned(p, [1, 2, 4]) == [1, 2]
     assert p.unpin(key(1)) and p.unpin(key(2))
     assert _pinned(p, [1, 2, 4]) == []
+
+
+def test_pins_hold_while_the_plugin_forgets_chunk_names(
+    opened: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plugin keeps the names of the chunks it saw lately with its pins on them;
+    when there are too many it forgets the unpinned ones, never a pin."""
+    monkeypatch.setattr(plugin_module, "_CHUNKS_KEPT", 4)
+    b = opened()
+    p = plugin_of(b)
+    p.batched_submit_put_task([key(1), key(2)], [chunk(b, 64, i) for i in (1, 2)])
+    p.flush()
+    assert p.batched_contains([key(1), key(2)], pin=True) == 2
+    assert p.pin(key(1))
+    drops = p._drops
+    more = range(10, 30)
+    p.batched_submit_put_task([key(h) for h in more], [chunk(b, 32, h) for h in more])
+    p.flush()
+    assert p._drops > drops and len(p._chunks) < 22  # names forgotten, more than once
+    assert _pinned(p, [1, 2]) == [1, 2]
+    assert p.unpin(key(1)) and p.unpin(key(1)) and not p.unpin(key(1))
+    assert p.unpin(key(2)) and not p.unpin(key(2))
+    assert _pinned(p, [1, 2, *more]) == []
+    assert all(p.contains(key(h)) for h in (1, 2, *more))  # forgotten names, found again
+
+
+def test_lookups_unpins_and_removes_on_several_threads_leave_no_pin_behind(
+    opened: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engines' threads pin, let go and remove the same chunks at once while the plugin
+    forgets names: every pin taken is let go once, none is lost on the way."""
+    monkeypatch.setattr(plugin_module, "_CHUNKS_KEPT", 8)
+    b = opened()
+    p = plugin_of(b)
+    hashes = range(1, 13)
+    p.batched_submit_put_task([key(h) for h in hashes], [chunk(b, 32, h) for h in hashes])
+    p.flush()
+    stop = threading.Event()
+
+    def look(seed: int) -> int:
+        rng, n = random.Random(seed), 0
+        while not stop.is_set():
+            ks = [key(h) for h in rng.sample(hashes, 4)]
+            hit = p.batched_contains(ks, pin=True)
+            for k in ks[:hit]:
+                p.unpin(k)  # False when a remove let the pin go first
+            n += hit
+        return n
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            lookers = [pool.submit(look, s) for s in (1, 2)]
+            for h in [*hashes] * 2:  # remove and put back, under the lookups
+                p.remove(key(h))
+                p.batched_submit_put_task([key(h)], [chunk(b, 32, h)])
+                p.flush()
+            stop.set()
+            assert all(f.result() > 0 for f in lookers)
+    finally:
+        sys.setswitchinterval(old)
+    assert all(not c.pins for c in p._chunks.values())
+    assert _pinned(p, list(hashes)) == []
 
 
 def test_pin_remove_and_a_corrupt_chunk_is_a_miss(opened: Any, tmp_path: Path) -> None:

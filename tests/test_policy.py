@@ -227,12 +227,30 @@ def test_pin_ready_pins_the_ready_prefix_only() -> None:
     evicted(p, 0, "a", 10)
     evicted(p, 0, "b", 10)
     assert p.plan_write(0, "w", {"w/0": 10}).accepted  # WRITING: no get finds it yet
-    assert p.ledger.pin_ready(["a/0", "b/0", "w/0", "a/0"]) == 2
+    assert p.ledger.pin_ready(["a/0", "b/0", "w/0", "a/0"]) == ["a", "b"]  # the pins
     assert p.ledger.is_pinned("a") and p.ledger.is_pinned("b")
     assert not p.ledger.is_pinned("w")
-    assert p.ledger.pin_ready(["nowhere", "a/0"]) == 0
+    assert p.ledger.pin_ready(["nowhere", "a/0"]) == []
     p.ledger.unpin(["a"])
     assert not p.ledger.is_pinned("a")
+
+
+def test_pins_let_go_are_counted_off_by_the_next_pin_and_never_pile_up() -> None:
+    """``unpin`` takes no lock and only notes the pin let go: the next reader of the
+    pins counts it off, and so does the next pin, when no write reads them."""
+    p = make([MEM])
+    evicted(p, 0, "a", 10)
+    led = p.ledger
+    led.pin(["a", "a"])
+    led.unpin(["a"])
+    assert led.is_pinned("a")  # one pin of two let go
+    led.unpin(["a"])
+    assert not led.is_pinned("a")
+    for _ in range(1000):  # lookups and their unpins, with no write in between
+        led.unpin(led.pin_ready(["a/0"]))
+    assert len(led._released) == 1  # the last unpin's, not a thousand
+    assert not led.is_pinned("a")
+    assert p.plan_write(0, "b", {"b/0": 95}).victims  # and "a" is a victim again
 
 
 def test_a_group_pinned_from_another_thread_is_never_a_victim() -> None:

@@ -10,7 +10,7 @@ from concurrent.futures import CancelledError, Future
 from functools import partial
 from typing import Any, TypeVar
 
-from hurray_store.store import TieredStore, open_store
+from hurray_store.store import Pin, TieredStore, open_store
 
 T = TypeVar("T")
 
@@ -55,14 +55,14 @@ class StoreThread:
                     fut.set_exception(e)
             raise
 
-    def pin_prefix(self, keys: Sequence[str]) -> int:
-        """Pin the longest run of ``keys`` from the first that a get will find; its
-        length. From the books, on the calling thread (their lock keeps any victim from
-        being chosen between the check and the pin). A shared tier (a cache server) is
-        asked about what the books lack, on the store's loop, and what it holds is
-        pinned in the books too."""
+    def pin_prefix(self, keys: Sequence[str]) -> list[Pin]:
+        """Pin the longest run of ``keys`` from the first that a get will find; the
+        pins, to give back to ``store.unpin``. From the books, on the calling thread
+        (their lock keeps any victim from being chosen between the check and the pin).
+        A shared tier (a cache server) is asked about what the books lack, on the
+        store's loop, and what it holds is pinned in the books too."""
         if self.store.shared:
-            return self.call(held_prefix(self.store, list(keys), pin=True))
+            return self.call(pin_held_prefix(self.store, list(keys)))
         return self.store.pin_held_objects(keys)
 
     def close(self) -> None:
@@ -83,16 +83,22 @@ def _settle(fut: Future[T], task: asyncio.Task[T]) -> None:
         fut.set_result(task.result())
 
 
-async def held_prefix(store: TieredStore, keys: list[str], pin: bool) -> int:
-    """On the store's loop: how many of ``keys``, from the first, a get will find,
-    pinned with ``pin``. What other processes sharing a tier did is heard first; then
-    the books, and the pins in the same step when no tier is shared. A shared tier (a
+async def held_prefix(store: TieredStore, keys: list[str]) -> int:
+    """On the store's loop: how many of ``keys``, from the first, a get will find. What
+    other processes sharing a tier did is heard first; then the books. A shared tier (a
     cache server) is asked, all at once, about the keys from the first the books lack."""
     await store.sync()
     n = next((i for i, k in enumerate(keys) if not store.has_object(k)), len(keys))
     if store.shared and n < len(keys):
         rest = await asyncio.gather(*(store.contains_object(k) for k in keys[n:]))
         n += rest.index(False) if False in rest else len(rest)
-    if pin:
-        store.pin_objects(keys[:n])
     return n
+
+
+async def pin_held_prefix(store: TieredStore, keys: list[str]) -> list[Pin]:
+    """``held_prefix``'s objects, pinned; the pins. With no shared tier, the books'
+    check and the pins are one step under their lock."""
+    if not store.shared:
+        await store.sync()
+        return store.pin_held_objects(keys)
+    return store.pin_objects(keys[: await held_prefix(store, keys)])

@@ -35,7 +35,7 @@ from typing import Any
 from hurray_store.buffers import BufferPool
 from hurray_store.config import StoreConfig, load_config
 from hurray_store.keys import GroupRecordKey, ObjectKey, SegmentKey, SegmentPart, parse_key
-from hurray_store.ledger import Ledger, TierInfo
+from hurray_store.ledger import Group, Ledger, TierInfo
 from hurray_store.metrics import StoreMetrics
 from hurray_store.paging import PagedKVPool
 from hurray_store.policy import Policy
@@ -48,9 +48,13 @@ from hurray_store.store.results import PutResult, RetrievedLayer, RetrieveResult
 from hurray_store.store.writer import SegmentWriter
 from hurray_store.tiers import Blob, Range, RangeIn, Tier, open_tier
 
+# A pin on an object, as the store gave it: given back to ``TieredStore.unpin``. (The
+# group the object was in, opaque to callers.)
+Pin = Group
+
 log = logging.getLogger(__name__)
 
-__all__ = ["PutResult", "RetrieveResult", "RetrievedLayer", "TieredStore", "open_store"]
+__all__ = ["Pin", "PutResult", "RetrieveResult", "RetrievedLayer", "TieredStore", "open_store"]
 
 
 class TieredStore:
@@ -324,18 +328,22 @@ class TieredStore:
         """``contains_object`` from the books alone: true only once a get will succeed."""
         return self.objects.has(key)
 
-    def pin_objects(self, keys: Sequence[str]) -> None:
-        """Keep these objects from eviction until ``unpin_objects`` (any thread)."""
-        self.objects.pin(keys)
+    def pin_objects(self, keys: Sequence[str]) -> list[Pin]:
+        """Keep these objects from eviction until their pins, returned, are given back
+        to ``unpin`` (any thread)."""
+        return self.objects.pin(keys)
 
-    def pin_held_objects(self, keys: Sequence[str]) -> int:
+    def pin_held_objects(self, keys: Sequence[str]) -> list[Pin]:
         """From any thread, from the books alone: pin the objects of ``keys``, from the
-        first, that a get will find now, up to the first it will not; how many."""
+        first, that a get will find now, up to the first it will not; their pins, to
+        give back to ``unpin``."""
         return self.objects.pin_held(keys)
 
-    def unpin_objects(self, keys: Sequence[str]) -> None:
-        """Let one pin of each go (any thread)."""
-        self.objects.unpin(keys)
+    def unpin(self, pins: Sequence[Pin]) -> None:
+        """Let go of pins that ``pin_objects`` or ``pin_held_objects`` gave (any
+        thread). A pin holds the group the object was in when pinned: rewritten
+        since, its new bytes were never pinned, and the old pin still goes."""
+        self.cascade.ledger.unpin(pins)
 
     def touch_objects(self, keys: Sequence[str]) -> None:
         """Count these objects as used now, for eviction (no bytes move)."""

@@ -24,6 +24,7 @@ import torch
 
 from hurray_store.format import checksum
 from hurray_store.keys import ObjectKey, decode_group_record, encode_group_record, object_stored
+from hurray_store.ledger import Group
 from hurray_store.store.cascade import TierCascade
 from hurray_store.tiers import Blob, Buffer, Range, RangeIn, host_view
 from hurray_store.tiers.base import GroupObject, Sealed, SealedObject, StoredObject
@@ -160,29 +161,26 @@ class ObjectStore:
         except (KeyError, RuntimeError):
             return None
 
-    def pin(self, names: Sequence[str]) -> None:
-        """Keep the groups of these objects from eviction until ``unpin`` (any thread)."""
+    def pin(self, names: Sequence[str]) -> list[Group]:
+        """Keep the groups of these objects from eviction (any thread); the groups, each
+        pinned once more, for the books' ``unpin``."""
         led = self.cascade.ledger
         with led.lock:
-            led.pin(self._groups(names))
+            groups = self._groups(names)
+            led.pin(groups)
+            return groups
 
-    def pin_held(self, names: Sequence[str]) -> int:
+    def pin_held(self, names: Sequence[str]) -> list[Group]:
         """From any thread: pin the objects of ``names``, from the first, that a get
-        will find now, up to the first it will not; how many. Nothing is evicted
-        between the check and the pin (the books' lock)."""
+        will find now, up to the first it will not; their groups, for the books'
+        ``unpin``. Nothing is evicted between the check and the pin (the books' lock)."""
         return self.cascade.ledger.pin_ready([object_stored(self.namespace, n) for n in names])
-
-    def unpin(self, names: Sequence[str]) -> None:
-        """Let one pin of each go (any thread)."""
-        led = self.cascade.ledger
-        with led.lock:
-            led.unpin(self._groups(names))
 
     def touch(self, names: Sequence[str]) -> None:
         """Mark these objects' groups used now (eviction takes the least recent)."""
         self.cascade.ledger.touch(self._groups(names))
 
-    def _groups(self, names: Sequence[str]) -> list[object]:
+    def _groups(self, names: Sequence[str]) -> list[Group]:
         """The group of each named object (itself when no tier holds it)."""
         first, ns = self.cascade.ledger.first_group, self.namespace
         return [first(object_stored(ns, n)) or self.key(n) for n in names]

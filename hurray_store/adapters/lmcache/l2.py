@@ -33,7 +33,7 @@ from hurray_store.adapters.store_thread import StoreThread
 from hurray_store.batches import batches
 from hurray_store.errors import FormatError
 from hurray_store.format import checksum
-from hurray_store.store import TieredStore
+from hurray_store.store import Pin, TieredStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,7 +89,7 @@ class HurrayL2Adapter(L2AdapterInterface):
         self._stored: dict[L2TaskId, L2StoreResult] = {}
         self._looked: dict[L2TaskId, Bitmap] = {}
         self._loaded: dict[L2TaskId, Bitmap] = {}
-        self._locks: dict[str, int] = {}
+        self._locks: dict[str, list[Pin]] = {}  # the store's pins of each locked key
         self._runner = StoreThread(cfg.config, "hurray-store-l2")
         self.store: TieredStore = self._runner.store
 
@@ -192,8 +192,7 @@ class HurrayL2Adapter(L2AdapterInterface):
                 self.store.shared and await self.store.contains_object(k)
             ):
                 bitmap.set(i)
-                self._locks[k] = self._locks.get(k, 0) + 1
-                self.store.pin_objects([k])
+                self._locks.setdefault(k, []).extend(self.store.pin_objects([k]))
         with self._lock:
             self._looked[tid] = bitmap
         self._lookup_efd.notify()
@@ -206,14 +205,12 @@ class HurrayL2Adapter(L2AdapterInterface):
         def unlock() -> None:
             for key in keys:
                 k = self._key(key)
-                n = self._locks.get(k, 0)
-                if n <= 0:
+                pins = self._locks.get(k)
+                if not pins:
                     continue
-                self.store.unpin_objects([k])
-                if n == 1:
+                self.store.unpin((pins.pop(),))
+                if not pins:
                     del self._locks[k]
-                else:
-                    self._locks[k] = n - 1
 
         self._runner.loop.call_soon_threadsafe(unlock)
 

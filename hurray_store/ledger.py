@@ -34,6 +34,10 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 Group = Hashable
+# Pins let go that wait to be counted off before a pin counts them (a write's eviction
+# counts them first, whatever their number): a lookup right after another then does
+# not count off the other's unpins, which took 0.3 us each here, all cache misses.
+_RELEASED_KEPT = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +207,7 @@ class Ledger:
 
     def pin(self, groups: Iterable[Group]) -> None:
         with self.lock:
-            if self._released:  # counted off here too, or they pile up while none evicts
+            if len(self._released) >= _RELEASED_KEPT:  # or they pile up while none evicts
                 self._count_released()
             for g in groups:
                 self._pins[g] = self._pins.get(g, 0) + 1

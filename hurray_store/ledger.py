@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 Group = Hashable
@@ -74,6 +74,8 @@ class Ledger:
         # append is atomic), and whoever reads the pins counts them off first, under
         # ``lock``. An engine lets go of a lookup's pins one call per chunk.
         self._released: deque[Group] = deque()
+        # ``unpin`` of one group: the deque's own append, a C call with no Python frame.
+        self.unpin_one: Callable[[Group], None] = self._released.append
         self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ readers' view

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from hurray_store.buffers import BufferPool
@@ -83,6 +83,9 @@ class TieredStore:
                 for t, c in zip(tiers, config.tiers, strict=True)
             ]
         )
+        # ``unpin`` of one pin, as cheap as a call gets: engines let a lookup's pins go
+        # one call per chunk (any thread).
+        self.unpin_one: Callable[[Pin], None] = self.ledger.unpin_one
         self.policy = Policy(
             self.ledger,
             write_mode=config.policy.write_mode,

@@ -42,6 +42,9 @@ class ObjectStore:
     def __init__(self, namespace: str, cascade: TierCascade) -> None:
         self.namespace = namespace
         self.cascade = cascade
+        # An object's stored key is this and its name (``object_stored``), made with no
+        # call for the books' lookups from engines' threads.
+        self._stored = object_stored(namespace, "")
         self._sums: dict[str, int] = {}  # stored key -> xxh3-64, for objects put here
         cascade.subscribe(self._on_group_left)
 
@@ -151,13 +154,13 @@ class ObjectStore:
         """``contains`` from the books alone (no I/O): true only once a get of it will
         find it, the whole group written. Safe from another thread (membership tests of
         dicts are atomic in CPython)."""
-        return bool(self.cascade.ledger.holders(object_stored(self.namespace, name)))
+        return bool(self.cascade.ledger.holders(self._stored + name))
 
     def size_now(self, name: str) -> int | None:
         """``size`` from the books alone (no I/O), from any thread: None when they do
         not know it (or changed under the call)."""
         try:
-            return self.cascade.ledger.key_size(object_stored(self.namespace, name))
+            return self.cascade.ledger.key_size(self._stored + name)
         except (KeyError, RuntimeError):
             return None
 
@@ -174,7 +177,8 @@ class ObjectStore:
         """From any thread: pin the objects of ``names``, from the first, that a get
         will find now, up to the first it will not; their groups, for the books'
         ``unpin``. Nothing is evicted between the check and the pin (the books' lock)."""
-        return self.cascade.ledger.pin_ready([object_stored(self.namespace, n) for n in names])
+        at = self._stored
+        return self.cascade.ledger.pin_ready([at + n for n in names])
 
     def touch(self, names: Sequence[str]) -> None:
         """Mark these objects' groups used now (eviction takes the least recent)."""
@@ -182,8 +186,8 @@ class ObjectStore:
 
     def _groups(self, names: Sequence[str]) -> list[Group]:
         """The group of each named object (itself when no tier holds it)."""
-        first, ns = self.cascade.ledger.first_group, self.namespace
-        return [first(object_stored(ns, n)) or self.key(n) for n in names]
+        first, at = self.cascade.ledger.first_group, self._stored
+        return [first(at + n) or self.key(n) for n in names]
 
     async def delete(self, name: str) -> None:
         """Delete an object everywhere; an object stored with ``put_many`` takes its

@@ -131,6 +131,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._key_prefix = f"lmc/{self.fingerprint[:8].hex()}/"
         self._runner = StoreThread(path, "hurray-store-plugin")
         self.store: TieredStore = self._runner.store
+        self._unpin_one = self.store.unpin_one
         self._pending: dict[CacheEngineKey, Future[None]] = {}
         self._lock = threading.Lock()
         # LMCache's chunks this engine has named lately (put or pinned): each one's
@@ -586,10 +587,9 @@ class HurrayStoragePlugin(StoragePluginInterface):
         """Let one pin of a chunk go, here on the caller's thread (LMCache lets a
         lookup's chunks go one call per chunk), with no lock (see ``_chunks``)."""
         try:
-            pin = self._chunks[key].pins.pop()
+            self._unpin_one(self._chunks[key].pins.pop())
         except (KeyError, IndexError):
             return False
-        self.store.unpin((pin,))
         return True
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:

@@ -185,6 +185,29 @@ def test_a_chunk_is_stored_under_the_documented_key(opened: Any, tmp_path: Path)
     obj.ref_count_down()
 
 
+def test_chunks_of_other_tags_are_kept_apart(opened: Any) -> None:
+    """LMCache's keys differ by their tags (``lmcache.tag.*`` request configs, such as
+    one per tenant): a chunk stored under one tag is a miss under another, or none."""
+    b = opened()
+    p = plugin_of(b)
+
+    def tagged(user: str | None) -> CacheEngineKey:
+        cfg = {} if user is None else {"lmcache.tag.user": user}
+        return CacheEngineKey("tiny", 1, 0, 9, torch.float16, request_configs=cfg)
+
+    obj = chunk(b, 64, 9)
+    p.batched_submit_put_task([tagged("alice")], [obj])
+    p.flush()
+    assert p.contains(tagged("alice")) and p.contains(tagged("alice"), pin=True)
+    assert not p.contains(tagged("bob")) and not p.contains(tagged(None))
+    assert p.get_blocking(tagged("bob")) is None and p.get_blocking(tagged(None)) is None
+    got = p.get_blocking(tagged("alice"))
+    assert got is not None and torch.equal(got.tensor, obj.tensor)
+    got.ref_count_down()
+    assert p.unpin(tagged("alice")) and not p.unpin(tagged("bob"))
+    obj.ref_count_down()
+
+
 def test_a_truncated_chunk_object_is_a_miss_and_leaves(opened: Any, tmp_path: Path) -> None:
     b = opened()
     p = plugin_of(b)

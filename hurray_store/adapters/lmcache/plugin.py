@@ -69,11 +69,17 @@ _CHUNKS_KEPT = 8192
 
 
 def _chunk_name(prefix: str, key: CacheEngineKey) -> str:
-    """The store's name of LMCache's chunk ``key``, under the layout's ``prefix``."""
-    return (
+    """The store's name of LMCache's chunk ``key``, under the layout's ``prefix``. A key
+    with tags (LMCache's ``lmcache.tag.*`` request configs, which keep one tenant's
+    chunks apart from another's: its keys differ by them) names its tags' xxh3-64 too,
+    of fixed length whatever the tags."""
+    name = (
         f"{prefix}{key.model_name}@{key.world_size}@{key.worker_id}"
-        f"@{key.chunk_hash & _HASH_MASK:016x}@{str(key.dtype).removeprefix('torch.')}/c"
+        f"@{key.chunk_hash & _HASH_MASK:016x}@{str(key.dtype).removeprefix('torch.')}"
     )
+    if tags := getattr(key, "tags", None):
+        name += f"@t{checksum(repr(tags).encode()):016x}"
+    return name + "/c"
 
 
 class _Chunk:

@@ -230,11 +230,12 @@ class Ledger:
                 else:
                     pins[g] = n
 
-    def pin_ready(self, keys: Sequence[str]) -> list[Group]:
+    def pin_ready(self, keys: Iterable[str]) -> list[Group]:
         """From any thread: pin the group of each of ``keys``, from the first, that a
         get finds now (READY in some tier), up to the first that it does not; the groups
         pinned, to ``unpin`` later. The check and the pin are one step under ``lock``: no
-        victim is chosen between."""
+        victim is chosen between. ``keys`` is taken one at a time, none past the first
+        miss (a lazy caller makes no more)."""
         books, groups = self._books, []
         with self.lock:
             for k in keys:  # _ready_group's loop, inline: 32 chunks a lookup

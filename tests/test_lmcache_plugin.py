@@ -275,6 +275,11 @@ def test_a_pinned_lookup_pins_the_hit_prefix_and_each_unpin_lets_one_pin_go(
     assert _pinned(p, [4]) == [] and p.contains(key(4))
     assert not p.pin(key(3))  # absent: nothing pinned
     assert _pinned(p, [3]) == []
+    # A new prompt's lookup: nothing kept for its chunks (their names made lazily, the
+    # first only), nothing pinned.
+    new = [key(h) for h in range(100, 164)]
+    assert p.batched_contains(new, pin=True) == 0
+    assert not any(k in p._chunks for k in new)
 
 
 async def test_async_lookup_with_pin_pins_the_hit_prefix(opened: Any) -> None:

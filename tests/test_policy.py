@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -234,6 +235,22 @@ def test_pin_ready_pins_the_ready_prefix_only() -> None:
     assert p.ledger.pin_ready(["nowhere", "a/0"]) == []
     p.ledger.unpin(["a"])
     assert not p.ledger.is_pinned("a")
+
+
+def test_pin_ready_takes_no_key_past_the_first_miss() -> None:
+    """Engines look up every new prompt, most of them misses: the keys may be made
+    lazily, and none is asked for past the first miss."""
+    p = make([MEM])
+    evicted(p, 0, "a", 10)
+    taken: list[str] = []
+
+    def keys() -> Iterator[str]:
+        for k in ["a/0", "nowhere", "a/0", "a/0"]:
+            taken.append(k)
+            yield k
+
+    assert p.ledger.pin_ready(keys()) == ["a"]
+    assert taken == ["a/0", "nowhere"]
 
 
 def test_pins_let_go_are_counted_off_by_the_next_pin_and_never_pile_up() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from concurrent.futures import CancelledError, Future
 from functools import partial
 from typing import Any, TypeVar
@@ -55,12 +55,13 @@ class StoreThread:
                     fut.set_exception(e)
             raise
 
-    def pin_prefix(self, keys: Sequence[str]) -> list[Pin]:
+    def pin_prefix(self, keys: Iterable[str]) -> list[Pin]:
         """Pin the longest run of ``keys`` from the first that a get will find; the
         pins, to give back to ``store.unpin``. From the books, on the calling thread
         (their lock keeps any victim from being chosen between the check and the pin).
         A shared tier (a cache server) is asked about what the books lack, on the
-        store's loop, and what it holds is pinned in the books too."""
+        store's loop, and what it holds is pinned in the books too. ``keys`` may be
+        lazy: with no shared tier, none is taken past the first miss."""
         if self.store.shared:
             return self.call(pin_held_prefix(self.store, list(keys)))
         return self.store.pin_held_objects(keys)
@@ -95,10 +96,12 @@ async def held_prefix(store: TieredStore, keys: list[str]) -> int:
     return n
 
 
-async def pin_held_prefix(store: TieredStore, keys: list[str]) -> list[Pin]:
+async def pin_held_prefix(store: TieredStore, keys: Iterable[str]) -> list[Pin]:
     """``held_prefix``'s objects, pinned; the pins. With no shared tier, the books'
-    check and the pins are one step under their lock."""
+    check and the pins are one step under their lock, and ``keys`` is taken one at a
+    time, none past the first miss."""
     if not store.shared:
         await store.sync()
         return store.pin_held_objects(keys)
-    return store.pin_objects(keys[: await held_prefix(store, keys)])
+    names = list(keys)
+    return store.pin_objects(names[: await held_prefix(store, names)])

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from hurray_store.buffers import BufferPool
@@ -336,10 +336,10 @@ class TieredStore:
         to ``unpin`` (any thread)."""
         return self.objects.pin(keys)
 
-    def pin_held_objects(self, keys: Sequence[str]) -> list[Pin]:
+    def pin_held_objects(self, keys: Iterable[str]) -> list[Pin]:
         """From any thread, from the books alone: pin the objects of ``keys``, from the
         first, that a get will find now, up to the first it will not; their pins, to
-        give back to ``unpin``."""
+        give back to ``unpin``. No key past that first miss is taken from ``keys``."""
         return self.objects.pin_held(keys)
 
     def unpin(self, pins: Sequence[Pin]) -> None:

@@ -18,7 +18,7 @@ checks (the LMCache adapters' objects end in a record with their checksums).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -173,12 +173,11 @@ class ObjectStore:
             led.pin(groups)
             return groups
 
-    def pin_held(self, names: Sequence[str]) -> list[Group]:
+    def pin_held(self, names: Iterable[str]) -> list[Group]:
         """From any thread: pin the objects of ``names``, from the first, that a get
         will find now, up to the first it will not; their groups, for the books'
         ``unpin``. Nothing is evicted between the check and the pin (the books' lock)."""
-        at = self._stored
-        return self.cascade.ledger.pin_ready([at + n for n in names])
+        return self.cascade.ledger.pin_ready(map(self._stored.__add__, names))  # lazy
 
     def touch(self, names: Sequence[str]) -> None:
         """Mark these objects' groups used now (eviction takes the least recent)."""

@@ -84,15 +84,20 @@ def _settle(fut: Future[T], task: asyncio.Task[T]) -> None:
         fut.set_result(task.result())
 
 
-async def held_prefix(store: TieredStore, keys: list[str]) -> int:
+async def held_prefix(store: TieredStore, keys: Iterable[str]) -> int:
     """On the store's loop: how many of ``keys``, from the first, a get will find. What
     other processes sharing a tier did is heard first; then the books. A shared tier (a
-    cache server) is asked, all at once, about the keys from the first the books lack."""
+    cache server) is asked, all at once, about the keys from the first the books lack.
+    ``keys`` is taken one at a time: with no shared tier, none past the first miss."""
     await store.sync()
-    n = next((i for i, k in enumerate(keys) if not store.has_object(k)), len(keys))
-    if store.shared and n < len(keys):
-        rest = await asyncio.gather(*(store.contains_object(k) for k in keys[n:]))
-        n += rest.index(False) if False in rest else len(rest)
+    n, it = 0, iter(keys)
+    for k in it:
+        if not store.has_object(k):
+            if store.shared:
+                rest = await asyncio.gather(*(store.contains_object(x) for x in (k, *it)))
+                n += rest.index(False) if False in rest else len(rest)
+            break
+        n += 1
     return n
 
 

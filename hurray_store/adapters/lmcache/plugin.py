@@ -563,7 +563,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         """How many of ``keys``, from the first, a get will find, pinned with ``pin``:
         one task on the store's loop (a shared tier is asked about all of them at once)."""
         if not pin:
-            names = [self._chunk_key(k) for k in keys]
+            names = map(self._chunk_key, keys)  # lazy, as with ``pin``
             return await asyncio.wrap_future(self._runner.submit(held_prefix(self.store, names)))
         found: list[_Chunk | None] = []
         drops, lazy = self._drops, self._names(keys, found)  # made on the store's loop

@@ -238,7 +238,7 @@ class Ledger:
         miss (a lazy caller makes no more)."""
         books, groups = self._books, []
         with self.lock:
-            for k in keys:  # _ready_group's loop, inline: 32 chunks a lookup
+            for k in keys:  # each key's group in the fastest tier holding it READY
                 for b in books:
                     if (g := b.key_group.get(k)) is not None and b.groups[g].ready:
                         groups.append(g)
@@ -247,14 +247,6 @@ class Ledger:
                     break
             self.pin(groups)
             return groups
-
-    def _ready_group(self, key: str) -> Group | None:
-        """The group of ``key`` in the fastest tier holding it READY."""
-        for b in self._books:
-            g = b.key_group.get(key)
-            if g is not None and b.groups[g].ready:
-                return g
-        return None
 
     def _add(
         self, tier: int, group: Group, sizes: dict[str, int], depth: int, *, ready: bool

@@ -346,7 +346,7 @@ class TieredStore:
         """Let go of pins that ``pin_objects`` or ``pin_held_objects`` gave (any
         thread). A pin holds the group the object was in when pinned: rewritten
         since, its new bytes were never pinned, and the old pin still goes."""
-        self.cascade.ledger.unpin(pins)
+        self.ledger.unpin(pins)
 
     def touch_objects(self, keys: Sequence[str]) -> None:
         """Count these objects as used now, for eviction (no bytes move)."""

@@ -614,7 +614,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         name = c.name if c is not None else _chunk_name(self._key_prefix, key)
         while c is not None:  # pin by pin: an unpin may be popping from the same list
             try:
-                self.store.unpin((c.pins.pop(),))
+                self._unpin_one(c.pins.pop())
             except IndexError:
                 break
         return self._call(self._remove(name))

@@ -12,8 +12,9 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +288,7 @@ class TestCpuTier(TierContract):
 
 class DiskBase(MediumContract):
     fsync = False
+    io_threads: int | None = None
 
     def raw_put(self, tier: Tier, key: str, data: bytes) -> None:
         path = tier.path_of(key)  # type: ignore[attr-defined]
@@ -298,14 +300,19 @@ class DiskBase(MediumContract):
         return path.read_bytes() if path.exists() else None
 
     @pytest.fixture
-    async def tier(self, tmp_path: Path) -> Tier:
+    async def tier(self, tmp_path: Path) -> AsyncIterator[Tier]:
         t = open_tier(
             DiskTierConfig(
-                path=str(tmp_path / "disk"), capacity_bytes=1 << 30, name="disk", fsync=self.fsync
+                path=str(tmp_path / "disk"),
+                capacity_bytes=1 << 30,
+                name="disk",
+                fsync=self.fsync,
+                io_threads=self.io_threads,
             )
         )
         await t.open()
-        return t
+        yield t
+        await t.close()
 
 
 class TestDiskTier(DiskBase):
@@ -443,6 +450,46 @@ def test_a_gathered_write_goes_out_before_the_next_buffer_is_taken() -> None:
 
 class TestDiskTierFsync(DiskBase):
     fsync = True
+
+
+class TestDiskTierOnThreeThreads(DiskBase):
+    """``io_threads`` set (here above the default on a small machine): every file
+    operation, and the help a read on the caller's thread gets, on the tier's own pool
+    of that many threads."""
+
+    io_threads = 3
+
+    async def test_the_tier_uses_no_more_threads_than_io_threads(self, tmp_path: Path) -> None:
+        own = open_tier(DiskTierConfig(str(tmp_path / "own"), 1 << 30, "own", io_threads=1))
+        before = {x.ident for x in threading.enumerate()}
+
+        def ours() -> list[threading.Thread]:
+            return [x for x in threading.enumerate() if x.name.startswith("hurray-disk-own")]
+
+        await own.open()
+        data = [os.urandom(3 << 20) for _ in range(8)]
+        assert all(await asyncio.gather(*(own.put(f"o/{i}", [d]) for i, d in enumerate(data))))
+        got = await asyncio.gather(*(own.get(f"o/{i}") for i in range(8)))
+        assert [as_bytes(g) for g in got] == data
+        spans = [(0, 1 << 20), (1 << 20, 1 << 20), (2 << 20, 1 << 20)]
+        reads = [
+            NowRead(f"o/{i}", spans, [memoryview(bytearray(1 << 20)) for _ in spans], 3 << 20)
+            for i in range(8)
+        ]
+        assert await asyncio.to_thread(own.read_into_now, reads) == [True] * 8
+        assert [b"".join(bytes(b) for b in r.buffers) for r in reads] == data
+        assert len(ours()) == 1, "one thread of the tier's own did all of it"
+        # The loop's default pool started no thread for the tier: the only one is the
+        # one that ran read_into_now above, as an engine's thread would.
+        started = [x for x in threading.enumerate() if x.ident not in before]
+        assert len([x for x in started if x.name.startswith("asyncio_")]) <= 1
+        assert {x.name for x in started} <= {"hurray-disk-own_0"} | {
+            x.name for x in started if x.name.startswith("asyncio_")
+        }
+        await own.close()
+        for x in ours():
+            x.join(timeout=5)
+        assert not ours(), "close stops the tier's threads"
 
 
 class RedisBase(MediumContract):

@@ -13,8 +13,9 @@ published by ``os.replace`` (atomic on POSIX), then the folder is fsynced when
 ``fsync`` is on. Readers never see a partial object. I/O goes in pieces of at most
 8 MiB per system call (see ``_IO_CHUNK``); a write gathers an object's buffers into
 those pieces (``writev``). ``open`` removes temp files a killed process left behind.
-Each operation is one trip to aiofiles' thread pool (``aiofiles.os.wrap``): about 80 us
-a trip, so never one trip per page.
+Each operation is one trip to the tier's own thread pool (``aiofiles.os.wrap``) of
+``io_threads`` threads, by default one fewer than the machine's cores; about 80 us a
+trip, so never one trip per page.
 
 Several processes may open one folder at once (vLLM's scheduler and workers, several
 engines on a host). Each holds a shared ``flock`` on ``lock``; a store that gets it
@@ -37,12 +38,11 @@ import itertools
 import json
 import logging
 import os
-import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 import aiofiles.os
@@ -65,6 +65,7 @@ from hurray_store.tiers.base import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _TMP = ".tmp."  # then the writer's pid: ".tmp.<pid>.<n>.<name>"
 
 
@@ -94,7 +95,9 @@ _counter = itertools.count()
 # than one range, shares its ranges with helper threads: page-cache copies (and the
 # caller's hashing) then run on every core. It opens at most _OPEN_AT_ONCE files at once.
 _SPLIT_BYTES = 1 << 20
-_HELPERS = max(1, (os.cpu_count() or 2) - 1)
+# The tier's threads by default: one core is left to the engine's thread (on 2 cores,
+# 6 writers of Python's default pool cut an engine thread beside them to a fifth).
+_DEFAULT_THREADS = max(1, (os.cpu_count() or 2) - 1)
 _OPEN_AT_ONCE = 64
 
 
@@ -214,11 +217,16 @@ class DiskTier(Tier):
         self.objects = self.root / "objects"
         self.quarantine_dir = self.root / "quarantine"
         self.fsync = cfg.fsync
-        self._put = aiofiles.os.wrap(self._put_sync)
-        self._read = aiofiles.os.wrap(self._read_sync)
-        self._ranges = aiofiles.os.wrap(self._ranges_sync)
-        self._scan = aiofiles.os.wrap(self._scan_sync)
-        self._read_many = aiofiles.os.wrap(self._read_many_sync)
+        # The tier's own pool runs its file I/O and helps reads on the caller's thread.
+        self._threads = cfg.io_threads or _DEFAULT_THREADS
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            self._threads, f"hurray-disk-{self.name}"
+        )
+        self._put = self._off(self._put_sync)
+        self._read = self._off(self._read_sync)
+        self._ranges = self._off(self._ranges_sync)
+        self._scan = self._off(self._scan_sync)
+        self._read_many = self._off(self._read_many_sync)
         self.alone = True  # no other store had the folder open when this one opened it
         self._made: set[Path] = set()  # shard folders this tier has seen exist
         self._lock_fd: int | None = None
@@ -226,8 +234,10 @@ class DiskTier(Tier):
         self._journal_path = self.root / "journal"
         self._seen = 0  # bytes of the journal read
         self._me = os.urandom(6).hex()  # this store's lines, skipped when read back
-        self._helpers: ThreadPoolExecutor | None = None  # read_into_now's, made on first use
-        self._helpers_lock = threading.Lock()
+
+    def _off(self, fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
+        """``fn`` as a coroutine function run on the tier's pool (aiofiles' wrap)."""
+        return functools.partial(aiofiles.os.wrap(fn), executor=self._pool)
 
     def path_of(self, key: str) -> Path:
         """Where ``key`` lives. A key whose file name would pass the file system's limit
@@ -237,10 +247,10 @@ class DiskTier(Tier):
         return _object_path(self.objects, key)
 
     async def open(self) -> None:
-        await aiofiles.os.makedirs(self.objects, exist_ok=True)
-        await aiofiles.os.makedirs(self.quarantine_dir, exist_ok=True)
+        await self._off(os.makedirs)(self.objects, exist_ok=True)
+        await self._off(os.makedirs)(self.quarantine_dir, exist_ok=True)
         if self._lock_fd is None:
-            await aiofiles.os.wrap(self._share_sync)()
+            await self._off(self._share_sync)()
 
     def _share_sync(self) -> None:
         """Join the stores using the folder: alone when the lock is ours exclusively
@@ -261,9 +271,9 @@ class DiskTier(Tier):
             log.info("disk tier %s: %s is open in another process too", self.name, self.root)
 
     async def close(self) -> None:
-        if self._helpers is not None:
-            self._helpers.shutdown(wait=True)
-            self._helpers = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for fd in (self._journal_fd, self._lock_fd):
             if fd is not None:
                 os.close(fd)
@@ -318,7 +328,7 @@ class DiskTier(Tier):
     async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
         if self.alone:
             return list(keys)
-        old: list[str] = await aiofiles.os.wrap(self._older_sync)(keys, ORPHAN_AGE_S)
+        old: list[str] = await self._off(self._older_sync)(keys, ORPHAN_AGE_S)
         if len(old) < len(keys):
             log.info(
                 "disk tier %s: %d uncommitted objects kept: another process may be writing them",
@@ -538,27 +548,20 @@ class DiskTier(Tier):
             jobs = _RangeReads(reads, fds, ok, each)
             nbytes = sum(ln for j in fds if ok[j] for _, ln in reads[j].ranges)
             if len(jobs.work) > 1 and nbytes >= _SPLIT_BYTES:
-                shared_run(jobs.run, self._helper_pool(), min(_HELPERS, len(jobs.work) - 1))
+                shared_run(jobs.run, self._pool, min(self._threads, len(jobs.work) - 1))
             else:
                 jobs.run()
         finally:
             for fd in fds.values():
                 os.close(fd)
 
-    def _helper_pool(self) -> ThreadPoolExecutor:
-        if self._helpers is None:
-            with self._helpers_lock:
-                if self._helpers is None:
-                    self._helpers = ThreadPoolExecutor(_HELPERS, f"hurray-disk-{self.name}")
-        return self._helpers
-
     async def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            await aiofiles.os.remove(self.path_of(key))
+            await self._off(os.remove)(self.path_of(key))
 
     async def contains(self, key: str) -> bool:
         try:
-            return await aiofiles.os.path.exists(self.path_of(key))
+            return bool(await self._off(os.path.exists)(self.path_of(key)))
         except KeyTooLongError:
             return False
 
@@ -577,7 +580,7 @@ class DiskTier(Tier):
             return
         dst = self.quarantine_dir / f"{src.name[:200]}.{int(time.time() * 1000)}"
         try:
-            await aiofiles.os.replace(src, dst)
+            await self._off(os.replace)(src, dst)
             log.warning("disk tier %s: moved %s to %s", self.name, key, dst)
         except FileNotFoundError:
             pass

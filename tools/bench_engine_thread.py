@@ -1,0 +1,192 @@
+#!/usr/bin/env python
+"""What a store through LMCache's in-process backends costs the engine's own thread.
+
+The main thread runs a small torch operation (``add_`` on 64 floats) in a loop,
+standing for an engine's thread, while another thread stores chunks through the backend
+(``batched_submit_put_task``, then polls ``contains`` until every chunk is stored).
+Compared: LMCache's LocalDiskBackend, and the hurray_store plugin over a disk tier with
+the default thread pool and with ``io_threads: 1``. Each runs in a process of its own,
+``--turns`` times, the backends taken in turn. Reported per backend (medians over every
+round, with their range): the engine thread's operations per second while the store
+runs, the 99th percentile of one operation, and the store's time; ratios against
+LMCache's backend measured in the same run.
+
+    LMCACHE_TRACK_USAGE=false .venv/bin/python tools/bench_engine_thread.py [--chunks 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import table  # noqa: E402
+from bench_store import LMCacheBackend  # noqa: E402
+
+from hurray_store import KVSpec  # noqa: E402
+
+CASES = {
+    "LMCache LocalDiskBackend": "lmcache",
+    "hurray_store plugin, disk tier": "null",
+    "hurray_store plugin, disk tier, io_threads: 1": "1",
+}
+
+
+def backend_config(case: str, work: str) -> dict[str, Any]:
+    if case == "lmcache":
+        return {"local_disk": f"file://{work}/lmc-disk/", "max_local_disk_size": 16.0}
+    yaml = Path(work) / "hurray.yaml"
+    yaml.write_text(
+        f"tiers:\n  - {{type: disk, path: {work}/h-disk, capacity_bytes: 17179869184, "
+        f"io_threads: {case}}}\n"
+    )
+    return {
+        "storage_plugins": ["hurray"],
+        "extra_config": {
+            "storage_plugin.hurray.module_path": "hurray_store.adapters.lmcache",
+            "storage_plugin.hurray.class_name": "HurrayStoragePlugin",
+            "storage_plugin.hurray.config": str(yaml),
+        },
+    }
+
+
+def store(be: Any, keys: list[Any], objs: list[Any], span: list[float], ev: Any) -> None:
+    """Submit the chunks, wait until the backend holds every one; the time in ``span``."""
+    t0 = time.perf_counter()
+    be.batched_submit_put_task(keys, objs)
+    while not all(be.contains(k) for k in keys):
+        time.sleep(0.0005)
+    span.append(time.perf_counter() - t0)
+    ev.set()
+
+
+def one_case(case: str, a: argparse.Namespace) -> None:
+    """The rounds of one backend, in this process; prints them as JSON."""
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="bench-engine-")
+    spec = KVSpec("bench", a.layers, 8, 128, 16, torch.float16)
+    lm = LMCacheBackend(spec, 256, backend_config(case, work))
+    be, cpu = lm.backend, lm.cpu
+    data = [torch.randn((2, a.layers, 256, 1024)).half() for _ in range(a.chunks)]
+    x = torch.zeros(64)
+    rounds: list[dict[str, float]] = []
+    keys: list[Any] = []
+    for r in range(a.rounds + 1):  # the first warms up
+        for k in keys:
+            be.remove(k)
+        keys = [
+            CacheEngineKey("bench", 1, 0, 1000 * (r + 1) + i, torch.float16)
+            for i in range(a.chunks)
+        ]
+        objs = []
+        for t in data:
+            o = cpu.allocate(t.shape, t.dtype, MemoryFormat.KV_2LTD)
+            o.tensor.copy_(t)
+            objs.append(o)
+        os.sync()
+        time.sleep(0.2)
+        done = threading.Event()
+        span: list[float] = []
+        lat: list[float] = []
+        th = threading.Thread(target=store, args=(be, keys, objs, span, done))
+        t0 = time.perf_counter()
+        th.start()
+        while not done.is_set():
+            s = time.perf_counter()
+            x.add_(1)
+            lat.append(time.perf_counter() - s)
+        th.join()
+        wall = time.perf_counter() - t0
+        for o in objs:
+            o.ref_count_down()
+        lat.sort()
+        if r:
+            rounds.append(
+                {
+                    "ops": len(lat) / wall,
+                    "p99": lat[int(len(lat) * 0.99)],
+                    "store": span[0],
+                }
+            )
+    print(json.dumps(rounds), flush=True)
+    os._exit(0)  # LMCache leaves non-daemon threads behind
+
+
+def fmt(v: tuple[float, float, float], unit: str = "") -> str:
+    return f"{v[0]:.0f}{unit} ({v[1]:.0f}-{v[2]:.0f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--chunks", type=int, default=32, help="256-token chunks per store")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=8, help="stores per process")
+    ap.add_argument("--turns", type=int, default=2, help="processes per backend")
+    ap.add_argument("--one-case", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one_case:
+        one_case(a.one_case, a)
+    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "OMP_WAIT_POLICY": "passive"}
+    got: dict[str, list[dict[str, float]]] = {name: [] for name in CASES}
+    for _ in range(a.turns):
+        for name, case in CASES.items():
+            argv = [sys.executable, __file__, "--one-case", case]
+            for opt in ("chunks", "layers", "rounds"):
+                argv += [f"--{opt}", str(getattr(a, opt))]
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
+            if p.returncode != 0:
+                raise SystemExit(f"{name} failed: {p.stderr[-2000:]}")
+            got[name] += json.loads(p.stdout.strip().splitlines()[-1])
+
+    def med(name: str, k: str, scale: float) -> tuple[float, float, float]:
+        v = [r[k] * scale for r in got[name]]
+        return statistics.median(v), min(v), max(v)
+
+    ref_ops = med("LMCache LocalDiskBackend", "ops", 1)[0]
+    ref_store = med("LMCache LocalDiskBackend", "store", 1)[0]
+    rows = []
+    for name in CASES:
+        ops, p99, store = med(name, "ops", 1e-3), med(name, "p99", 1e6), med(name, "store", 1e3)
+        rows.append(
+            [
+                name,
+                fmt(ops, "k"),
+                f"{ops[0] * 1e3 / ref_ops:.2f}x",
+                fmt(p99),
+                fmt(store),
+                f"{ref_store * 1e3 / store[0]:.2f}x",
+            ]
+        )
+    print(f"{a.chunks} chunks of 256 tokens x {a.layers} layers a store; {a.turns} processes")
+    print(f"per backend, {a.rounds} stores each; medians (range)\n")
+    print(
+        table(
+            [
+                "backend",
+                "engine ops/s during the store",
+                "x LMCache",
+                "p99 of one op, us",
+                "store, ms",
+                "store speed x LMCache",
+            ],
+            rows,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

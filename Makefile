@@ -86,6 +86,7 @@ bench: setup redis
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_lmcache.py
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_server.py
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_attack.py
+	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_engine_thread.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(NEXT_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models

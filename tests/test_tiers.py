@@ -492,6 +492,25 @@ class TestDiskTierOnThreeThreads(DiskBase):
         assert not ours(), "close stops the tier's threads"
 
 
+async def test_a_disk_tier_by_default_leaves_a_core_and_with_fsync_waits_on_more(
+    tmp_path: Path,
+) -> None:
+    # Page-cache writes are CPU: by default one thread fewer than the cores writes them.
+    # With fsync, threads mostly wait on the device: as many as Python's default pool.
+    cores = os.cpu_count() or 1
+    for fsync, want in ((False, max(1, cores - 1)), (True, min(32, cores + 4))):
+        name = f"dflt{int(fsync)}"
+        t = open_tier(DiskTierConfig(str(tmp_path / name), 1 << 30, name, fsync=fsync))
+        await t.open()
+        assert t.io_threads == want  # type: ignore[attr-defined]
+        # Many writes at once start at most that many threads.
+        data = [os.urandom(1 << 20) for _ in range(40)]
+        assert all(await asyncio.gather(*(t.put(f"o/{i}", [d]) for i, d in enumerate(data))))
+        ours = [x for x in threading.enumerate() if x.name.startswith(f"hurray-disk-{name}_")]
+        assert 1 <= len(ours) <= want, (fsync, [x.name for x in ours])
+        await t.close()
+
+
 class RedisBase(MediumContract):
     def raw_client(self, tier: Tier) -> redis.Redis | redis.RedisCluster:
         raise NotImplementedError

@@ -64,7 +64,7 @@ class DiskTierConfig:
     io_threads: int | None = _doc(
         "threads of the tier's own that read and write its files, and help reads on the "
         "caller's thread; null: one fewer than the machine's cores (at least 1), leaving "
-        "a core to the engine's thread",
+        "a core to the engine's thread; with fsync, CPU count + 4 (they mostly wait)",
         None,
     )
 

@@ -14,8 +14,9 @@ published by ``os.replace`` (atomic on POSIX), then the folder is fsynced when
 8 MiB per system call (see ``_IO_CHUNK``); a write gathers an object's buffers into
 those pieces (``writev``). ``open`` removes temp files a killed process left behind.
 Each operation is one trip to the tier's own thread pool (``aiofiles.os.wrap``) of
-``io_threads`` threads, by default one fewer than the machine's cores; about 80 us a
-trip, so never one trip per page.
+``io_threads`` threads, by default one fewer than the machine's cores (with ``fsync``,
+the CPU count + 4, as Python's default pool); about 80 us a trip, so never one trip
+per page.
 
 Several processes may open one folder at once (vLLM's scheduler and workers, several
 engines on a host). Each holds a shared ``flock`` on ``lock``; a store that gets it
@@ -97,7 +98,9 @@ _counter = itertools.count()
 _SPLIT_BYTES = 1 << 20
 # The tier's threads by default: one core is left to the engine's thread (on 2 cores,
 # 6 writers of Python's default pool cut an engine thread beside them to a fifth).
+# With fsync they mostly wait on the device, so as many as Python's default pool.
 _DEFAULT_THREADS = max(1, (os.cpu_count() or 2) - 1)
+_FSYNC_THREADS = min(32, (os.cpu_count() or 1) + 4)
 _OPEN_AT_ONCE = 64
 
 
@@ -218,9 +221,10 @@ class DiskTier(Tier):
         self.quarantine_dir = self.root / "quarantine"
         self.fsync = cfg.fsync
         # The tier's own pool runs its file I/O and helps reads on the caller's thread.
-        self._threads = cfg.io_threads or _DEFAULT_THREADS
+        # The threads of its pool (io_threads, or the default for the fsync setting).
+        self.io_threads = cfg.io_threads or (_FSYNC_THREADS if cfg.fsync else _DEFAULT_THREADS)
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            self._threads, f"hurray-disk-{self.name}"
+            self.io_threads, f"hurray-disk-{self.name}"
         )
         self._put = self._off(self._put_sync)
         self._read = self._off(self._read_sync)
@@ -548,7 +552,7 @@ class DiskTier(Tier):
             jobs = _RangeReads(reads, fds, ok, each)
             nbytes = sum(ln for j in fds if ok[j] for _, ln in reads[j].ranges)
             if len(jobs.work) > 1 and nbytes >= _SPLIT_BYTES:
-                shared_run(jobs.run, self._pool, min(self._threads, len(jobs.work) - 1))
+                shared_run(jobs.run, self._pool, min(self.io_threads, len(jobs.work) - 1))
             else:
                 jobs.run()
         finally:

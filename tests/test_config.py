@@ -94,8 +94,8 @@ def test_relative_paths_resolve_against_the_files_folder(tmp_path: Path) -> None
         ),
         ({"tiers": [{"type": "redis", "url": "redis://h", "ttl_s": -5}]}, "tiers.redis.ttl_s"),
         (
-            {"tiers": [{"type": "disk", "capacity_bytes": 1, "path": "x", "io_threads": 0}]},
-            "tiers.disk.io_threads",
+            {"tiers": [{"type": "disk", "capacity_bytes": 1, "path": "x", "write_threads": 0}]},
+            "tiers.disk.write_threads",
         ),
         (
             {"tiers": [{"type": "cpu", "capacity_bytes": 1}], "policy": {"write_mode": "sideways"}},

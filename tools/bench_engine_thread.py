@@ -43,7 +43,7 @@ _PY_POOL = min(32, (os.cpu_count() or 1) + 4)
 CASES = {
     "LMCache LocalDiskBackend": "lmcache",
     "hurray_store plugin, disk tier": "null",
-    f"hurray_store plugin, disk tier, io_threads: {_PY_POOL}": str(_PY_POOL),
+    f"hurray_store plugin, disk tier, write_threads: {_PY_POOL}": str(_PY_POOL),
 }
 
 
@@ -53,7 +53,7 @@ def backend_config(case: str, work: str) -> dict[str, Any]:
     yaml = Path(work) / "hurray.yaml"
     yaml.write_text(
         f"tiers:\n  - {{type: disk, path: {work}/h-disk, capacity_bytes: 17179869184, "
-        f"io_threads: {case}}}\n"
+        f"write_threads: {case}}}\n"
     )
     return {
         "storage_plugins": ["hurray"],

@@ -269,9 +269,14 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
                     f"{label}.multipart_bytes: S3 parts are at least 5 MiB (5242880), "
                     f"got {cfg.multipart_bytes}"
                 )
-        if isinstance(cfg, DiskTierConfig) and cfg.io_threads is not None and cfg.io_threads < 1:
+        if (
+            isinstance(cfg, DiskTierConfig)
+            and cfg.write_threads is not None
+            and cfg.write_threads < 1
+        ):
             raise ConfigError(
-                f"{label}.io_threads: expected a positive number or null, got {cfg.io_threads}"
+                f"{label}.write_threads: expected a positive number or null, "
+                f"got {cfg.write_threads}"
             )
         if isinstance(cfg, RedisTierConfig) and cfg.wait_replicas < 0:
             raise ConfigError(f"{label}.wait_replicas: expected 0 or more, got {cfg.wait_replicas}")

@@ -61,10 +61,10 @@ class DiskTierConfig:
     fsync: bool = _doc(
         "fsync each file (and its folder) before the rename that publishes it", False
     )
-    io_threads: int | None = _doc(
-        "threads of the tier's own that read and write its files, and help reads on the "
-        "caller's thread; null: one fewer than the machine's cores (at least 1), leaving "
-        "a core to the engine's thread; with fsync, CPU count + 4 (they mostly wait)",
+    write_threads: int | None = _doc(
+        "files written at once, each on a thread of the tier's own; null: one fewer than "
+        "the machine's cores (at least 1), leaving a core to the engine's thread; with "
+        "fsync, CPU count + 4 (those threads mostly wait on the device)",
         None,
     )
 

@@ -13,10 +13,10 @@ published by ``os.replace`` (atomic on POSIX), then the folder is fsynced when
 ``fsync`` is on. Readers never see a partial object. I/O goes in pieces of at most
 8 MiB per system call (see ``_IO_CHUNK``); a write gathers an object's buffers into
 those pieces (``writev``). ``open`` removes temp files a killed process left behind.
-Each operation is one trip to the tier's own thread pool (``aiofiles.os.wrap``) of
-``io_threads`` threads, by default one fewer than the machine's cores (with ``fsync``,
-the CPU count + 4, as Python's default pool); about 80 us a trip, so never one trip
-per page.
+Each operation is one trip to a thread pool of the tier's own (``aiofiles.os.wrap``):
+writes to one of ``write_threads`` threads, by default one fewer than the machine's
+cores (with ``fsync``, the CPU count + 4, as Python's default pool), everything else to
+one of the CPU count + 4; about 80 us a trip, so never one trip per page.
 
 Several processes may open one folder at once (vLLM's scheduler and workers, several
 engines on a host). Each holds a shared ``flock`` on ``lock``; a store that gets it
@@ -96,11 +96,13 @@ _counter = itertools.count()
 # than one range, shares its ranges with helper threads: page-cache copies (and the
 # caller's hashing) then run on every core. It opens at most _OPEN_AT_ONCE files at once.
 _SPLIT_BYTES = 1 << 20
-# The tier's threads by default: one core is left to the engine's thread (on 2 cores,
-# 6 writers of Python's default pool cut an engine thread beside them to a fifth).
-# With fsync they mostly wait on the device, so as many as Python's default pool.
-_DEFAULT_THREADS = max(1, (os.cpu_count() or 2) - 1)
-_FSYNC_THREADS = min(32, (os.cpu_count() or 1) + 4)
+_HELPERS = max(1, (os.cpu_count() or 2) - 1)
+# The tier's threads: reads and the rest on a pool as large as Python's default one;
+# writes by default on one thread fewer than the cores, so that one core is left to the
+# engine's thread (on 2 cores, 6 writers cut an engine thread beside them to a fifth).
+# With fsync they mostly wait on the device, so as many as for reads.
+_POOL_THREADS = min(32, (os.cpu_count() or 1) + 4)
+_DEFAULT_WRITERS = max(1, (os.cpu_count() or 2) - 1)
 _OPEN_AT_ONCE = 64
 
 
@@ -220,13 +222,17 @@ class DiskTier(Tier):
         self.objects = self.root / "objects"
         self.quarantine_dir = self.root / "quarantine"
         self.fsync = cfg.fsync
-        # The tier's own pool runs its file I/O and helps reads on the caller's thread.
-        # The threads of its pool (io_threads, or the default for the fsync setting).
-        self.io_threads = cfg.io_threads or (_FSYNC_THREADS if cfg.fsync else _DEFAULT_THREADS)
-        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            self.io_threads, f"hurray-disk-{self.name}"
+        # Writes go out on a pool of write_threads (by default one core is left to the
+        # engine's thread); reads and the rest, and the help a read on the caller's
+        # thread gets, on a pool as large as Python's default one.
+        self.write_threads = cfg.write_threads or (_POOL_THREADS if cfg.fsync else _DEFAULT_WRITERS)
+        self._writers: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            self.write_threads, f"hurray-disk-{self.name}-w"
         )
-        self._put = self._off(self._put_sync)
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            _POOL_THREADS, f"hurray-disk-{self.name}"
+        )
+        self._put = self._off(self._put_sync, self._writers)
         self._read = self._off(self._read_sync)
         self._ranges = self._off(self._ranges_sync)
         self._scan = self._off(self._scan_sync)
@@ -239,9 +245,12 @@ class DiskTier(Tier):
         self._seen = 0  # bytes of the journal read
         self._me = os.urandom(6).hex()  # this store's lines, skipped when read back
 
-    def _off(self, fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
-        """``fn`` as a coroutine function run on the tier's pool (aiofiles' wrap)."""
-        return functools.partial(aiofiles.os.wrap(fn), executor=self._pool)
+    def _off(
+        self, fn: Callable[..., T], pool: ThreadPoolExecutor | None = None
+    ) -> Callable[..., Awaitable[T]]:
+        """``fn`` as a coroutine function run on ``pool`` (aiofiles' wrap), by default
+        the tier's pool for reads and the rest."""
+        return functools.partial(aiofiles.os.wrap(fn), executor=pool or self._pool)
 
     def path_of(self, key: str) -> Path:
         """Where ``key`` lives. A key whose file name would pass the file system's limit
@@ -275,9 +284,10 @@ class DiskTier(Tier):
             log.info("disk tier %s: %s is open in another process too", self.name, self.root)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in (self._writers, self._pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._writers = self._pool = None
         for fd in (self._journal_fd, self._lock_fd):
             if fd is not None:
                 os.close(fd)
@@ -552,7 +562,7 @@ class DiskTier(Tier):
             jobs = _RangeReads(reads, fds, ok, each)
             nbytes = sum(ln for j in fds if ok[j] for _, ln in reads[j].ranges)
             if len(jobs.work) > 1 and nbytes >= _SPLIT_BYTES:
-                shared_run(jobs.run, self._pool, min(self.io_threads, len(jobs.work) - 1))
+                shared_run(jobs.run, self._pool, min(_HELPERS, len(jobs.work) - 1))
             else:
                 jobs.run()
         finally:

@@ -94,6 +94,10 @@ def test_relative_paths_resolve_against_the_files_folder(tmp_path: Path) -> None
         ),
         ({"tiers": [{"type": "redis", "url": "redis://h", "ttl_s": -5}]}, "tiers.redis.ttl_s"),
         (
+            {"tiers": [{"type": "redis", "url": "redis://h", "write_threads": -1}]},
+            "tiers.redis.write_threads",
+        ),
+        (
             {"tiers": [{"type": "disk", "capacity_bytes": 1, "path": "x", "write_threads": 0}]},
             "tiers.disk.write_threads",
         ),

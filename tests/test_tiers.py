@@ -605,6 +605,34 @@ class TestRedisTier(RedisBase):
         await t.close()
         assert 0 < ttl <= 100 and 0 < ttl_large <= 100
 
+    async def test_large_sets_take_no_more_threads_than_write_threads(
+        self, redis_server: RedisProc
+    ) -> None:
+        def writers(name: str) -> list[threading.Thread]:
+            return [x for x in threading.enumerate() if x.name.startswith(f"redis-io-{name}-w_")]
+
+        cfgs = {
+            "w1": RedisTierConfig(
+                url=redis_server.url, name="w1", key_prefix="w1:", write_threads=1
+            ),
+            "w0": RedisTierConfig(url=redis_server.url, name="w0", key_prefix="w0:"),
+        }
+        for name, cfg in cfgs.items():
+            t = RedisTier(cfg)
+            await t.open()
+            assert t.write_threads == (1 if name == "w1" else 4)  # the default: 4
+            data = [os.urandom(2 << 20) for _ in range(8)]
+            assert all(await asyncio.gather(*(t.put(f"o/{i}", [d]) for i, d in enumerate(data))))
+            got = await asyncio.gather(*(t.get(f"o/{i}") for i in range(8)))
+            assert [as_bytes(g) for g in got] == data
+            assert 1 <= len(writers(name)) <= t.write_threads
+            if name == "w1":
+                assert len(writers(name)) == 1, "8 large SETs at once, from one thread"
+            await t.close()
+            for x in writers(name):
+                x.join(timeout=5)
+            assert not writers(name), "close stops the tier's threads"
+
     async def test_password_in_the_url(self, tmp_path: Path) -> None:
         r = RedisProc(tmp_path / "pw", "--requirepass", "s3cret").start()
         try:

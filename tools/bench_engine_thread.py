@@ -4,13 +4,18 @@
 The main thread runs a small torch operation (``add_`` on 64 floats) in a loop,
 standing for an engine's thread, while another thread stores chunks through the backend
 (``batched_submit_put_task``, then polls ``contains`` until every chunk is stored).
-Compared: LMCache's LocalDiskBackend, and the hurray_store plugin over a disk tier with
-its default thread pool (one fewer than the cores) and with as many threads as Python's
-default pool (CPU count + 4). Each runs in a process of its own,
+Compared, on disk: LMCache's LocalDiskBackend, and the hurray_store plugin over a disk
+tier with its default writer threads (one fewer than the cores) and with as many as
+Python's default pool (CPU count + 4); on a Redis this script starts on a loopback
+port: LMCache's RemoteBackend, and the plugin over a redis tier with its default writer
+threads (4) and with 1. On Redis each round empties the server first (``FLUSHALL``:
+LMCache's Redis backend cannot remove a key), for both. Each runs in a process of its own,
 ``--turns`` times, the backends taken in turn. Reported per backend (medians over every
 round, with their range): the engine thread's operations per second while the store
-runs, the 99th percentile of one operation, and the store's time; ratios against
-LMCache's backend measured in the same run.
+runs, the 99th percentile of one operation, the operations the store cost it (its
+rate alone, measured for 50 ms before each store, times the store's wall time, less
+the operations it got through), and the store's time; ratios against
+LMCache's backend on the same medium, measured in the same run.
 
     LMCACHE_TRACK_USAGE=false .venv/bin/python tools/bench_engine_thread.py [--chunks 32]
 """
@@ -33,28 +38,37 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import table  # noqa: E402
-from bench_store import LMCacheBackend  # noqa: E402
+from bench_store import LMCacheBackend, start_redis  # noqa: E402
 
 from hurray_store import KVSpec  # noqa: E402
 
-# The plugin with the disk tier's default pool (one thread fewer than the cores), and
-# with as many threads as Python's default pool has (what the tier used before).
+# Per medium: LMCache's own backend (the reference), the plugin with the tier's default
+# writer threads, and with another count: on disk as many as Python's default pool
+# (what the disk tier wrote on before), on Redis 1.
 _PY_POOL = min(32, (os.cpu_count() or 1) + 4)
 CASES = {
-    "LMCache LocalDiskBackend": "lmcache",
-    "hurray_store plugin, disk tier": "null",
-    f"hurray_store plugin, disk tier, write_threads: {_PY_POOL}": str(_PY_POOL),
+    "LMCache LocalDiskBackend": "lmcache:disk",
+    "hurray_store plugin, disk tier": "disk:null",
+    f"hurray_store plugin, disk tier, write_threads: {_PY_POOL}": f"disk:{_PY_POOL}",
+    "LMCache RemoteBackend (Redis)": "lmcache:redis",
+    "hurray_store plugin, redis tier": "redis:null",
+    "hurray_store plugin, redis tier, write_threads: 1": "redis:1",
 }
+REFERENCE = {"disk": "LMCache LocalDiskBackend", "redis": "LMCache RemoteBackend (Redis)"}
 
 
-def backend_config(case: str, work: str) -> dict[str, Any]:
-    if case == "lmcache":
-        return {"local_disk": f"file://{work}/lmc-disk/", "max_local_disk_size": 16.0}
+def backend_config(case: str, work: str, redis_port: int) -> dict[str, Any]:
+    kind, arg = case.split(":")
+    url = f"redis://127.0.0.1:{redis_port}"
+    if kind == "lmcache":
+        if arg == "disk":
+            return {"local_disk": f"file://{work}/lmc-disk/", "max_local_disk_size": 16.0}
+        return {"remote_url": url, "remote_serde": "naive"}
     yaml = Path(work) / "hurray.yaml"
-    yaml.write_text(
-        f"tiers:\n  - {{type: disk, path: {work}/h-disk, capacity_bytes: 17179869184, "
-        f"write_threads: {case}}}\n"
+    where = (
+        f"path: {work}/h-disk, capacity_bytes: 17179869184" if kind == "disk" else f"url: '{url}'"
     )
+    yaml.write_text(f"tiers:\n  - {{type: {kind}, {where}, write_threads: {arg}}}\n")
     return {
         "storage_plugins": ["hurray"],
         "extra_config": {
@@ -83,15 +97,20 @@ def one_case(case: str, a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="bench-engine-")
     spec = KVSpec("bench", a.layers, 8, 128, 16, torch.float16)
-    lm = LMCacheBackend(spec, 256, backend_config(case, work))
+    lm = LMCacheBackend(spec, 256, backend_config(case, work, a.redis_port))
+    # LMCache's Redis backend cannot remove a key: on Redis the last round's go by a
+    # FLUSHALL, for both.
+    removes = "redis" not in case
     be, cpu = lm.backend, lm.cpu
     data = [torch.randn((2, a.layers, 256, 1024)).half() for _ in range(a.chunks)]
     x = torch.zeros(64)
     rounds: list[dict[str, float]] = []
     keys: list[Any] = []
     for r in range(a.rounds + 1):  # the first warms up
-        for k in keys:
+        for k in keys if removes else []:
             be.remove(k)
+        if not removes:
+            subprocess.run(["redis-cli", "-p", str(a.redis_port), "flushall"], check=True)
         keys = [
             CacheEngineKey("bench", 1, 0, 1000 * (r + 1) + i, torch.float16)
             for i in range(a.chunks)
@@ -103,6 +122,12 @@ def one_case(case: str, a: argparse.Namespace) -> None:
             objs.append(o)
         os.sync()
         time.sleep(0.2)
+        # The engine's thread alone for 50 ms: its rate with nothing beside it.
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.05:
+            x.add_(1)
+            n += 1
+        idle = n / (time.perf_counter() - t0)
         done = threading.Event()
         span: list[float] = []
         lat: list[float] = []
@@ -122,6 +147,8 @@ def one_case(case: str, a: argparse.Namespace) -> None:
             rounds.append(
                 {
                     "ops": len(lat) / wall,
+                    # what the store cost the engine's thread, in operations
+                    "lost": idle * wall - len(lat),
                     "p99": lat[int(len(lat) * 0.99)],
                     "store": span[0],
                 }
@@ -141,36 +168,47 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8, help="stores per process")
     ap.add_argument("--turns", type=int, default=2, help="processes per backend")
     ap.add_argument("--one-case", help=argparse.SUPPRESS)
+    ap.add_argument("--redis-port", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one_case:
         one_case(a.one_case, a)
     env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "OMP_WAIT_POLICY": "passive"}
     got: dict[str, list[dict[str, float]]] = {name: [] for name in CASES}
-    for _ in range(a.turns):
-        for name, case in CASES.items():
-            argv = [sys.executable, __file__, "--one-case", case]
-            for opt in ("chunks", "layers", "rounds"):
-                argv += [f"--{opt}", str(getattr(a, opt))]
-            p = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
-            if p.returncode != 0:
-                raise SystemExit(f"{name} failed: {p.stderr[-2000:]}")
-            got[name] += json.loads(p.stdout.strip().splitlines()[-1])
+    work = Path(tempfile.mkdtemp(prefix="bench-engine-redis-"))
+    redis_proc, port = start_redis(work)
+    try:
+        for _ in range(a.turns):
+            for name, case in CASES.items():
+                subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
+                argv = [sys.executable, __file__, "--one-case", case, "--redis-port", str(port)]
+                for opt in ("chunks", "layers", "rounds"):
+                    argv += [f"--{opt}", str(getattr(a, opt))]
+                p = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
+                if p.returncode != 0:
+                    raise SystemExit(f"{name} failed: {p.stderr[-2000:]}")
+                got[name] += json.loads(p.stdout.strip().splitlines()[-1])
+    finally:
+        redis_proc.terminate()
+        redis_proc.wait()
 
     def med(name: str, k: str, scale: float) -> tuple[float, float, float]:
         v = [r[k] * scale for r in got[name]]
         return statistics.median(v), min(v), max(v)
 
-    ref_ops = med("LMCache LocalDiskBackend", "ops", 1)[0]
-    ref_store = med("LMCache LocalDiskBackend", "store", 1)[0]
     rows = []
-    for name in CASES:
+    for name, case in CASES.items():
+        ref = REFERENCE[case.split(":")[1] if case.startswith("lmcache") else case.split(":")[0]]
+        ref_ops, ref_store = med(ref, "ops", 1)[0], med(ref, "store", 1)[0]
         ops, p99, store = med(name, "ops", 1e-3), med(name, "p99", 1e6), med(name, "store", 1e3)
+        lost, ref_lost = med(name, "lost", 1e-3), med(ref, "lost", 1e-3)[0]
         rows.append(
             [
                 name,
                 fmt(ops, "k"),
                 f"{ops[0] * 1e3 / ref_ops:.2f}x",
                 fmt(p99),
+                fmt(lost, "k"),
+                f"{lost[0] / ref_lost:.2f}x",
                 fmt(store),
                 f"{ref_store * 1e3 / store[0]:.2f}x",
             ]
@@ -184,6 +222,8 @@ def main() -> None:
                 "engine ops/s during the store",
                 "x LMCache",
                 "p99 of one op, us",
+                "engine ops lost to the store",
+                "x LMCache",
                 "store, ms",
                 "store speed x LMCache",
             ],

@@ -270,7 +270,7 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
                     f"got {cfg.multipart_bytes}"
                 )
         if (
-            isinstance(cfg, DiskTierConfig)
+            isinstance(cfg, (DiskTierConfig, RedisTierConfig))
             and cfg.write_threads is not None
             and cfg.write_threads < 1
         ):

@@ -90,6 +90,12 @@ class RedisTierConfig:
         "per operation (connect included), plus one second per 50 MB it moves", 2.0
     )
     max_connections: int = _doc("connection pool size", 16)
+    write_threads: int | None = _doc(
+        "SETs of 1 MiB or more to a single Redis sent at once, each from a thread of the "
+        "tier's own; null: 4 (at most max_connections). Fewer leave more of a small "
+        "machine's cores to the engine's thread",
+        None,
+    )
     pipeline_batch: int = _doc("commands per pipeline round trip for batched range reads", 256)
     backoff_initial_s: float = _doc("first wait before retrying after an outage", 0.5)
     backoff_max_s: float = _doc("longest wait between retries during an outage", 30.0)

@@ -156,13 +156,20 @@ class RedisTier(ServiceTier):
         # redis-py's blocking client (_set_vectored, _getrange_into); its sockets time
         # out per send and receive.
         self._sync: redis.Redis | None = None
+        # Reads on one pool, SETs on another of write_threads (its own, so that a
+        # smaller one leaves cores to the engine's thread and never holds reads up).
         self._threads: ThreadPoolExecutor | None = None
+        self._writers: ThreadPoolExecutor | None = None
+        self.write_threads = min(cfg.write_threads or _VECTORED_THREADS, cfg.max_connections)
         if not self.is_cluster:
             self._sync = redis.Redis.from_url(
                 cfg.url, **{**common, "socket_timeout": cfg.timeout_s}
             )
             self._threads = ThreadPoolExecutor(
                 min(_VECTORED_THREADS, cfg.max_connections), thread_name_prefix="redis-io"
+            )
+            self._writers = ThreadPoolExecutor(
+                self.write_threads, thread_name_prefix=f"redis-io-{self.name}-w"
             )
         # redis-py's asyncio pools raise when exhausted instead of waiting: queue here.
         self._slots = asyncio.Semaphore(cfg.max_connections)
@@ -212,8 +219,9 @@ class RedisTier(ServiceTier):
                 await c.aclose()
             except Exception as e:  # closing a dead connection must not fail a shutdown
                 log.debug("redis tier %s: close: %s", self.name, e)
-        if self._threads is not None:
-            self._threads.shutdown(wait=True)
+        for pool in (self._threads, self._writers):
+            if pool is not None:
+                pool.shutdown(wait=True)
         if self._sync is not None:
             self._sync.close()
 
@@ -338,11 +346,11 @@ class RedisTier(ServiceTier):
         return await self.put(obj.key, obj.buffers())
 
     def _off_loop(self, nbytes: int) -> bool:
-        return self._sync is not None and self._threads is not None and nbytes >= _VECTORED_BYTES
+        return self._sync is not None and self._writers is not None and nbytes >= _VECTORED_BYTES
 
     async def _set_off_loop(self, key: str, parts: Iterable[Buffer], nbytes: int) -> bool:
         loop = asyncio.get_running_loop()
-        threads = self._threads
+        threads = self._writers
 
         async def vectored() -> bool:
             return await loop.run_in_executor(threads, self._set_vectored, key, parts, nbytes)

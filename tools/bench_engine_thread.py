@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import table  # noqa: E402
-from bench_store import LMCacheBackend, start_redis  # noqa: E402
+from bench_store import LMCacheBackend, chunk_round, start_redis  # noqa: E402
 
 from hurray_store import KVSpec  # noqa: E402
 
@@ -91,9 +92,6 @@ def store(be: Any, keys: list[Any], objs: list[Any], span: list[float], ev: Any)
 
 def one_case(case: str, a: argparse.Namespace) -> None:
     """The rounds of one backend, in this process; prints them as JSON."""
-    from lmcache.utils import CacheEngineKey
-    from lmcache.v1.memory_management import MemoryFormat
-
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="bench-engine-")
     spec = KVSpec("bench", a.layers, 8, 128, 16, torch.float16)
@@ -111,15 +109,7 @@ def one_case(case: str, a: argparse.Namespace) -> None:
             be.remove(k)
         if not removes:
             subprocess.run(["redis-cli", "-p", str(a.redis_port), "flushall"], check=True)
-        keys = [
-            CacheEngineKey("bench", 1, 0, 1000 * (r + 1) + i, torch.float16)
-            for i in range(a.chunks)
-        ]
-        objs = []
-        for t in data:
-            o = cpu.allocate(t.shape, t.dtype, MemoryFormat.KV_2LTD)
-            o.tensor.copy_(t)
-            objs.append(o)
+        keys, objs = chunk_round(cpu, data, r)
         os.sync()
         time.sleep(0.2)
         # The engine's thread alone for 50 ms: its rate with nothing beside it.
@@ -154,6 +144,7 @@ def one_case(case: str, a: argparse.Namespace) -> None:
                 }
             )
     print(json.dumps(rounds), flush=True)
+    shutil.rmtree(work, ignore_errors=True)
     os._exit(0)  # LMCache leaves non-daemon threads behind
 
 
@@ -190,6 +181,7 @@ def main() -> None:
     finally:
         redis_proc.terminate()
         redis_proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
 
     def med(name: str, k: str, scale: float) -> tuple[float, float, float]:
         v = [r[k] * scale for r in got[name]]

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _bench import gbps, table  # noqa: E402
-from bench_store import LMCacheBackend, dir_bytes, start_redis  # noqa: E402
+from bench_store import LMCacheBackend, chunk_round, dir_bytes, start_redis  # noqa: E402
 
 from hurray_store import KVSpec  # noqa: E402
 
@@ -64,8 +64,6 @@ def run_backend(
     into recycled ones (one 8 MiB ``write`` per file, both ways): without the removals
     that, not the backend, decided which rounds were fast. (LMCache's Redis backend
     cannot remove a key, so neither Redis backend does.)"""
-    from lmcache.utils import CacheEngineKey
-    from lmcache.v1.memory_management import MemoryFormat
 
     secs: dict[str, list[float]] = {
         "store": [],
@@ -79,15 +77,7 @@ def run_backend(
     for r in range(first + rounds):
         for k in keys if evict else []:
             backend.remove(k)
-        keys = [
-            CacheEngineKey("bench", 1, 0, 1000 * (r + 1) + i, torch.float16)
-            for i in range(len(data))
-        ]
-        objs = []
-        for t in data:
-            o = cpu.allocate(t.shape, t.dtype, MemoryFormat.KV_2LTD)
-            o.tensor.copy_(t)
-            objs.append(o)
+        keys, objs = chunk_round(cpu, data, r)
         os.sync()
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()

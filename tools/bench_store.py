@@ -271,6 +271,23 @@ async def ref_s3(objs: list[bytes], store: Any, repeat: int) -> tuple[float, flo
 # ---------------------------------------------------------------------- LMCache
 
 
+def chunk_round(cpu: Any, data: list[torch.Tensor], r: int) -> tuple[list[Any], list[Any]]:
+    """Round ``r``'s keys for ``data``'s chunks (fresh each round) and the chunks in
+    LMCache's CPU buffers (``cpu``, its LocalCPUBackend), ready to store."""
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+
+    keys = [
+        CacheEngineKey("bench", 1, 0, 1000 * (r + 1) + i, torch.float16) for i in range(len(data))
+    ]
+    objs = []
+    for t in data:
+        o = cpu.allocate(t.shape, t.dtype, MemoryFormat.KV_2LTD)
+        o.tensor.copy_(t)
+        objs.append(o)
+    return keys, objs
+
+
 class LMCacheBackend:
     """LMCache 0.5.6's own storage backend (disk or Redis), driven directly."""
 

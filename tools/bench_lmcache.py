@@ -266,26 +266,18 @@ def page_cache_floor(files: list[Path], rounds: int = 5) -> dict[str, float]:
         finally:
             os.close(fd)
 
-    def one_plain() -> None:
-        for i in range(len(files)):
-            plain(i)
-
-    def one_hashed(pool: ThreadPoolExecutor | None) -> None:
-        for i, f in enumerate(files):
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                mv = memoryview(bufs[i])
-                offs = iter(range(0, len(mv), piece))  # next() on it is atomic
-                helpers = (
-                    []
-                    if pool is None
-                    else [pool.submit(pieces, fd, mv, offs) for _ in range(threads - 1)]
-                )
-                pieces(fd, mv, offs)
-                for h in helpers:
-                    h.result()
-            finally:
-                os.close(fd)
+    def shared(i: int, pool: ThreadPoolExecutor) -> None:
+        """File ``i``'s pieces taken in turn by the caller and the pool's threads."""
+        fd = os.open(files[i], os.O_RDONLY)
+        try:
+            mv = memoryview(bufs[i])
+            offs = iter(range(0, len(mv), piece))  # next() on it is atomic
+            helpers = [pool.submit(pieces, fd, mv, offs) for _ in range(threads - 1)]
+            pieces(fd, mv, offs)
+            for h in helpers:
+                h.result()
+        finally:
+            os.close(fd)
 
     nbytes = sum(len(b) for b in bufs)
     out = {}
@@ -293,9 +285,15 @@ def page_cache_floor(files: list[Path], rounds: int = 5) -> dict[str, float]:
         for name, fn in (
             ("read", lambda: list(pool.map(plain, range(len(files))))),
             ("read + xxh3", lambda: list(pool.map(hashed, range(len(files))))),
-            ("one at a time, read", one_plain),
-            ("one at a time, read + xxh3, 1 thread", lambda: one_hashed(None)),
-            ("one at a time, read + xxh3, threads", lambda: one_hashed(pool)),
+            ("one at a time, read", lambda: [plain(i) for i in range(len(files))]),
+            (
+                "one at a time, read + xxh3, 1 thread",
+                lambda: [hashed(i) for i in range(len(files))],
+            ),
+            (
+                "one at a time, read + xxh3, threads",
+                lambda: [shared(i, pool) for i in range(len(files))],
+            ),
         ):
             times = []
             for _ in range(rounds):

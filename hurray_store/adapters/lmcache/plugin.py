@@ -83,13 +83,13 @@ def _chunk_name(prefix: str, key: CacheEngineKey) -> str:
 
 
 class _Chunk:
-    """A chunk LMCache named lately: its name in the store, and the store's pins this
-    engine holds on it."""
+    """A chunk LMCache named lately: LMCache's key, its name in the store, and the
+    store's pins this engine holds on it."""
 
-    __slots__ = ("name", "pins")
+    __slots__ = ("key", "name", "pins")
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, key: CacheEngineKey, name: str) -> None:
+        self.key, self.name = key, name
         self.pins: list[Pin] = []
 
 
@@ -143,11 +143,18 @@ class HurrayStoragePlugin(StoragePluginInterface):
         # LMCache's chunks this engine has named lately (put or pinned): each one's
         # name in the store and the store's pins this engine holds on it (LMCache may
         # pin a chunk twice, for two lookups of one prefix, and lets each go once). One
-        # hash of LMCache's key finds both. ``unpin`` takes no lock: it pops a pin from
-        # a chunk's list. Chunks are added, and pins too, only under ``_chunks_lock``,
-        # and chunks leave under it: a removed one, and the unpinned ones when there are
-        # too many (``_drops`` counts the times any left).
-        self._chunks: dict[CacheEngineKey, _Chunk] = {}
+        # lookup by LMCache's key finds both. They are found by the key's chunk hash,
+        # an int: LMCache's key hashes in Python (``__hash__`` builds a tuple of its
+        # fields, 0.4-0.6 us a call here, as much as the rest of a pin), and the key an
+        # unpin names is the very object its lookup named, so the entry's own key
+        # matches it by identity, with no comparison. A key whose chunk hash is taken
+        # by another key (the same tokens under other tags) goes in ``_others``, by
+        # the whole key. ``unpin`` takes no lock: it pops a pin from a chunk's list.
+        # Chunks are added, and pins too, only under ``_chunks_lock``, and chunks leave
+        # under it: a removed one, and the unpinned ones when there are too many
+        # (``_drops`` counts the times any left).
+        self._chunks: dict[int, _Chunk] = {}
+        self._others: dict[CacheEngineKey, _Chunk] = {}
         self._chunks_lock = threading.Lock()
         self._chunks_cap = _CHUNKS_KEPT
         self._drops = 0
@@ -179,20 +186,31 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     def _chunk_key(self, key: CacheEngineKey) -> str:
         """The store's name of LMCache's chunk ``key``."""
-        c = self._chunks.get(key)
+        c = self._find(key)
         return c.name if c is not None else _chunk_name(self._key_prefix, key)
 
+    def _find(self, key: CacheEngineKey) -> _Chunk | None:
+        """``key``'s entry in ``_chunks`` or ``_others``; None: none (any thread)."""
+        c = self._chunks.get(key.chunk_hash)
+        if c is None or (c.key is not key and c.key != key):
+            # a key of another's chunk hash, its entry made while that one's was here
+            c = self._others.get(key) if self._others else None
+        return c
+
     def _chunk(self, key: CacheEngineKey) -> _Chunk:
-        """``key``'s entry in ``_chunks``, made if new (under ``_chunks_lock``)."""
-        if (c := self._chunks.get(key)) is not None:
+        """``key``'s entry, made if new (under ``_chunks_lock``)."""
+        if (c := self._find(key)) is not None:
             return c
-        if len(self._chunks) >= self._chunks_cap:
-            # A new dict, not deletions in place: an unpin reading the old one finds
+        if len(self._chunks) + len(self._others) >= self._chunks_cap:
+            # New dicts, not deletions in place: an unpin reading the old ones finds
             # the same entries. The pinned ones stay.
-            self._chunks = {k: c for k, c in self._chunks.items() if c.pins}
-            self._chunks_cap = max(_CHUNKS_KEPT, 2 * len(self._chunks))
+            self._chunks = {h: c for h, c in self._chunks.items() if c.pins}
+            self._others = {k: c for k, c in self._others.items() if c.pins}
+            self._chunks_cap = max(_CHUNKS_KEPT, 2 * (len(self._chunks) + len(self._others)))
             self._drops += 1
-        c = self._chunks[key] = _Chunk(_chunk_name(self._key_prefix, key))
+        c = _Chunk(key, _chunk_name(self._key_prefix, key))
+        if self._chunks.setdefault(key.chunk_hash, c) is not c:
+            self._others[key] = c  # its chunk hash is another key's
         return c
 
     # ------------------------------------------------------------------ put
@@ -430,9 +448,11 @@ class HurrayStoragePlugin(StoragePluginInterface):
     def _names(self, keys: Sequence[CacheEngineKey], found: list[_Chunk | None]) -> Iterator[str]:
         """The store's name of each of ``keys``, made as the store asks for it (any
         thread), each key's entry in ``_chunks`` (None: none) added to ``found``."""
-        get, prefix = self._chunks.get, self._key_prefix
+        get, others, prefix = self._chunks.get, self._others, self._key_prefix
         for k in keys:
-            found.append(c := get(k))
+            if (c := get(k.chunk_hash)) is None or (c.key is not k and c.key != k):
+                c = others.get(k) if others else None  # as ``_find``, inline
+            found.append(c)
             yield c.name if c is not None else _chunk_name(prefix, k)
 
     def _hold(
@@ -596,9 +616,14 @@ class HurrayStoragePlugin(StoragePluginInterface):
     def unpin(self, key: CacheEngineKey) -> bool:
         """Let one pin of a chunk go, here on the caller's thread (LMCache lets a
         lookup's chunks go one call per chunk), with no lock (see ``_chunks``)."""
+        c = self._chunks.get(key.chunk_hash)
+        if c is None or (c.key is not key and c.key != key):
+            c = self._others.get(key) if self._others else None  # as ``_find``, inline
+            if c is None:
+                return False
         try:
-            self._unpin_one(self._chunks[key].pins.pop())
-        except (KeyError, IndexError):
+            self._unpin_one(c.pins.pop())
+        except IndexError:
             return False
         return True
 
@@ -606,10 +631,14 @@ class HurrayStoragePlugin(StoragePluginInterface):
         """Delete a chunk; a pinned one only with ``force``, its pins let go with it
         (else a chunk put again under the key would stay pinned)."""
         with self._chunks_lock:
-            c = self._chunks.get(key)
+            c = self._find(key)
             if c is not None and c.pins and not force:
                 return False
-            if self._chunks.pop(key, None) is not None:
+            if c is not None:
+                if self._chunks.get(key.chunk_hash) is c:
+                    del self._chunks[key.chunk_hash]
+                else:
+                    del self._others[key]
                 self._drops += 1
         name = c.name if c is not None else _chunk_name(self._key_prefix, key)
         while c is not None:  # pin by pin: an unpin may be popping from the same list

@@ -223,14 +223,17 @@ class DiskTier(Tier):
         self.quarantine_dir = self.root / "quarantine"
         self.fsync = cfg.fsync
         # Writes go out on a pool of write_threads (by default one core is left to the
-        # engine's thread); reads and the rest, and the help a read on the caller's
-        # thread gets, on a pool as large as Python's default one.
+        # engine's thread); reads and the rest on a pool as large as Python's default
+        # one; the help a read on the caller's thread gets, on threads of its own.
         self.write_threads = cfg.write_threads or (_POOL_THREADS if cfg.fsync else _DEFAULT_WRITERS)
         self._writers: ThreadPoolExecutor | None = ThreadPoolExecutor(
             self.write_threads, f"hurray-disk-{self.name}-w"
         )
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             _POOL_THREADS, f"hurray-disk-{self.name}"
+        )
+        self._helpers: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            _HELPERS, f"hurray-disk-{self.name}-h"
         )
         self._put = self._off(self._put_sync, self._writers)
         self._read = self._off(self._read_sync)
@@ -284,10 +287,10 @@ class DiskTier(Tier):
             log.info("disk tier %s: %s is open in another process too", self.name, self.root)
 
     async def close(self) -> None:
-        for pool in (self._writers, self._pool):
+        for pool in (self._writers, self._pool, self._helpers):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self._writers = self._pool = None
+        self._writers = self._pool = self._helpers = None
         for fd in (self._journal_fd, self._lock_fd):
             if fd is not None:
                 os.close(fd)
@@ -562,7 +565,7 @@ class DiskTier(Tier):
             jobs = _RangeReads(reads, fds, ok, each)
             nbytes = sum(ln for j in fds if ok[j] for _, ln in reads[j].ranges)
             if len(jobs.work) > 1 and nbytes >= _SPLIT_BYTES:
-                shared_run(jobs.run, self._pool, min(_HELPERS, len(jobs.work) - 1))
+                shared_run(jobs.run, self._helpers, min(_HELPERS, len(jobs.work) - 1))
             else:
                 jobs.run()
         finally:

@@ -417,35 +417,44 @@ class TestDiskTier(DiskBase):
 def test_a_gathered_write_goes_out_before_the_next_buffer_is_taken() -> None:
     # Taking a sealed object's buffer hashes it (SealedObject.written): a disk tier hands
     # each list of views to writev as soon as it is full, so no buffer is hashed a list
-    # ahead of its write (its bytes would have left the CPU's cache by then).
+    # ahead of its write (its bytes would have left the CPU's cache by then). A full
+    # list ends on a multiple of 1 MiB in the file, the buffer there cut in two.
     from hurray_store.tiers.disk import _GATHER, _pieces
 
     sizes = [133, 512 << 10, 64, 8] * 5 + [3 << 20, 10, 20]  # a chunk's pools, then more
     taken: list[int] = []
+    data = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
 
     def buffers() -> Iterator[bytes]:
-        for i, n in enumerate(sizes):
+        for i, b in enumerate(data):
             taken.append(i)
-            yield bytes([i % 251]) * n
+            yield b
 
     written = 0
     lists = []
+    out = bytearray()
     for views in _pieces(buffers(), _GATHER):
         n = sum(len(v) for v in views)
-        lists.append(n)
+        lists.append((written, n))
+        for v in views:
+            out += v
         last = taken[-1]
         if sizes[last] >= _GATHER and written + n < sum(sizes[: last + 1]):
             # the small buffers before a large one go out once it is taken: they never
             # wait for another
             assert written + n == sum(sizes[:last])
         else:
-            assert written + n == sum(sizes[: last + 1]), (lists, taken)
+            # the list ends inside the last buffer taken, or at its end: none is taken
+            # before the bytes ahead of it are out
+            assert sum(sizes[:last]) < written + n <= sum(sizes[: last + 1]), (lists, taken)
         written += n
-    assert written == sum(sizes)
-    # Gathered lists reach a full writev's worth (1 MiB) before they go, but for the
-    # ones a large buffer or the end cuts short; the large buffer goes alone.
-    assert lists == [sum(sizes[0:6]), sum(sizes[6:14]), sum(sizes[14:20]), 3 << 20, 30]
-    assert min(lists[:2]) >= _GATHER > lists[2]
+    assert out == b"".join(data)
+    # Gathered lists end on multiples of 1 MiB in the file, but for the ones a large
+    # buffer or the end cuts short; the large buffer goes alone.
+    small = sum(sizes[:20])
+    assert lists[:2] == [(0, _GATHER), (_GATHER, _GATHER)]
+    assert lists[2] == (2 * _GATHER, small - 2 * _GATHER)
+    assert lists[3:] == [(small, 3 << 20), (small + (3 << 20), 30)]
 
 
 class TestDiskTierFsync(DiskBase):

@@ -269,8 +269,9 @@ class HurrayL2Adapter(L2AdapterInterface):
     async def _load_wave(self, loads: list[_L2Load]) -> list[bool]:
         # Objects on a disk tier or a single Redis are read off the loop, on a worker
         # thread and the tier's helpers, each hashed by the tier as it comes in; the
-        # rest are read on the loop and hashed on workers (xxh3 lets go of the GIL:
-        # hashing runs on every core).
+        # rest are read on the loop and hashed on workers (python-xxhash's one-shot
+        # xxh3 keeps the GIL while it hashes, so this keeps the loop's own turns short
+        # rather than hashing on every core).
         def hashed(j: int, i: int, s: int) -> None:
             if i == 0:
                 loads[j].csum = s

@@ -241,7 +241,9 @@ class DiskTier(Tier):
         self.fsync = cfg.fsync
         # Writes go out on a pool of write_threads (by default one core is left to the
         # engine's thread); reads and the rest on a pool as large as Python's default
-        # one; the help a read on the caller's thread gets, on threads of its own.
+        # one; the help a read on the caller's thread gets, on threads of its own (from
+        # the shared pool, whose thread idle longest takes the work, the helper often
+        # began only once the caller had read nearly the whole chunk: docs/benchmarks.md).
         self.write_threads = cfg.write_threads or (_POOL_THREADS if cfg.fsync else _DEFAULT_WRITERS)
         self._writers: ThreadPoolExecutor | None = ThreadPoolExecutor(
             self.write_threads, f"hurray-disk-{self.name}-w"
@@ -250,7 +252,7 @@ class DiskTier(Tier):
             _POOL_THREADS, f"hurray-disk-{self.name}"
         )
         self._helpers: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            _HELPERS, f"hurray-disk-{self.name}-h"
+            min(_HELPERS, _POOL_THREADS), f"hurray-disk-{self.name}-h"
         )
         self._put = self._off(self._put_sync, self._writers)
         self._read = self._off(self._read_sync)

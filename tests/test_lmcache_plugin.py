@@ -403,6 +403,27 @@ def test_lookups_unpins_and_removes_on_several_threads_leave_no_pin_behind(
     assert _pinned(p, list(hashes)) == []
 
 
+def test_a_whole_chunk_record_made_at_once_is_the_record_written() -> None:
+    """A get compares the record it read with the one a whole chunk of its bytes has,
+    made in one pack (``chunk_record_of``): it must be byte for byte what a put wrote."""
+    from hurray_store.adapters.lmcache.records import (
+        ChunkLayer,
+        chunk_record_of,
+        pack_chunk_record,
+    )
+
+    rng = random.Random(7)
+    fp = bytes(rng.randrange(256) for _ in range(32))
+    pools = [(rng.randrange(1 << 40), rng.randrange(1 << 40)) for _ in range(LAYERS)]
+    sums = [rng.randrange(1 << 64) for _ in range(2 * LAYERS)]
+    layers = [ChunkLayer(k, v, sums[2 * i], sums[2 * i + 1]) for i, (k, v) in enumerate(pools)]
+    written = b"".join(pack_chunk_record(fp, 200, 12345, layers))
+    assert chunk_record_of(LAYERS)(fp, 200, 12345, pools, sums) == written
+    assert chunk_record_of(LAYERS)(fp, 199, 12345, pools, sums) != written
+    swapped = [sums[1], sums[0], *sums[2:]]  # a layer's key and value checksums apart
+    assert chunk_record_of(LAYERS)(fp, 200, 12345, pools, swapped) != written
+
+
 def test_pin_remove_and_a_corrupt_chunk_is_a_miss(opened: Any, tmp_path: Path) -> None:
     b = opened()
     p = plugin_of(b)

@@ -35,6 +35,7 @@ import hashlib
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -108,6 +109,25 @@ def pack_chunk_record(
         ]
     )
     return [body, _SUM.pack(checksum(body))]
+
+
+def chunk_record_of(num_layers: int) -> Callable[..., bytes]:
+    """``(fingerprint, tokens, object size, pools, sums) -> bytes``: the whole record a
+    chunk of ``num_layers`` layers with these pool offsets (per layer its key's and its
+    value's) and token checksums (likewise, flat) has, made at once (one ``pack``), for
+    a reader to compare with the record it read: equal bytes say everything
+    ``parse_chunk_record`` and the checksums' comparison would (any other record is
+    parsed, for the reason it differs)."""
+    body = struct.Struct(_CHUNK.format + _LAYER.format[1:] * num_layers)
+
+    def record(fp: bytes, n: int, size: int, pools: Sequence[tuple[int, int]], sums: Any) -> bytes:
+        fields: list[Any] = [CHUNK_MAGIC, CHUNK_VERSION, fp, n, num_layers, size]
+        for (k_at, v_at), k_sum, v_sum in zip(pools, sums[::2], sums[1::2], strict=True):
+            fields += (k_at, v_at, k_sum, v_sum)
+        b = body.pack(*fields)
+        return b + _SUM.pack(checksum(b))
+
+    return record
 
 
 def parse_chunk_record(

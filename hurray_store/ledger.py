@@ -236,18 +236,16 @@ class Ledger:
         pinned, to ``unpin`` later. The check and the pin are one step under ``lock``: no
         victim is chosen between. ``keys`` is taken one at a time, none past the first
         miss (a lazy caller makes no more)."""
-        books, groups, pins = self._books, [], self._pins
+        books, groups = self._books, []
         with self.lock:
-            if len(self._released) >= _RELEASED_KEPT:
-                self._count_released()
             for k in keys:  # each key's group in the fastest tier holding it READY
                 for b in books:
                     if (g := b.key_group.get(k)) is not None and b.groups[g].ready:
                         groups.append(g)
-                        pins[g] = pins.get(g, 0) + 1
                         break
                 else:
                     break
+            self.pin(groups)
             return groups
 
     def _add(

@@ -403,25 +403,32 @@ def test_lookups_unpins_and_removes_on_several_threads_leave_no_pin_behind(
     assert _pinned(p, list(hashes)) == []
 
 
-def test_a_whole_chunk_record_made_at_once_is_the_record_written() -> None:
-    """A get compares the record it read with the one a whole chunk of its bytes has,
-    made in one pack (``chunk_record_of``): it must be byte for byte what a put wrote."""
-    from hurray_store.adapters.lmcache.records import (
-        ChunkLayer,
-        chunk_record_of,
-        pack_chunk_record,
-    )
+def test_a_chunk_record_is_the_documented_layout_and_parses_back() -> None:
+    """The record a put writes and a get compares with (``chunk_record_of``, one pack)
+    is byte for byte the layout records.py documents, and parses back to its fields."""
+    import struct
+
+    import xxhash
+
+    from hurray_store.adapters.lmcache.records import chunk_record_of, parse_chunk_record
 
     rng = random.Random(7)
     fp = bytes(rng.randrange(256) for _ in range(32))
-    pools = [(rng.randrange(1 << 40), rng.randrange(1 << 40)) for _ in range(LAYERS)]
+    pools = [(rng.randrange(1 << 20), rng.randrange(1 << 20)) for _ in range(LAYERS)]
     sums = [rng.randrange(1 << 64) for _ in range(2 * LAYERS)]
-    layers = [ChunkLayer(k, v, sums[2 * i], sums[2 * i + 1]) for i, (k, v) in enumerate(pools)]
-    written = b"".join(pack_chunk_record(fp, 200, 12345, layers))
-    assert chunk_record_of(LAYERS)(fp, 200, 12345, pools, sums) == written
-    assert chunk_record_of(LAYERS)(fp, 199, 12345, pools, sums) != written
+    body = struct.pack("<4sH32sQIQ", b"HSLC", 4, fp, 200, LAYERS, 1 << 21) + b"".join(
+        struct.pack("<QQQQ", k, v, sums[2 * i], sums[2 * i + 1]) for i, (k, v) in enumerate(pools)
+    )
+    documented = body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    record = chunk_record_of(LAYERS)(fp, 200, 1 << 21, pools, sums)
+    assert record == documented
+    n, size, layers = parse_chunk_record(record, fp, LAYERS, 256, lambda n: n * 8)
+    assert (n, size) == (200, 1 << 21)
+    assert [(x.key_pool_offset, x.value_pool_offset) for x in layers] == pools
+    assert [s for x in layers for s in (x.key_tokens_checksum, x.value_tokens_checksum)] == sums
+    assert chunk_record_of(LAYERS)(fp, 199, 1 << 21, pools, sums) != documented
     swapped = [sums[1], sums[0], *sums[2:]]  # a layer's key and value checksums apart
-    assert chunk_record_of(LAYERS)(fp, 200, 12345, pools, swapped) != written
+    assert chunk_record_of(LAYERS)(fp, 200, 1 << 21, pools, swapped) != documented
 
 
 def test_pin_remove_and_a_corrupt_chunk_is_a_miss(opened: Any, tmp_path: Path) -> None:

@@ -45,11 +45,9 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from hurray_store.adapters.lmcache.records import (
-    ChunkLayer,
     chunk_record_bytes,
     chunk_record_of,
     layout_fingerprint,
-    pack_chunk_record,
     parse_chunk_record,
 )
 from hurray_store.adapters.store_thread import StoreThread, held_prefix, pin_held_prefix
@@ -280,11 +278,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         slots.append(None)
 
         def seal(sums: list[int]) -> list[bytes]:
-            entries = [
-                ChunkLayer(k_at, v_at, sums[2 * li], sums[2 * li + 1])
-                for li, (k_at, v_at) in enumerate(offsets)
-            ]
-            return pack_chunk_record(self.fingerprint, n, size, entries)
+            return [self._record_of(self.fingerprint, n, size, offsets, sums)]
 
         return Sealed(buffers, slots, sums, seal, self._record_bytes, checksum)
 

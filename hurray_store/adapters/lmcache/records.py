@@ -88,36 +88,13 @@ def chunk_record_bytes(num_layers: int) -> int:
     return _CHUNK.size + num_layers * _LAYER.size + _SUM.size
 
 
-def pack_chunk_record(
-    fingerprint: bytes, num_tokens: int, object_size: int, layers: Sequence[ChunkLayer]
-) -> list[bytes]:
-    """The record's bytes, as the body and its checksum (two buffers, no join)."""
-    body = b"".join(
-        [
-            _CHUNK.pack(
-                CHUNK_MAGIC, CHUNK_VERSION, fingerprint, num_tokens, len(layers), object_size
-            ),
-            *(
-                _LAYER.pack(
-                    lay.key_pool_offset,
-                    lay.value_pool_offset,
-                    lay.key_tokens_checksum,
-                    lay.value_tokens_checksum,
-                )
-                for lay in layers
-            ),
-        ]
-    )
-    return [body, _SUM.pack(checksum(body))]
-
-
 def chunk_record_of(num_layers: int) -> Callable[..., bytes]:
     """``(fingerprint, tokens, object size, pools, sums) -> bytes``: the whole record a
     chunk of ``num_layers`` layers with these pool offsets (per layer its key's and its
-    value's) and token checksums (likewise, flat) has, made at once (one ``pack``), for
-    a reader to compare with the record it read: equal bytes say everything
-    ``parse_chunk_record`` and the checksums' comparison would (any other record is
-    parsed, for the reason it differs)."""
+    value's) and token checksums (likewise, flat) has, made at once (one ``pack``): what
+    a put writes, and what a reader compares with the record it read, where equal
+    bytes say everything ``parse_chunk_record`` and the checksums' comparison would
+    (any other record is parsed, for the reason it differs)."""
     body = struct.Struct(_CHUNK.format + _LAYER.format[1:] * num_layers)
 
     def record(fp: bytes, n: int, size: int, pools: Sequence[tuple[int, int]], sums: Any) -> bytes:

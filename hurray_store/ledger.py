@@ -18,7 +18,7 @@ Group ids are opaque hashable values to the books (``keys.SegmentKey``,
 ``keys.ObjectKey``); keys are the stored strings the tiers know.
 
 The store's loop is the only writer of the books. Other threads read them (``holders``)
-and take and let go pins (``pin_ready``, ``pin``, ``unpin``): every change of what a
+and take and let go pins (``pin_ready``, ``pin_refs``, ``pin``, ``unpin``): every change of what a
 tier holds, and every pin, is made under ``lock`` (a pin let go is counted off under it
 when the pins are next read), which the policy holds too while it
 chooses its victims and takes them off the books, so a group another thread finds
@@ -49,12 +49,31 @@ class TierInfo:
     shared: bool = False  # other processes write to it (a cache server)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Entry:
+    """A group in one tier. ``ready`` turns false for good when it leaves the tier's
+    books. ``pins``: pins taken on this tier's copy (``pin_refs``); while it is in the
+    books, they pin the group as ``pin`` does (``is_pinned``)."""
+
     sizes: dict[str, int]
     depth: int
     nbytes: int
     ready: bool
+    pins: int = 0
+
+
+class KeyRef:
+    """A caller's handle on one key for ``Ledger.pin_refs``: the key and the books'
+    entry it was last found READY in. A caller that pins the same keys again and again
+    (an engine's lookups) keeps one per key: while that entry is still READY, a pin
+    is made on it with no key looked up or group hashed (a few cache misses fewer a
+    key, which is what a lookup right after a store is made of)."""
+
+    __slots__ = ("key", "entry")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.entry: Entry | None = None
 
 
 @dataclass(slots=True)
@@ -162,9 +181,12 @@ class Ledger:
         return len(self._books[tier].key_group)
 
     def is_pinned(self, group: Group) -> bool:
+        """Pinned as a group, or in some tier (``pin_refs``)."""
         if self._released:
             self._count_released()
-        return self._pins.get(group, 0) > 0
+        if self._pins.get(group, 0) > 0:
+            return True
+        return any((e := b.groups.get(group)) is not None and e.pins > 0 for b in self._books)
 
     # ------------------------------------------------------------------ changes
 
@@ -224,6 +246,9 @@ class Ledger:
             released, pins = self._released, self._pins
             while released:
                 g = released.popleft()
+                if type(g) is Entry:  # a pin of ``pin_refs``
+                    g.pins -= 1
+                    continue
                 n = pins.get(g, 0) - 1
                 if n <= 0:
                     pins.pop(g, None)
@@ -248,6 +273,40 @@ class Ledger:
             self.pin(groups)
             return groups
 
+    def pin_refs(self, refs: Iterable[KeyRef]) -> list[Entry]:
+        """``pin_ready`` by handles: from any thread, pin the copy a get finds now of
+        each of ``refs``' keys, from the first, up to the first that has none; the
+        entries pinned, to ``unpin`` later. A ref whose entry left the books or is not
+        READY is looked up again by its key (the fastest tier holding it READY) and
+        keeps the entry found. Such a pin holds the group as ``pin`` does while that
+        entry is in the books; a group written again has a new entry, which it does
+        not hold (as a ``pin`` does not hold the new bytes, see ``TieredStore.unpin``)."""
+        out: list[Entry] = []
+        with self.lock:
+            if len(self._released) >= _RELEASED_KEPT:
+                self._count_released()
+            for r in refs:
+                e = r.entry
+                if e is None or not e.ready:
+                    if (e := self._ready_entry(r.key)) is None:
+                        break
+                    r.entry = e
+                e.pins += 1
+                out.append(e)
+        return out
+
+    def refresh(self, ref: KeyRef) -> None:
+        """Point ``ref`` at the copy of its key a get finds now (None: none)."""
+        with self.lock:
+            ref.entry = self._ready_entry(ref.key)
+
+    def _ready_entry(self, key: str) -> Entry | None:
+        """The entry of ``key``'s group in the fastest tier holding it READY."""
+        for b in self._books:
+            if (g := b.key_group.get(key)) is not None and (e := b.groups[g]).ready:
+                return e
+        return None
+
     def _add(
         self, tier: int, group: Group, sizes: dict[str, int], depth: int, *, ready: bool
     ) -> None:
@@ -262,6 +321,7 @@ class Ledger:
         b = self._books[tier]
         e = b.groups.pop(group, None)
         if e is not None:
+            e.ready = False  # for the handles still holding it (``KeyRef``)
             b.used -= e.nbytes
             for k in e.sizes:
                 if b.key_group.get(k) == group:

@@ -305,6 +305,9 @@ def test_a_pinned_lookup_pins_the_hit_prefix_and_each_unpin_lets_one_pin_go(
     p = plugin_of(b)
     p.batched_submit_put_task([key(1), key(2), key(4)], [chunk(b, 64, i) for i in (1, 2, 4)])
     p.flush()
+    # A put leaves the chunk's handle on its copy: the first lookup looks nothing up.
+    copies = [p._chunk(key(h)).ref.entry for h in (1, 2, 4)]
+    assert all(e is not None and e.ready for e in copies)
     # What LMCache's engine asks on vLLM's lookup: the hits up to the first miss, pinned.
     assert p.batched_contains([key(1), key(2), key(3), key(4)], pin=True) == 2
     assert _pinned(p, [1, 2, 4]) == [1, 2]
@@ -318,6 +321,9 @@ def test_a_pinned_lookup_pins_the_hit_prefix_and_each_unpin_lets_one_pin_go(
     assert p.remove(key(4)) and not p.contains(key(4))
     p.batched_submit_put_task([key(4)], [chunk(b, 64, 4)])
     assert _pinned(p, [4]) == [] and p.contains(key(4))
+    assert p.contains(key(4), pin=True) and _pinned(p, [4]) == [4]  # the new copy
+    assert p._chunk(key(4)).ref.entry is not copies[2] and p.unpin(key(4))
+    assert _pinned(p, [4]) == []
     assert not p.pin(key(3))  # absent: nothing pinned
     assert _pinned(p, [3]) == []
     # A new prompt's lookup: nothing kept for its chunks (their names made lazily, the
@@ -399,7 +405,7 @@ def test_lookups_unpins_and_removes_on_several_threads_leave_no_pin_behind(
             assert all(f.result() > 0 for f in lookers)
     finally:
         sys.setswitchinterval(old)
-    assert all(not c.pins for c in [*p._chunks.values(), *p._others.values()])
+    assert all(len(c) == 0 for c in [*p._chunks.values(), *p._others.values()])  # no pins
     assert _pinned(p, list(hashes)) == []
 
 

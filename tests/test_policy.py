@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from hurray_store import ledger as ledger_module
-from hurray_store.ledger import Ledger
+from hurray_store.ledger import KeyRef, Ledger
 from hurray_store.policy import Admission, Policy, TierInfo
 
 MEM = TierInfo("cpu", 100, False)
@@ -73,6 +73,45 @@ def test_pinned_groups_survive_and_a_fully_pinned_tier_refuses() -> None:
     assert p.ledger.groups(0) == ["a", "c"]  # the refusal evicted nothing
     p.ledger.unpin(["a"])
     assert evicted(p, 0, "d", 10) == ["a"]
+
+
+def test_pins_by_handle_hold_the_copy_found_and_follow_it_when_it_leaves() -> None:
+    """``pin_refs`` pins the copy a get finds (the fastest READY one) through a kept
+    handle: pinned, its group is never a victim; a handle whose copy left the books, or
+    is being written again, finds the key anew or stops the prefix there."""
+    p = make([MEM, DISK])
+    led = p.ledger
+    evicted(p, 0, "a", 50)
+    evicted(p, 1, "a", 50)
+    evicted(p, 0, "b", 50)
+    ra, rb, rc = KeyRef("a/0"), KeyRef("b/0"), KeyRef("c/0")
+    pins = led.pin_refs([ra, rb, rc])  # no "c": the prefix ends there
+    assert pins == [ra.entry, rb.entry] and rc.entry is None
+    assert ra.entry is dict(led.entries(0))["a"]  # the faster copy
+    assert led.is_pinned("a") and led.is_pinned("b")
+    adm = admit(p, 0, "c", {"c/0": 10})  # both pinned: no room in the top tier
+    assert not adm.accepted and "pinned" in adm.reason
+    for e in pins:
+        led.unpin_one(e)
+    assert not led.is_pinned("a") and not led.is_pinned("b")
+    assert evicted(p, 0, "c", 50) == ["a"]  # let go, "a" is a victim again
+    # The copy "ra" held left the top tier: the next pin finds the one on disk.
+    (pin,) = led.pin_refs([ra])
+    assert pin is ra.entry is dict(led.entries(1))["a"] and led.is_pinned("a")
+    led.unpin_one(pin)
+    # "b" written again: its old entry is no copy any more; WRITING is none to pin.
+    old = rb.entry
+    assert p.plan_write(0, "b", {"b/0": 50}).accepted
+    assert old is not None and not old.ready
+    assert led.pin_refs([rb]) == [] and rb.entry is old
+    led.complete_write(0, "b", True)
+    (pin,) = led.pin_refs([rb])
+    assert pin is rb.entry is not old and pin.ready
+    led.refresh(rc)  # "c" since written: found without a pin
+    assert rc.entry is dict(led.entries(0))["c"] and not led.is_pinned("c")
+    rz = KeyRef("z/0")
+    led.refresh(rz)  # never written: nothing to find
+    assert rz.entry is None and led.pin_refs([rz]) == []
 
 
 def test_placement_skips_tiers_too_small_for_the_group() -> None:

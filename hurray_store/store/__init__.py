@@ -35,7 +35,7 @@ from typing import Any
 from hurray_store.buffers import BufferPool
 from hurray_store.config import StoreConfig, load_config
 from hurray_store.keys import GroupRecordKey, ObjectKey, SegmentKey, SegmentPart, parse_key
-from hurray_store.ledger import Group, Ledger, TierInfo
+from hurray_store.ledger import Entry, Group, KeyRef, Ledger, TierInfo
 from hurray_store.metrics import StoreMetrics
 from hurray_store.paging import PagedKVPool
 from hurray_store.policy import Policy
@@ -49,12 +49,21 @@ from hurray_store.store.writer import SegmentWriter
 from hurray_store.tiers import Blob, Range, RangeIn, Tier, open_tier
 
 # A pin on an object, as the store gave it: given back to ``TieredStore.unpin``. (The
-# group the object was in, opaque to callers.)
-Pin = Group
+# group the object was in, or the books' entry of the copy ``pin_held_refs`` pinned;
+# opaque to callers.)
+Pin = Group | Entry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Pin", "PutResult", "RetrieveResult", "RetrievedLayer", "TieredStore", "open_store"]
+__all__ = [
+    "KeyRef",
+    "Pin",
+    "PutResult",
+    "RetrieveResult",
+    "RetrievedLayer",
+    "TieredStore",
+    "open_store",
+]
 
 
 class TieredStore:
@@ -341,6 +350,21 @@ class TieredStore:
         first, that a get will find now, up to the first it will not; their pins, to
         give back to ``unpin``. No key past that first miss is taken from ``keys``."""
         return self.objects.pin_held(keys)
+
+    def object_ref(self, key: str) -> KeyRef:
+        """A handle on object ``key`` for ``pin_held_refs``: a caller that pins the
+        same objects again and again (an engine's lookups) keeps one per object."""
+        return self.objects.ref(key)
+
+    def refresh_ref(self, ref: KeyRef) -> None:
+        """Point ``ref`` at the copy of its object a get finds now: after a put of it,
+        the first pin by the handle then looks nothing up."""
+        self.objects.refresh(ref)
+
+    def pin_held_refs(self, refs: Iterable[KeyRef]) -> Sequence[Pin]:
+        """``pin_held_objects`` by ``object_ref``'s handles, from any thread: while the
+        copy a handle last found is still there, it is pinned with no key looked up."""
+        return self.objects.pin_held_refs(refs)
 
     def unpin(self, pins: Sequence[Pin]) -> None:
         """Let go of pins that ``pin_objects`` or ``pin_held_objects`` gave (any

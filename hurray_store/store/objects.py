@@ -24,7 +24,7 @@ import torch
 
 from hurray_store.format import checksum
 from hurray_store.keys import ObjectKey, decode_group_record, encode_group_record, object_stored
-from hurray_store.ledger import Group
+from hurray_store.ledger import Entry, Group, KeyRef
 from hurray_store.store.cascade import TierCascade
 from hurray_store.tiers import Blob, Buffer, Range, RangeIn, host_view
 from hurray_store.tiers.base import GroupObject, Sealed, SealedObject, StoredObject
@@ -178,6 +178,18 @@ class ObjectStore:
         will find now, up to the first it will not; their groups, for the books'
         ``unpin``. Nothing is evicted between the check and the pin (the books' lock)."""
         return self.cascade.ledger.pin_ready(map(self._stored.__add__, names))  # lazy
+
+    def ref(self, name: str) -> KeyRef:
+        """A handle on object ``name`` for ``pin_held_refs``, kept by a caller that
+        pins the same objects again and again."""
+        return KeyRef(self._stored + name)
+
+    def refresh(self, ref: KeyRef) -> None:
+        self.cascade.ledger.refresh(ref)
+
+    def pin_held_refs(self, refs: Iterable[KeyRef]) -> list[Entry]:
+        """``pin_held`` by ``ref``'s handles: each pin keeps the copy a get finds."""
+        return self.cascade.ledger.pin_refs(refs)
 
     def touch(self, names: Sequence[str]) -> None:
         """Mark these objects' groups used now (eviction takes the least recent)."""

@@ -53,13 +53,16 @@ class TierInfo:
 class Entry:
     """A group in one tier. ``ready`` turns false for good when it leaves the tier's
     books. ``pins``: pins taken on this tier's copy (``pin_refs``); while it is in the
-    books, they pin the group as ``pin`` does (``is_pinned``)."""
+    books, they pin the group as ``pin`` does (``is_pinned``). ``moved``: a key of it
+    has since been written in another group of the tier, so a handle holding this
+    entry (``KeyRef``) may be stale: it looks its key up again."""
 
     sizes: dict[str, int]
     depth: int
     nbytes: int
     ready: bool
     pins: int = 0
+    moved: bool = False
 
 
 class KeyRef:
@@ -274,20 +277,21 @@ class Ledger:
             return groups
 
     def pin_refs(self, refs: Iterable[KeyRef]) -> list[Entry]:
-        """``pin_ready`` by handles: from any thread, pin the copy a get finds now of
-        each of ``refs``' keys, from the first, up to the first that has none; the
-        entries pinned, to ``unpin`` later. A ref whose entry left the books or is not
-        READY is looked up again by its key (the fastest tier holding it READY) and
-        keeps the entry found. Such a pin holds the group as ``pin`` does while that
-        entry is in the books; a group written again has a new entry, which it does
-        not hold (as a ``pin`` does not hold the new bytes, see ``TieredStore.unpin``)."""
+        """``pin_ready`` by handles: from any thread, pin the copy a get finds now of each of
+        ``refs``' keys, from the first, up to the first that has none; the entries
+        pinned, to ``unpin`` later. A ref whose entry left the books, is not READY
+        or had a key move to another group (``Entry.moved``) is looked up again by
+        its key (the fastest tier holding it READY) and keeps the entry found. Such
+        a pin holds the group as ``pin`` does while that entry is in the books; a
+        group written again has a new entry, which it does not hold (as a ``pin``
+        does not hold the new bytes, see ``TieredStore.unpin``)."""
         out: list[Entry] = []
         with self.lock:
             if len(self._released) >= _RELEASED_KEPT:
                 self._count_released()
             for r in refs:
                 e = r.entry
-                if e is None or not e.ready:
+                if e is None or not e.ready or e.moved:
                     if (e := self._ready_entry(r.key)) is None:
                         break
                     r.entry = e
@@ -315,6 +319,9 @@ class Ledger:
         b.groups[group] = e
         b.used += e.nbytes
         for k in sizes:
+            old = b.key_group.get(k)
+            if old is not None and old != group and (was := b.groups.get(old)) is not None:
+                was.moved = True  # its handles of ``k`` are stale
             b.key_group[k] = group
 
     def _drop(self, tier: int, group: Group) -> Entry | None:

@@ -114,6 +114,25 @@ def test_pins_by_handle_hold_the_copy_found_and_follow_it_when_it_leaves() -> No
     assert rz.entry is None and led.pin_refs([rz]) == []
 
 
+def test_a_handle_whose_key_moved_to_another_group_pins_the_new_one() -> None:
+    """A key written again in another group of the same tier: a handle holding the old
+    group's entry, still READY for its other keys, pins the key's new group."""
+    p = make([DISK])
+    led = p.ledger
+    admit(p, 0, "g1", {"k": 10, "g1/0": 10})
+    rk, rg = KeyRef("k"), KeyRef("g1/0")
+    led.refresh(rk)
+    led.refresh(rg)
+    first = rk.entry
+    assert first is rg.entry is dict(led.entries(0))["g1"]
+    admit(p, 0, "g2", {"k": 10})  # "k" is g2's now; g1 keeps "g1/0"
+    (pin,) = led.pin_refs([rk])
+    assert pin is rk.entry is dict(led.entries(0))["g2"] and pin is not first
+    assert led.is_pinned("g2") and not led.is_pinned("g1")
+    (pin2,) = led.pin_refs([rg])  # g1's own key: g1, found again by its key
+    assert pin2 is first and first.ready and led.is_pinned("g1")
+
+
 def test_placement_skips_tiers_too_small_for_the_group() -> None:
     p = make([MEM, DISK])
     assert p.place(100) == 0

@@ -146,6 +146,12 @@ def test_put_get_bit_exact_and_restart(opened: Any) -> None:
         got = p2.get_blocking(key(i))
         assert got is not None and torch.equal(got.tensor, w)
         got.ref_count_down()
+    # Its first pinned lookup makes its entries for them, each with the handle its pin
+    # was taken by, already on the copy (the next lookup looks nothing up).
+    assert p2.batched_contains([key(i) for i in (1, 2, 3, 4)], pin=True) == 4
+    copies = [p2._chunk(key(i)).ref.entry for i in (1, 2, 3, 4)]
+    assert all(e is not None and e.ready and e.pins == 1 for e in copies)
+    assert all(p2.unpin(key(i)) for i in (1, 2, 3, 4))
 
 
 @pytest.mark.parametrize(

@@ -204,8 +204,9 @@ class HurrayStoragePlugin(StoragePluginInterface):
             c = self._others.get(key) if self._others else None
         return c
 
-    def _chunk(self, key: CacheEngineKey) -> _Chunk:
-        """``key``'s entry, made if new (under ``_chunks_lock``)."""
+    def _chunk(self, key: CacheEngineKey, ref: object = None) -> _Chunk:
+        """``key``'s entry, made if new (under ``_chunks_lock``), with ``ref`` as its
+        handle where that is one (a lookup's, already pointing at the copy it pinned)."""
         if (c := self._find(key)) is not None:
             return c
         if len(self._chunks) + len(self._others) >= self._chunks_cap:
@@ -216,7 +217,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
             self._chunks_cap = max(_CHUNKS_KEPT, 2 * (len(self._chunks) + len(self._others)))
             self._drops += 1
         name = _chunk_name(self._key_prefix, key)
-        c = _Chunk(key, name, self.store.object_ref(name))
+        c = _Chunk(key, name, ref if isinstance(ref, KeyRef) else self.store.object_ref(name))
         if self._chunks.setdefault(key.chunk_hash, c) is not c:
             self._others[key] = c  # its chunk hash is another key's
         return c
@@ -458,7 +459,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         name on the store's loop with a shared tier): a new prompt's lookup names its
         first chunk only (64 names made took 130-150 us here, where
         LMCache's disk backend answers the same miss in 0.5-0.7)."""
-        found: list[_Chunk | None] = []
+        found: list[_Chunk | KeyRef | None] = []
         drops = self._drops  # before the names' ``get``: entries leaving after, seen
         pins: Sequence[Pin]
         if self.store.shared:  # asked on the store's loop, by name
@@ -469,37 +470,43 @@ class HurrayStoragePlugin(StoragePluginInterface):
         return len(pins)
 
     def _names(
-        self, keys: Sequence[CacheEngineKey], found: list[_Chunk | None], refs: bool = False
+        self,
+        keys: Sequence[CacheEngineKey],
+        found: list[_Chunk | KeyRef | None],
+        refs: bool = False,
     ) -> Iterator[Any]:
         """The store's name of each of ``keys`` (with ``refs``, its handle), made as
-        the store asks for it (any thread), each key's entry in ``_chunks`` (None: none)
-        added to ``found``."""
+        the store asks for it (any thread), each key's entry in ``_chunks`` added to
+        ``found`` (where it has none, the handle made for it, or None)."""
         get, others, prefix = self._chunks.get, self._others, self._key_prefix
         for k in keys:
             if (c := get(k.chunk_hash)) is None or (c.key is not k and c.key != k):
                 c = others.get(k) if others else None  # as ``_find``, inline
-            found.append(c)
             if c is not None:
+                found.append(c)
                 yield c.ref if refs else c.name
             else:
                 name = _chunk_name(prefix, k)
-                yield self.store.object_ref(name) if refs else name
+                ref = self.store.object_ref(name) if refs else None
+                found.append(ref)
+                yield ref if ref is not None else name
 
     def _hold(
         self,
         keys: Sequence[CacheEngineKey],
-        found: Sequence[_Chunk | None],
+        found: Sequence[_Chunk | KeyRef | None],
         drops: int,
         pins: Sequence[Pin],
     ) -> None:
         """The store pinned the chunks of ``keys``, from the first, for this engine: one
-        pin more each, in its entry of ``found`` (made where None) while ``_drops`` is
-        still ``drops``; else in the entry found or made again."""
+        pin more each, in its entry of ``found`` (made where there was none, with the
+        handle the pin was taken by) while ``_drops`` is still ``drops``; else in the
+        entry found or made again."""
         with self._chunks_lock:
             for k, c, pin in zip(keys, found, pins, strict=False):
                 # ``_drops`` again each time: making an entry may drop others
-                if c is None or self._drops != drops:
-                    c = self._chunk(k)
+                if c.__class__ is not _Chunk or self._drops != drops:
+                    c = self._chunk(k, c)
                 c.append(pin)
 
     def _get_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
@@ -615,7 +622,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         if not pin:
             names = map(self._chunk_key, keys)  # lazy, as with ``pin``
             return await asyncio.wrap_future(self._runner.submit(held_prefix(self.store, names)))
-        found: list[_Chunk | None] = []
+        found: list[_Chunk | KeyRef | None] = []
         drops, lazy = self._drops, self._names(keys, found)  # made on the store's loop
         pins = await asyncio.wrap_future(self._runner.submit(pin_held_prefix(self.store, lazy)))
         self._hold(keys, found, drops, pins)

@@ -204,7 +204,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
             c = self._others.get(key) if self._others else None
         return c
 
-    def _chunk(self, key: CacheEngineKey, ref: object = None) -> _Chunk:
+    def _chunk(self, key: CacheEngineKey, ref: KeyRef | None = None) -> _Chunk:
         """``key``'s entry, made if new (under ``_chunks_lock``), with ``ref`` as its
         handle where that is one (a lookup's, already pointing at the copy it pinned)."""
         if (c := self._find(key)) is not None:
@@ -217,7 +217,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
             self._chunks_cap = max(_CHUNKS_KEPT, 2 * (len(self._chunks) + len(self._others)))
             self._drops += 1
         name = _chunk_name(self._key_prefix, key)
-        c = _Chunk(key, name, ref if isinstance(ref, KeyRef) else self.store.object_ref(name))
+        c = _Chunk(key, name, ref if ref is not None else self.store.object_ref(name))
         if self._chunks.setdefault(key.chunk_hash, c) is not c:
             self._others[key] = c  # its chunk hash is another key's
         return c
@@ -506,7 +506,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
             for k, c, pin in zip(keys, found, pins, strict=False):
                 # ``_drops`` again each time: making an entry may drop others
                 if c.__class__ is not _Chunk or self._drops != drops:
-                    c = self._chunk(k, c)
+                    c = self._chunk(k, c if isinstance(c, KeyRef) else None)
                 c.append(pin)
 
     def _get_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:

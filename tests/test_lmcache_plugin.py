@@ -805,6 +805,37 @@ def test_two_engines_share_chunks_through_a_cache_server(opened: Any, tmp_path: 
         srv.kill()
 
 
+def test_a_lookup_hears_what_another_process_on_the_disk_folder_did(opened: Any) -> None:
+    """Two stores on one disk folder, as two engines' processes on one host: a lookup
+    on LMCache's thread hears what the other committed and removed before it reads the
+    books, with no operation of its own store in between (the store's operations on its
+    loop hear the others first; a lookup reads the books off the loop)."""
+    a, b = opened(), opened()
+    pa, pb = plugin_of(a), plugin_of(b)
+    objs = [chunk(a, 64, h) for h in (1, 2)]
+    want = [o.tensor.clone() for o in objs]
+    pa.batched_submit_put_task([key(1), key(2)], objs)
+    pa.flush()
+    assert pb.batched_contains([key(1), key(2), key(3)]) == 2
+    pa.batched_submit_put_task([key(3)], [chunk(a, 64, 3)])
+    pa.flush()
+    assert pb.batched_contains([key(1), key(2), key(3), key(4)], pin=True) == 3
+    pa.batched_submit_put_task([key(4)], [chunk(a, 64, 4)])
+    pa.flush()
+    assert pb.pin(key(4))
+    assert _pinned(pb, [1, 2, 3, 4]) == [1, 2, 3, 4]
+    for h in (1, 2, 3, 4):
+        assert pb.unpin(key(h))
+    got = pb.get_blocking(key(1))
+    assert got is not None and torch.equal(got.tensor, want[0])
+    got.ref_count_down()
+    # Removed by the other: a miss at once, not a hit whose get would fail.
+    assert pa.remove(key(2))
+    assert not pb.contains(key(2))
+    assert pb.batched_contains([key(1), key(2)], pin=True) == 1 and pb.unpin(key(1))
+    assert pb.get_blocking(key(2)) is None
+
+
 def test_l2_adapter_restart_finds_every_committed_object(tmp_path: Path) -> None:
     """A new adapter over the same disk tier finds and loads every key the first one
     stored, bit for bit."""
@@ -838,6 +869,49 @@ def test_l2_adapter_restart_finds_every_committed_object(tmp_path: Path) -> None
         assert all(bool((d.tensor == i).all()) for i, d in enumerate(dst))
         b.submit_unlock(keys)
     finally:
+        b.close()
+
+
+def test_l2_adapter_stores_again_what_another_process_on_the_folder_removed(
+    tmp_path: Path,
+) -> None:
+    """Two adapters on one disk folder at once (two servers' processes): a store task
+    hears first what the other did, so a key the other removed is written again, not
+    skipped as held, and a lookup then finds it."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from hurray_store.adapters.lmcache import HurrayL2Adapter
+
+    (tmp_path / "h.yaml").write_text(
+        f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"
+    )
+    k = [ObjectKey(b"\x07" * 16, "tiny", 0)]
+    a = HurrayL2Adapter({"config": str(tmp_path / "h.yaml")})
+    b = HurrayL2Adapter({"config": str(tmp_path / "h.yaml")})
+
+    def store(x: Any, fill: int) -> None:
+        x.submit_store_task(k, [_l2_obj(fill)])
+        _l2_wait(x.get_store_event_fd())
+        (res,) = x.pop_completed_store_tasks().values()
+        assert res.is_successful()
+
+    try:
+        store(a, 7)
+        store(b, 7)  # held already: heard from the other
+        a.delete(k)
+        store(b, 7)
+        t = b.submit_lookup_and_lock_task(k, {})
+        _l2_wait(b.get_lookup_and_lock_event_fd())
+        bm = b.query_lookup_and_lock_result(t)
+        assert bm is not None and bm.test(0)
+        dst = [_l2_obj(255)]
+        t = b.submit_load_task(k, dst)
+        _l2_wait(b.get_load_event_fd())
+        bm = b.query_load_result(t)
+        assert bm is not None and bm.test(0) and bool((dst[0].tensor == 7).all())
+        b.submit_unlock(k)
+    finally:
+        a.close()
         b.close()
 
 

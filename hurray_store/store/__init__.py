@@ -119,6 +119,7 @@ class TieredStore:
             max_segment_bytes=config.max_segment_bytes,
         )
         self.reader = SegmentReader(self.cascade, self.catalog, self.buffers, self.quantization)
+        self._journaled = [t for t in tiers if t.journaled]  # for ``unheard``
         self._opened = False
 
     @property
@@ -186,6 +187,13 @@ class TieredStore:
         if orphans:
             await self.tiers[tier].delete_many(orphans)
         log.info("tier %s: removed %d uncommitted objects", self.tiers[tier].name, len(orphans))
+
+    def unheard(self) -> bool:
+        """Whether another process sharing a tier's medium may have committed or
+        removed something ``sync`` has not heard yet: from any thread, with no effect
+        (one ``fstat`` per such tier). What reads the books from another thread (the
+        LMCache plugin's lookups) asks it first, and has the loop ``sync`` on a yes."""
+        return any(t.has_changes() for t in self._journaled)
 
     async def sync(self) -> None:
         """Hear what other processes sharing a tier's medium (a disk folder) committed

@@ -284,6 +284,9 @@ class Tier(ABC):
     # whole, never written in place, so an open file is one whole object). A tier may
     # set it per instance (a single Redis does, a cluster does not).
     reads_now: bool = False
+    # Several processes may open its medium at once (a disk folder), and ``changes``
+    # says what the others did (``has_changes`` whether there is anything to say).
+    journaled: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -374,6 +377,11 @@ class Tier(ABC):
     def changes(self) -> list[tuple[bool, str]]:
         """What the other processes announced since the last call: ``(added, key)``."""
         return []
+
+    def has_changes(self) -> bool:
+        """Whether ``changes`` may have something to say, without reading it: from any
+        thread, with no effect (a false yes costs one ``changes``)."""
+        return False
 
     async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
         """Of the uncommitted keys a restart scan found, those no live writer may still

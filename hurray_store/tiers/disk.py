@@ -231,6 +231,7 @@ def _object_path(objects: Path, key: str) -> Path:
 class DiskTier(Tier):
     config_cls = DiskTierConfig
     persistent = True
+    journaled = True
     reads_now = True  # every write is a temp file renamed over the key: never in place
 
     def __init__(self, cfg: DiskTierConfig, namespace: str | None = None) -> None:
@@ -360,6 +361,15 @@ class DiskTier(Tier):
             if who != self._me and op in ("+", "-") and isinstance(key, str):
                 out.append((op == "+", key))
         return out
+
+    def has_changes(self) -> bool:
+        # One ``fstat`` of the journal this store holds open (``changes`` reads it by
+        # its path, and so finds a journal emptied by hand; this probe need not).
+        fd = self._journal_fd
+        try:
+            return fd is not None and os.fstat(fd).st_size != self._seen
+        except OSError:
+            return False
 
     async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
         if self.alone:

@@ -132,7 +132,9 @@ class HurrayL2Adapter(L2AdapterInterface):
 
     async def _store(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
         """Every key of the task at once (bounded in bytes): per key one object, its
-        bytes then its record, written whole or not at all."""
+        bytes then its record, written whole or not at all. What other processes sharing
+        a tier did is heard first: a key one of them removed is written again."""
+        await self.store.sync()
         views = [memoryview(o.byte_array).cast("B") for o in objects]
 
         async def one(key: Any, data: memoryview) -> int | None:

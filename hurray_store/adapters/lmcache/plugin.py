@@ -437,7 +437,9 @@ class HurrayStoragePlugin(StoragePluginInterface):
         here, with no trip to the store's loop; a cache server shared with other engines
         is asked when they say no, as LMCache's remote backend asks. With ``pin``, the
         hits are pinned here too, from the books, in one step under their lock (the
-        store's loop is asked only about a shared tier)."""
+        store's loop is asked only about a shared tier). Either way, what other processes
+        sharing the store's disk folder did is heard first (``_hear_others``)."""
+        self._hear_others()
         if pin:
             return self._pin_prefix(keys)
         n = 0
@@ -446,6 +448,15 @@ class HurrayStoragePlugin(StoragePluginInterface):
                 break
             n += 1
         return n
+
+    def _hear_others(self) -> None:
+        """Before the books are read on this thread: what other processes sharing a
+        tier's medium (a disk folder) committed or removed since the store last heard,
+        heard on the store's loop, as each of the store's own operations does first.
+        Asking costs one ``fstat`` a disk tier; the trip to the loop is made only when
+        there is something to hear."""
+        if self.store.unheard():
+            self._call(self.store.sync())
 
     def _held(self, name: str) -> bool:
         """A get of chunk ``name`` will find it: the books say so, or a shared tier."""
@@ -648,6 +659,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
     # ------------------------------------------------------------------ the rest
 
     def pin(self, key: CacheEngineKey) -> bool:
+        self._hear_others()
         return self._pin_prefix([key]) == 1
 
     def unpin(self, key: CacheEngineKey) -> bool:

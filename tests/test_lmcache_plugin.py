@@ -345,6 +345,11 @@ async def test_async_lookup_with_pin_pins_the_hit_prefix(opened: Any) -> None:
     p.batched_submit_put_task([key(1), key(2), key(4)], [chunk(b, 64, i) for i in (1, 2, 4)])
     p.flush()
     assert await p.batched_async_contains("req", [key(1), key(2), key(3), key(4)], pin=True) == 2
+    # Taken here through the chunks' handles, as a lookup on LMCache's thread takes them:
+    # each pin the books' entry of the copy a get finds.
+    for h in (1, 2):
+        c = p._find(key(h))
+        assert c is not None and list(c) == [c.ref.entry] and c.ref.entry.pins == 1
     assert _pinned(p, [1, 2, 4]) == [1, 2]
     assert p.unpin(key(1)) and p.unpin(key(2))
     assert _pinned(p, [1, 2, 4]) == []
@@ -823,8 +828,15 @@ def test_a_lookup_hears_what_another_process_on_the_disk_folder_did(opened: Any)
     pa.batched_submit_put_task([key(4)], [chunk(a, 64, 4)])
     pa.flush()
     assert pb.pin(key(4))
-    assert _pinned(pb, [1, 2, 3, 4]) == [1, 2, 3, 4]
-    for h in (1, 2, 3, 4):
+    pa.batched_submit_put_task([key(5)], [chunk(a, 64, 5)])
+    pa.flush()
+    keys = [key(h) for h in (1, 2, 3, 4, 5)]
+    assert asyncio.run(pb.batched_async_contains("r", keys, pin=True)) == 5
+    assert _pinned(pb, [1, 2, 3, 4, 5]) == [1, 2, 3, 4, 5]
+    for h in (1, 2, 3, 4, 4, 5):
+        assert pb.unpin(key(h))
+    assert _pinned(pb, [1, 2, 3, 4, 5]) == [1, 2, 3]
+    for h in (1, 2, 3):
         assert pb.unpin(key(h))
     got = pb.get_blocking(key(1))
     assert got is not None and torch.equal(got.tensor, want[0])

@@ -440,6 +440,10 @@ class HurrayStoragePlugin(StoragePluginInterface):
         store's loop is asked only about a shared tier). Either way, what other processes
         sharing the store's disk folder did is heard first (``_hear_others``)."""
         self._hear_others()
+        return self._lookup_now(keys, pin)
+
+    def _lookup_now(self, keys: Sequence[CacheEngineKey], pin: bool) -> int:
+        """``batched_contains`` once the store has heard the others."""
         if pin:
             return self._pin_prefix(keys)
         n = 0
@@ -628,8 +632,14 @@ class HurrayStoragePlugin(StoragePluginInterface):
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
     ) -> int:
-        """How many of ``keys``, from the first, a get will find, pinned with ``pin``:
-        one task on the store's loop (a shared tier is asked about all of them at once)."""
+        """How many of ``keys``, from the first, a get will find, pinned with ``pin``.
+        With no shared tier, as ``batched_contains``, here (the books and the pins need
+        no trip to the store's loop); with one, one task on the store's loop, which asks
+        the shared tier about all of them at once."""
+        if not self.store.shared:
+            if self.store.unheard():  # as ``_hear_others``, without blocking this loop
+                await asyncio.wrap_future(self._runner.submit(self.store.sync()))
+            return self._lookup_now(keys, pin)
         if not pin:
             names = map(self._chunk_key, keys)  # lazy, as with ``pin``
             return await asyncio.wrap_future(self._runner.submit(held_prefix(self.store, names)))

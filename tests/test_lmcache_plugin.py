@@ -846,6 +846,14 @@ def test_a_lookup_hears_what_another_process_on_the_disk_folder_did(opened: Any)
     assert not pb.contains(key(2))
     assert pb.batched_contains([key(1), key(2)], pin=True) == 1 and pb.unpin(key(1))
     assert pb.get_blocking(key(2)) is None
+    # Removed by the other after this store heard of it: a put writes it again, not
+    # skipped as held.
+    assert pa.remove(key(3))
+    pb.batched_submit_put_task([key(3)], [chunk(b, 64, 3)])
+    pb.flush()
+    got = pb.get_blocking(key(3))
+    assert got is not None
+    got.ref_count_down()
 
 
 def test_l2_adapter_restart_finds_every_committed_object(tmp_path: Path) -> None:

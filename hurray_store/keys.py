@@ -36,6 +36,36 @@ def root_hash(spec: KVSpec, salt: bytes = b"", quantization: str | None = None) 
     return hashlib.sha256(fields).digest()
 
 
+_REQUEST_SALT_TAG = b"\x00hurray_store/request-salt/v1"
+
+
+def request_salt(base: bytes, parts: Sequence[tuple[str, bytes | str | None]]) -> bytes:
+    """The salt of one request: the configured ``base`` salt, and what else of the
+    request shapes its KV (``parts``: a tenant's cache salt, a LoRA adapter's identity),
+    each field length-prefixed under its name, so no value can stand for another field or
+    another split of the same bytes. With no part set it is ``base`` itself (a request
+    without any hashes as the engine's plain pages always have, and warmed pages serve
+    it). Composed salts start with a NUL byte, which a configured salt may not
+    (``check_salt``), so no configured salt equals a composed one."""
+    fields = [
+        (k, v.encode() if isinstance(v, str) else bytes(v)) for k, v in parts if v is not None
+    ]
+    if not fields:
+        return base
+    out = [_REQUEST_SALT_TAG, struct.pack("<I", len(base)), base]
+    for name, value in sorted(fields):
+        n = name.encode()
+        out += [struct.pack("<I", len(n)), n, struct.pack("<I", len(value)), value]
+    return b"".join(out)
+
+
+def check_salt(salt: bytes | str) -> None:
+    """A configured salt may not start with NUL: that prefix marks ``request_salt``'s
+    composed salts."""
+    if salt[:1] in (b"\x00", "\x00"):
+        raise ValueError("a configured salt may not start with a NUL byte (composed salts do)")
+
+
 def token_array(token_ids: Sequence[int]) -> np.ndarray:
     """Token ids as little-endian uint32, refusing ids outside [0, 2**32)."""
     arr = np.asarray(token_ids, dtype=np.int64)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hurray_store import KVSpec, SpecError
-from hurray_store.keys import page_hashes, root_hash
+from hurray_store.errors import ConfigError
+from hurray_store.keys import check_salt, page_hashes, request_salt, root_hash
 
 SPEC = KVSpec("tiny-llama", 4, 2, 64, 4, torch.float16)
 
@@ -153,3 +154,45 @@ def test_same_hashes_in_processes_with_different_hash_seeds() -> None:
         )
     assert len(outs) == 1
     assert len(next(iter(outs)).split()) == 1 + 1000 // 16
+
+
+def test_a_request_salt_without_parts_is_the_configured_salt() -> None:
+    """A request with nothing of its own hashes as plain pages always have, so pages
+    warmed without a request context serve it."""
+    assert request_salt(b"tenant", [("cache_salt", None), ("lora", None)]) == b"tenant"
+    assert request_salt(b"", []) == b""
+
+
+def test_request_salts_of_different_parts_never_collide() -> None:
+    """Each part is length-prefixed under its name: moving bytes between the configured
+    salt and a part, between two parts, or naming another part gives another salt."""
+    salts = {
+        request_salt(b"", [("cache_salt", "alice")]),
+        request_salt(b"", [("cache_salt", "bob")]),
+        request_salt(b"", [("lora", "alice")]),
+        request_salt(b"a", [("cache_salt", "lice")]),
+        request_salt(b"", [("cache_salt", "alice"), ("lora", b"x")]),
+        request_salt(b"", [("cache_salt", "alicex")]),
+        b"alice",
+        b"",
+    }
+    assert len(salts) == 8
+    # The order parts are given in does not matter: they are sorted by name.
+    assert request_salt(b"", [("lora", b"x"), ("cache_salt", "a")]) == request_salt(
+        b"", [("cache_salt", "a"), ("lora", b"x")]
+    )
+    spec = KVSpec("m", 1, 1, 8, 4, torch.float16)
+    toks = list(range(8))
+    a = page_hashes(spec, toks, salt=request_salt(b"", [("cache_salt", "alice")]))
+    assert a != page_hashes(spec, toks) and a != page_hashes(spec, toks, salt=b"alice")
+
+
+def test_a_configured_salt_may_not_start_with_nul() -> None:
+    """Composed salts start with NUL: a configured one that did could equal one."""
+    from hurray_store.config import load_config
+
+    with pytest.raises(ConfigError, match="NUL"):
+        load_config({"salt": "\0x", "tiers": [{"type": "cpu", "capacity_bytes": 1024}]}, env={})
+    with pytest.raises(ValueError, match="NUL"):
+        check_salt(b"\0x")
+    check_salt("fine")

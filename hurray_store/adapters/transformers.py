@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from hurray_store.errors import PagingError, SpecError
-from hurray_store.identity import model_weights_id
+from hurray_store.identity import model_identity, model_weights_id
 from hurray_store.paging import PagedKVPool, allocate_shared, release_shared
 from hurray_store.spec import KVSpec
 
@@ -55,12 +55,13 @@ def run_model(
 
 
 def model_id(model: Any) -> str:
-    """The model's identity as its weights (``identity.model_weights_id``): for a model
-    loaded from a folder of safetensors and unchanged since, the same identity vLLM's
-    connector derives from that folder; another as soon as one value differs. Two models
-    whose weights differ never share a page, whatever their names or paths; the same
-    weights from another folder do."""
-    return model_weights_id(model)
+    """The model's identity as its weights (``identity.model_weights_id``) and the
+    KV-shaping fields of its config (``identity.config_id``): for a model loaded from a
+    folder of safetensors and unchanged since, the same identity vLLM's connector
+    derives from that folder with the same config overrides; another as soon as one
+    weight or one such field differs. Two models whose weights differ never share a
+    page, whatever their names or paths; the same weights from another folder do."""
+    return model_identity(model_weights_id(model), model.config)
 
 
 # Architectures whose cache is not one K and one V per layer of [kv_heads, tokens,

@@ -38,9 +38,16 @@ coordinates), then converts on save and back on load. A layout it cannot learn (
 backend, a packing that is not a permutation) is refused with one log line, and vLLM
 serves without the cache.
 
-The model's identity in the layout fingerprint is its checkpoint's weights
-(``identity.checkpoint_id``: the safetensors tensors, not the folder's name), so another
-checkpoint never shares a page, and a copy of the same checkpoint does.
+What a page is keyed by (docs/vllm.md, "What the key includes"): its tokens, chained
+from the request's first; the model's identity (``identity.model_identity``: the
+checkpoint's weights, not the folder's name, and the KV-shaping fields of the config as
+vLLM runs it, after ``--hf-overrides``); the KV cache's geometry and dtype as vLLM
+allocated it; the worker's tensor-parallel rank and size; and per request its
+``cache_salt`` and its LoRA adapter (by the adapter's weights), mixed into the page
+salt (``keys.request_salt``). A request whose KV depends on what the key cannot say
+(multimodal inputs, prompt embeddings) is neither looked up nor saved, and an instance
+the connector cannot key (pipeline or context parallel, a quantized KV cache) serves
+without the cache, with one log line.
 
 The scheduler's store and the worker's store are two processes on one config: the
 config needs a tier both see (a disk folder, Redis, or the cache server); a lookup in
@@ -49,11 +56,12 @@ the scheduler finds what any worker committed there.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,11 +70,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hurray_store.adapters.store_thread import StoreThread
-from hurray_store.identity import checkpoint_id
+from hurray_store.identity import adapter_id, checkpoint_id, model_identity
+from hurray_store.keys import check_salt, request_salt
 from hurray_store.paging import PagedKVPool
-from hurray_store.spec import KVSpec
+from hurray_store.spec import SUPPORTED_DTYPES, KVSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -87,6 +97,7 @@ class Transfer:
     token_ids: list[int]
     block_ids: list[int]  # the request's blocks, from its first
     first_block: int  # the first of them this transfer touches
+    salt: bytes  # the request's page salt (``keys.request_salt``), made by the scheduler
 
 
 @dataclass
@@ -102,6 +113,7 @@ class _Tracked:
     prompt: list[int]
     block_ids: list[int]
     saved: int  # prompt tokens (whole blocks) already handed to the worker to save
+    salt: bytes
 
 
 @dataclass(slots=True)
@@ -113,22 +125,91 @@ class _Loading:
     future: Future[list[int]]  # tokens delivered per load
 
 
-def spec_for_vllm(vllm_config: Any) -> KVSpec:
-    """The KVSpec of a vLLM instance's cache: its model's checkpoint identity, layers,
-    KV heads, head size and dtype, and its block size as the page size."""
+def spec_for_vllm(vllm_config: Any, kv_cache_config: Any = None, tp_rank: int = 0) -> KVSpec:
+    """The KVSpec of one tensor-parallel rank of a vLLM instance's cache: the model's
+    identity (its checkpoint's weights and its config as vLLM runs it), its layers, the
+    rank's KV heads, the head size, the KV cache's dtype as vLLM allocated it (from
+    ``kv_cache_config``; without it, ``cache_dtype`` or the model's dtype), the block
+    size as the page size, and the rank and tensor-parallel size. Raises ValueError for
+    a cache the connector cannot key (``unkeyable``)."""
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
+    why = unkeyable(vllm_config, kv_cache_config)
+    if why:
+        raise ValueError(why)
+    kv = _attention_spec(kv_cache_config)
     return KVSpec(
-        checkpoint_id(mc.model),
+        model_identity(checkpoint_id(mc.model), mc.hf_config),
         int(mc.get_num_layers(pc)),
-        int(mc.get_num_kv_heads(pc)),
-        int(mc.get_head_size()),
+        int(kv.num_kv_heads) if kv is not None else int(mc.get_num_kv_heads(pc)),
+        int(kv.head_size) if kv is not None else int(mc.get_head_size()),
         int(vllm_config.cache_config.block_size),
-        mc.dtype,
+        _kv_dtype(vllm_config, kv),
         "",
-        0,
-        1,
+        tp_rank,
+        int(pc.tensor_parallel_size),
     )
+
+
+def _attention_spec(kv_cache_config: Any) -> Any:
+    """The one KV cache group's spec (vLLM turns its hybrid manager off for a
+    connector), or None without a config."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    return groups[0].kv_cache_spec if groups else None
+
+
+def _kv_dtype(vllm_config: Any, kv: Any) -> Any:
+    """The dtype of the KV cache vLLM allocates: the group spec's, else ``cache_dtype``
+    ("auto": the model's dtype), else the model's."""
+    if kv is not None:
+        return kv.dtype
+    cd = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cd == "auto":
+        return vllm_config.model_config.dtype
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    return STR_DTYPE_TO_TORCH_DTYPE.get(cd, cd)
+
+
+def unkeyable(vllm_config: Any, kv_cache_config: Any = None) -> str:
+    """Why this instance's KV cannot be keyed by the connector ("" when it can): each
+    case is one whose pages the key cannot tell apart, or one not tested here."""
+    pc = vllm_config.parallel_config
+    if int(pc.pipeline_parallel_size) > 1:
+        return (
+            f"pipeline parallelism ({pc.pipeline_parallel_size} stages) is not supported: "
+            "a stage holds part of the layers"
+        )
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(pc, name, 1) or 1) > 1:
+            return f"context parallelism ({name}={getattr(pc, name)}) is not supported"
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) != 1:
+        return f"{len(groups)} KV cache groups (a hybrid model); one is supported"
+    kv = _attention_spec(kv_cache_config)
+    if kv is not None:
+        if not hasattr(kv, "head_size") or getattr(kv, "head_size_v", kv.head_size) != kv.head_size:
+            return f"a KV cache of kind {type(kv).__name__} (K and V of one head size only)"
+        if int(getattr(kv, "kv_quant_mode", 0) or 0) != 0:
+            return f"a quantized KV cache ({kv.kv_quant_mode!r}: its scales are not stored)"
+    dtype = _kv_dtype(vllm_config, kv)
+    if dtype not in SUPPORTED_DTYPES:
+        cd = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        return (
+            f"kv_cache_dtype {cd!r} ({dtype}): the store keeps "
+            f"{', '.join(SUPPORTED_DTYPES.values())} KV exactly, and no other"
+        )
+    return ""
+
+
+def _hit_source(config: Any) -> CacheHitSource:
+    """What vLLM's metrics call the tier the scheduler's hits come from: the tiers the
+    scheduler's store can find another process's pages in (memory tiers are the
+    process's own)."""
+    kinds = {t.kind for t in config.tiers} - {"cpu", "gpu"}
+    if kinds == {"disk"}:
+        return CacheHitSource.DISK
+    return CacheHitSource.EXTERNAL_UNSPECIFIED  # Redis, S3, the cache server: remote
 
 
 class HurrayConnector(KVConnectorBase_V1):
@@ -147,8 +228,21 @@ class HurrayConnector(KVConnectorBase_V1):
         # instance); kv_producer only saves.
         self.loads = bool(self._kv_transfer_config.is_kv_consumer)
         self.saves = bool(self._kv_transfer_config.is_kv_producer)
-        self.spec = spec_for_vllm(vllm_config)
-        self.salt = str(extra.get("salt", "")) or None
+        # Refused at start, in both halves (the scheduler then promises no load): an
+        # instance whose pages the key cannot tell apart.
+        self.disabled = unkeyable(vllm_config, kv_cache_config)
+        rank = 0
+        if role == KVConnectorRole.WORKER and not self.disabled:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = int(get_tensor_model_parallel_rank())
+        if self.disabled:
+            self.spec = KVSpec("unkeyable", 1, 1, 1, self.block_size, torch.float32)
+        else:
+            self.spec = spec_for_vllm(vllm_config, kv_cache_config, rank)
+        # The scheduler serves a prefix only when every rank can deliver it: it looks
+        # it up under each rank's spec and takes the shortest.
+        self.rank_specs = [replace(self.spec, tp_rank=r) for r in range(self.spec.tp_size)]
         # A JSON file the worker writes its counts to at shutdown (tests, debugging).
         self.stats_file = str(extra.get("stats_file", ""))
         self.counts = {
@@ -158,7 +252,6 @@ class HurrayConnector(KVConnectorBase_V1):
             "saves_failed": 0,
             "layer_waits": 0,  # attention layers that waited for their load (or found it)
         }
-        self.disabled = ""  # why the worker serves without the cache ("" = it does not)
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "") != "recompute":
             # A cache that cannot deliver a block is a miss: vLLM recomputes it (its
             # default for load failures is to fail the request). The scheduler reads the
@@ -167,8 +260,19 @@ class HurrayConnector(KVConnectorBase_V1):
             if role == KVConnectorRole.SCHEDULER:
                 log.info("HurrayConnector: kv_load_failure_policy set to recompute")
         self.st = StoreThread(extra["config"], f"hurray-{role.name.lower()}")
+        # The page salt of a request with nothing of its own: the connector's salt, else
+        # the store config's; a request's cache_salt and adapter are mixed into it.
+        base = str(extra.get("salt", "")) or self.st.store.config.salt
+        check_salt(base)
+        self.base_salt = base.encode()
+        self._cache_hit_source = _hit_source(self.st.store.config)
+        if self.disabled:
+            log.warning("HurrayConnector: serving without the cache: %s", self.disabled)
         # scheduler
         self._loads: dict[str, int] = {}  # req -> tokens to load (past vLLM's own hit)
+        # req -> its page salt, or None: a request the key cannot describe (not cached)
+        self._salts: dict[str, bytes | None] = {}
+        self._refused: set[str] = set()  # the kinds of request refused, each logged once
         self._tracked: dict[str, _Tracked] = {}
         self._unconfirmed: set[str] = set()  # loads planned, their outcome not yet reported
         # worker
@@ -181,6 +285,52 @@ class HurrayConnector(KVConnectorBase_V1):
 
     # ================================================================== scheduler
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a save dropped by a preemption is a future miss."""
+        return False
+
+    def on_new_request(self, request: Request) -> None:
+        self._salt_of(request)
+
+    def _salt_of(self, request: Request) -> bytes | None:
+        """The request's page salt, made once per request: everything vLLM's own block
+        hash keys by besides the tokens, or None when the key cannot say it (the
+        request is then neither looked up nor saved)."""
+        rid = request.request_id
+        if rid in self._salts:
+            return self._salts[rid]
+        why = ""
+        lora = None
+        if self.disabled:
+            why = "disabled"
+        elif getattr(request, "mm_features", None):
+            why = "multimodal inputs (their hashes are not keyed)"
+        elif getattr(request, "prompt_embeds", None) is not None:
+            why = "prompt embeddings (not keyed)"
+        elif (lr := getattr(request, "lora_request", None)) is not None:
+            try:
+                lora = adapter_id(str(lr.lora_path))
+            except Exception as e:  # an adapter folder that cannot be read
+                log.debug("LoRA adapter %s: %s", lr.lora_path, e)
+            if lora is None:
+                why = "a LoRA adapter that is no readable local folder (its weights key it)"
+        salt = None
+        if not why:
+            cache_salt = getattr(request, "cache_salt", None) or None  # vLLM: "" is none
+            salt = request_salt(self.base_salt, [("cache_salt", cache_salt), ("lora", lora)])
+        elif why != "disabled" and why not in self._refused:
+            self._refused.add(why)
+            log.info("HurrayConnector: requests with %s are not cached", why)
+        self._salts[rid] = salt
+        return salt
+
+    async def _lookup(self, toks: list[int], salt: bytes) -> int:
+        """The leading tokens every rank's pages hold (each rank stores its own heads)."""
+        store = self.st.store
+        got = await asyncio.gather(*(store.lookup(s, [toks], salt=salt) for s in self.rank_specs))
+        return min(n for (n,) in got)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -188,10 +338,11 @@ class HurrayConnector(KVConnectorBase_V1):
         limit = (len(toks) - 1) // self.block_size * self.block_size  # never the last token
         if not self.loads or limit <= num_computed_tokens:
             return 0, False
+        salt = self._salt_of(request)
+        if salt is None:
+            return 0, False
         try:
-            (n,) = self.st.call(
-                self.st.store.lookup(self.spec, [toks[:limit]], salt=self.salt), _TIMEOUT_S
-            )
+            n = self.st.call(self._lookup(toks[:limit], salt), _TIMEOUT_S)
         except Exception as e:  # the store down or slow: vLLM computes everything
             log.warning("hurray_store lookup failed (%s); computing the prompt", e)
             return 0, False
@@ -209,15 +360,18 @@ class HurrayConnector(KVConnectorBase_V1):
         meta = HurrayMetadata()
         so = scheduler_output
         for new in so.scheduled_new_reqs:
+            salt = self._salts.get(new.req_id)
+            if salt is None:  # not cached (or never seen by on_new_request)
+                continue
             prompt = list(new.prompt_token_ids or [])
             blocks = list(new.block_ids[0])
             ext = self._loads.pop(new.req_id, 0)
             if ext:
                 end = new.num_computed_tokens  # vLLM's own hit plus the store's
                 first = (end - ext) // self.block_size
-                meta.loads.append(Transfer(new.req_id, prompt[:end], blocks, first))
+                meta.loads.append(Transfer(new.req_id, prompt[:end], blocks, first, salt))
                 self._unconfirmed.add(new.req_id)
-            tracked = _Tracked(prompt, blocks, new.num_computed_tokens)
+            tracked = _Tracked(prompt, blocks, new.num_computed_tokens, salt)
             self._tracked[new.req_id] = tracked
             self._save_if_due(meta, new.req_id, tracked, new.num_computed_tokens, so)
         cached = so.scheduled_cached_reqs
@@ -242,7 +396,7 @@ class HurrayConnector(KVConnectorBase_V1):
         full = min(done, len(t.prompt)) // self.block_size * self.block_size
         if full > t.saved and self.saves:
             first = t.saved // self.block_size
-            meta.saves.append(Transfer(req_id, t.prompt[:full], list(t.block_ids), first))
+            meta.saves.append(Transfer(req_id, t.prompt[:full], list(t.block_ids), first, t.salt))
             t.saved = full
         self._untrack_if_done(req_id, t)
 
@@ -276,6 +430,7 @@ class HurrayConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        self._salts.pop(request.request_id, None)
         self._unconfirmed.discard(request.request_id)
         return False, None
 
@@ -289,13 +444,17 @@ class HurrayConnector(KVConnectorBase_V1):
         shape = tuple(layers[0][1].shape) if layers else ()
         ctx = self._vllm_config.compilation_config.static_forward_context
         isa = {getattr(ctx.get(name), "isa", None) for name, _ in layers}
-        if len(layers) != s.num_layers:
+        if self.disabled:
+            pass  # said at start
+        elif len(layers) != s.num_layers:
             self.disabled = f"{len(layers)} KV layers, the model has {s.num_layers}"
         elif layers[0][1].device.type != "cpu" or len(isa) != 1 or None in isa:
             self.disabled = (
                 f"a KV packing this connector does not know (device "
                 f"{layers[0][1].device.type}, CPU attention kernel {sorted(map(str, isa))})"
             )
+        elif layers[0][1].dtype != s.dtype:
+            self.disabled = f"KV cache of dtype {layers[0][1].dtype}, the key says {s.dtype}"
         elif shape[1:] != (s.num_kv_heads, s.page_size, 2 * s.head_dim):
             self.disabled = f"KV cache shape {shape}, expected [blocks, {s.num_kv_heads}, "
             self.disabled += f"{s.page_size}, {2 * s.head_dim}]"
@@ -306,7 +465,8 @@ class HurrayConnector(KVConnectorBase_V1):
             else:
                 self._packed_of, self._logical_of = packing
         if self.disabled:
-            log.warning("HurrayConnector: serving without the cache: %s", self.disabled)
+            if not unkeyable(self._vllm_config, self._kv_cache_config):  # not said yet
+                log.warning("HurrayConnector: serving without the cache: %s", self.disabled)
             self._dump_counts()
             return
         self._layers = [t for _, t in layers]
@@ -357,7 +517,8 @@ class HurrayConnector(KVConnectorBase_V1):
             pages = sum(len(tr.token_ids) // self.block_size for tr in loads)
             pool = PagedKVPool(self.spec, pages)
             seqs = [tr.token_ids for tr in loads]
-            layers = self.st.store.retrieve_layers(pool, seqs, salt=self.salt)
+            salts: list[bytes | str | None] = [tr.salt for tr in loads]
+            layers = self.st.store.retrieve_layers(pool, seqs, salt=salts)
             async for layer in layers:
                 with torch.inference_mode():  # vLLM's KV tensors are inference tensors
                     self._scatter_layer(pool, layer.layer_index, layer.block_tables, loads)
@@ -432,7 +593,7 @@ class HurrayConnector(KVConnectorBase_V1):
             try:
                 pool = self._staging(tr.block_ids[:n])
                 r = self.st.call(
-                    self.st.store.put(pool, [tr.token_ids], [list(range(n))], salt=self.salt),
+                    self.st.store.put(pool, [tr.token_ids], [list(range(n))], salt=tr.salt),
                     _TIMEOUT_S,
                 )
                 self.counts["blocks_saved"] += r.pages_written

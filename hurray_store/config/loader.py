@@ -81,6 +81,8 @@ def load_config(
     _apply_env(raw, os.environ if env is None else env)
     cfg = _build(StoreConfig, raw, "")
     _check_namespace(cfg.namespace, "namespace")
+    if cfg.salt.startswith("\0"):  # the prefix of keys.request_salt's composed salts
+        raise ConfigError("salt: may not start with a NUL character (composed salts do)")
     cfg = _replace(cfg, server=_check_server(cfg.server, cfg.namespace))
     return _resolve_paths(cfg, base)
 

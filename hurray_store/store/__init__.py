@@ -52,6 +52,9 @@ from hurray_store.tiers import Blob, Range, RangeIn, Tier, open_tier
 # group the object was in, or the books' entry of the copy ``pin_held_refs`` pinned;
 # opaque to callers.)
 Pin = Group | Entry
+# A prefix-level call's salt: one for every sequence (None: the config's), or a list of
+# one per sequence.
+Salt = bytes | str | None | list[bytes | str | None]
 
 log = logging.getLogger(__name__)
 
@@ -219,9 +222,17 @@ class TieredStore:
 
     # ------------------------------------------------------------------ prefix level
 
-    def _salt(self, salt: bytes | str | None) -> bytes:
+    def _salts(self, salt: Salt, n: int) -> list[bytes]:
+        """One salt per sequence: a list gives each of the ``n`` sequences its own (the
+        requests of several tenants in one batch); anything else is every sequence's
+        salt; None is the config's."""
+        if isinstance(salt, list):
+            if len(salt) != n:
+                raise ValueError(f"{len(salt)} salts for {n} sequences: give one per sequence")
+            return [self._salts(s, 1)[0] for s in salt]
         s = self.config.salt if salt is None else salt
-        return s.encode() if isinstance(s, str) else bytes(s)
+        one = s.encode() if isinstance(s, str) else bytes(s)
+        return [one] * n
 
     async def put(
         self,
@@ -230,7 +241,7 @@ class TieredStore:
         block_tables: Sequence[Sequence[int]],
         seq_lens: Sequence[int] | None = None,
         *,
-        salt: bytes | str | None = None,
+        salt: Salt = None,
     ) -> PutResult:
         """Store the full pages of these sequences that the store does not hold yet.
 
@@ -240,25 +251,27 @@ class TieredStore:
         input; a tier failing is a skipped write, never an exception.
         """
         await self.sync()
-        return await self.writer.put(pool, token_ids, block_tables, seq_lens, self._salt(salt))
+        return await self.writer.put(
+            pool, token_ids, block_tables, seq_lens, self._salts(salt, len(token_ids))
+        )
 
     async def lookup(
-        self, spec: KVSpec, token_ids: Sequence[Sequence[int]], *, salt: bytes | str | None = None
+        self, spec: KVSpec, token_ids: Sequence[Sequence[int]], *, salt: Salt = None
     ) -> list[int]:
         """Per sequence, the leading tokens (whole pages) ``retrieve`` can deliver now."""
         await self.sync()
-        return await self.reader.lookup(spec, token_ids, self._salt(salt))
+        return await self.reader.lookup(spec, token_ids, self._salts(salt, len(token_ids)))
 
     async def retrieve(
         self,
         pool: PagedKVPool,
         token_ids: Sequence[Sequence[int]],
         *,
-        salt: bytes | str | None = None,
+        salt: Salt = None,
     ) -> RetrieveResult:
         """Re-page the longest stored prefix of each sequence into ``pool``."""
         await self.sync()
-        run = self.reader.start(pool, token_ids, self._salt(salt))
+        run = self.reader.start(pool, token_ids, self._salts(salt, len(token_ids)))
         stream = run.layers()
         try:
             async for _ in stream:
@@ -273,12 +286,12 @@ class TieredStore:
         pool: PagedKVPool,
         token_ids: Sequence[Sequence[int]],
         *,
-        salt: bytes | str | None = None,
+        salt: Salt = None,
     ) -> AsyncIterator[RetrievedLayer]:
         """``retrieve``, one layer at a time: each item says that layer is in the pool.
         Closing the iteration early gives every allocated page back to ``pool``."""
         await self.sync()
-        stream = self.reader.start(pool, token_ids, self._salt(salt)).layers()
+        stream = self.reader.start(pool, token_ids, self._salts(salt, len(token_ids))).layers()
         try:
             async for layer in stream:
                 yield layer

@@ -68,10 +68,12 @@ class SegmentReader:
         self.buffers = buffers
 
     async def lookup(
-        self, spec: KVSpec, token_ids: Sequence[Sequence[int]], salt: bytes
+        self, spec: KVSpec, token_ids: Sequence[Sequence[int]], salts: Sequence[bytes]
     ) -> list[int]:
+        q = self.quantization
         hashes = [
-            page_hashes(spec, t, salt=salt, quantization=self.quantization) for t in token_ids
+            page_hashes(spec, t, salt=s, quantization=q)
+            for t, s in zip(token_ids, salts, strict=True)
         ]
         await self.catalog.discover(spec, hashes, claim=False)
         out = []
@@ -91,9 +93,9 @@ class SegmentReader:
         return out
 
     def start(
-        self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], salt: bytes
+        self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], salts: Sequence[bytes]
     ) -> RetrieveRun:
-        return RetrieveRun(self, pool, token_ids, salt)
+        return RetrieveRun(self, pool, token_ids, salts)
 
 
 class RetrieveRun:
@@ -102,13 +104,13 @@ class RetrieveRun:
         reader: SegmentReader,
         pool: PagedKVPool,
         token_ids: Sequence[Sequence[int]],
-        salt: bytes,
+        salts: Sequence[bytes],
     ) -> None:
         self.reader = reader
         self.cascade = reader.cascade
         self.pool = pool
         self.token_ids = token_ids
-        self.salt = salt
+        self.salts = salts  # one per sequence
         self.result: RetrieveResult | None = None
         # (tier, segment) whose bytes failed in this run: its other layers skip that tier.
         self._failed: set[tuple[int, bytes]] = set()
@@ -120,7 +122,10 @@ class RetrieveRun:
         catalog = self.reader.catalog
         toks = [token_array(t) for t in self.token_ids]
         q = self.reader.quantization
-        hashes = [page_hashes(spec, t, salt=self.salt, quantization=q) for t in toks]  # type: ignore[arg-type]
+        hashes = [
+            page_hashes(spec, t, salt=s, quantization=q)  # type: ignore[arg-type]
+            for t, s in zip(toks, self.salts, strict=True)
+        ]
         await catalog.discover(spec, hashes, claim=False)
         found = [catalog.longest_prefix(hs) for hs in hashes]
         matches = [Match(mt.segment_ids, mt.seqs.tolist(), mt.pages.tolist()) for mt in found]

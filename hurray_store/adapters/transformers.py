@@ -64,6 +64,19 @@ def model_id(model: Any) -> str:
     return model_identity(model_weights_id(model), model.config)
 
 
+def apply_hf_overrides(config: Any, overrides: dict[str, Any]) -> None:
+    """Override fields of a transformers config in place as vLLM's ``hf_overrides``
+    does: a mapping into a nested config updates it field by field; any other value (a
+    mapping such as ``rope_parameters`` included) replaces the field. The same
+    overrides give a model the config, and so the identity, vLLM serves it under."""
+    for key, value in overrides.items():
+        sub = getattr(config, key, None)
+        if isinstance(value, dict) and hasattr(sub, "to_dict") and hasattr(sub, "update"):
+            apply_hf_overrides(sub, value)
+        else:
+            setattr(config, key, value)
+
+
 # Architectures whose cache is not one K and one V per layer of [kv_heads, tokens,
 # head_dim]: state-space and convolution layers, linear attention, hybrids.
 _UNSUPPORTED_TYPES = frozenset(

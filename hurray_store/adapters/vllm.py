@@ -628,6 +628,7 @@ def warm_with_vllm(
     dtype: str = "auto",
     block_size: int = 32,
     batch_size: int = 8,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Prefill ``prompts`` with vLLM and HurrayConnector on ``config`` (a path; None:
     the embedded default), one output token each, ``batch_size`` at a time: every full
@@ -653,6 +654,7 @@ def warm_with_vllm(
         enable_prefix_caching=True,
         max_num_seqs=batch_size,
         seed=0,
+        hf_overrides=hf_overrides or {},
         kv_cache_memory_bytes=max(256 << 20, 2 * batch_size * longest * 4096),
         kv_transfer_config=KVTransferConfig(
             kv_connector="HurrayConnector",

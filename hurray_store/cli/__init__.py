@@ -111,6 +111,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens per page (default 16; 32 for --engine vllm)",
     )
+    p.add_argument(
+        "--hf-overrides",
+        default=None,
+        help="JSON: config fields to override, as vLLM's --hf-overrides takes them (the "
+        "cache is keyed by the config the model runs with: give the serving instances' own)",
+    )
     p.add_argument("--batch-size", type=_positive, default=8)
     p.add_argument(
         "--strict", action="store_true", help="abort on a bad corpus line instead of skipping it"

@@ -13,14 +13,34 @@ from hurray_store.cli.format_cmds import table
 # ---------------------------------------------------------------------------- model jobs
 
 
-def _load_model(path: str, dtype: str | None) -> Any:
-    from transformers import AutoModelForCausalLM
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    import json
 
+    raw = getattr(args, "hf_overrides", None)
+    if not raw:
+        return {}
+    try:
+        out = json.loads(raw)
+    except ValueError as e:
+        raise SystemExit(f"--hf-overrides: not JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise SystemExit("--hf-overrides: a JSON object of config fields")
+    return out
+
+
+def _load_model(path: str, dtype: str | None, overrides: dict[str, Any] | None = None) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hurray_store.adapters.transformers import apply_hf_overrides
     from hurray_store.tiny_model import DTYPES
 
+    config = AutoConfig.from_pretrained(path)
+    apply_hf_overrides(config, overrides or {})
     # The dtype saved with the model unless told otherwise, so that the CLI and the
     # API (spec_for_model takes the model's own dtype) share one cache.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype] if dtype else "auto")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=DTYPES[dtype] if dtype else "auto"
+    )
     return model.eval()
 
 
@@ -120,6 +140,7 @@ def _warmup_vllm(args: argparse.Namespace) -> int:
         dtype=args.dtype or "auto",
         block_size=args.page_size,
         batch_size=args.batch_size,
+        hf_overrides=_overrides(args),
     )
     print(table(["warmup (vLLM)", "value"], [[k, v] for k, v in res.items()]))
     return 0
@@ -135,7 +156,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         args.page_size = 32 if vllm else 16
     if vllm:
         return _warmup_vllm(args)
-    model = _load_model(args.model, args.dtype)
+    model = _load_model(args.model, args.dtype, _overrides(args))
     prompts = _read_corpus(args.prompts, int(model.config.vocab_size), args.strict)
     if prompts is None:
         return 2
@@ -166,7 +187,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     if args.page_size is None:
         args.page_size = 16
-    model = _load_model(args.model, args.dtype)
+    model = _load_model(args.model, args.dtype, _overrides(args))
     warm = (
         _read_corpus(args.warmup_prompts, int(model.config.vocab_size), args.strict)
         if args.warmup_prompts

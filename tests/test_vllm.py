@@ -127,17 +127,28 @@ print("REFUSED nope")
 """
 
 
+def run_vllm_script(tmp_path: Path, text: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run a check script in the vLLM environment; it must exit 0."""
+    script = tmp_path / "check.py"
+    script.write_text(text)
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "LMCACHE_TRACK_USAGE": "false"}
+    p = subprocess.run(
+        [str(VLLM_PY), str(script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    return p
+
+
 def test_the_connector_learns_each_cpu_kernels_packing_from_the_kernel(tmp_path: Path) -> None:
     """The packing learned from a probe block unpacks what vLLM's own kernel wrote, for
     every CPU attention kernel this machine runs (``amx`` where the CPU has AMX), and
     packs it back the same; a kernel vLLM does not have is refused with a reason."""
-    script = tmp_path / "packing.py"
-    script.write_text(_PACKING_CHECK)
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    p = subprocess.run(
-        [str(VLLM_PY), str(script)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300
-    )
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    p = run_vllm_script(tmp_path, _PACKING_CHECK)
     assert p.stdout.count("LEARNED") >= 3 and "REFUSED nope" in p.stdout, p.stdout
 
 

@@ -14,7 +14,6 @@ token counted is one the connector loaded.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 from hurray_store.tiny_model import build_tiny_model
-from tests.test_vllm import ROOT, VLLM_PY, _config, _prompts, _vllm
+from tests.test_vllm import VLLM_PY, _config, _prompts, _vllm, run_vllm_script
 
 pytestmark = pytest.mark.skipif(
     not VLLM_PY.exists(), reason="the vLLM environment (.venv-vllm) is missing: make test builds it"
@@ -248,13 +247,8 @@ def test_the_scheduler_neither_looks_up_a_multimodal_request_nor_starts_an_unkey
     each instance the key cannot tell apart is refused, with its reason; and the spec's
     dtype is the KV cache's (allocated, else ``kv_cache_dtype``), not the model's."""
     work = runs["work"]
-    script = tmp_path / "check.py"
-    script.write_text(_SCHEDULER_CHECK)
-    p = runs["p"]
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "LMCACHE_TRACK_USAGE": "false"}
-    cmd = [str(VLLM_PY), str(script), str(work / "llama"), str(work / "hs.yaml"), json.dumps(p)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    args = [str(work / "llama"), str(work / "hs.yaml"), json.dumps(runs["p"])]
+    r = run_vllm_script(tmp_path, _SCHEDULER_CHECK, *args)
     hits = dict(ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("HIT "))
     assert hits == {"plain": str(HIT), "mm": "0", "salted": "0"}, r.stdout
     why = {

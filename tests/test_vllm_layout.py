@@ -6,9 +6,6 @@ their own coordinates, so a page read from the wrong place names the place."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 import torch
 
@@ -19,7 +16,7 @@ from hurray_store.adapters.vllm_layout import (
     pages_of,
     write_pages,
 )
-from tests.test_vllm import ROOT, VLLM_PY
+from tests.test_vllm import VLLM_PY, run_vllm_script
 
 _INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -177,13 +174,7 @@ for layout in KVCacheLayout:
 
 @pytest.mark.skipif(not VLLM_PY.exists(), reason="the vLLM environment (.venv-vllm) is missing")
 def test_vllms_own_layouts_and_views_read_and_write_as_the_module_says(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    script = tmp_path / "layouts.py"
-    script.write_text(_VLLM_CHECK)
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    p = subprocess.run(
-        [str(VLLM_PY), str(script)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300
-    )
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    p = run_vllm_script(tmp_path, _VLLM_CHECK)
     ok = [ln for ln in p.stdout.splitlines() if ln.startswith("OK ")]
     # Every layout; kernel blocks in the layer-compact ones (vLLM refuses them in the others).
     assert {ln.split()[1] for ln in ok} == set(LAYOUTS), p.stdout

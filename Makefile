@@ -7,12 +7,19 @@ STAMP  := $(VENV)/.hurray-setup
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.hurray-setup
 
+# vLLM 0.33's Python sources (its wheel has no CPU build): a test checks the connector
+# against 0.33's connector interface, imported from here by the vLLM environment's
+# Python. Only the wheel's .py files are kept (57 MB); the flock lets .ci/run fetch it
+# in the background while `make test` waits for it.
+VLLM_NEXT     ?= 0.33.0
+VLLM_NEXT_SRC ?= .vllm-src-$(VLLM_NEXT)
+
 # LMCache's next release, while it is a release candidate: its own environment.
 LMCACHE_NEXT ?= 0.5.7rc2
 NEXT_VENV    ?= .venv-lmcache-next
 NEXT_STAMP   := $(NEXT_VENV)/.hurray-setup-$(LMCACHE_NEXT)
 
-.PHONY: setup vllm-env lmcache-next-env redis run test test-lmcache-next lint bench clean
+.PHONY: setup vllm-env vllm-next-src lmcache-next-env redis run test test-lmcache-next lint bench clean
 
 setup: $(STAMP)
 
@@ -37,6 +44,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/pip install -q -c tools/vllm-constraints.txt -e .
 	@touch $@
+
+vllm-next-src: setup
+	@flock $(VLLM_NEXT_SRC).lock $(PY) tools/fetch_wheel_sources.py vllm==$(VLLM_NEXT) $(VLLM_NEXT_SRC)
 
 # LMCache's release candidate (pinned by LMCACHE_NEXT) beside hurray_store, for
 # `make test-lmcache-next`: about 3 minutes and 2.1 GB.
@@ -65,7 +75,7 @@ run: setup
 	$(VENV)/bin/hurray-store replay --model $(MODEL) --warmup-prompts configs/sample_prompts.jsonl --prompts configs/sample_replay.jsonl
 
 # Two test processes: the vLLM tests (about 9 minutes here) in one, the rest in the other.
-test: setup redis vllm-env
+test: setup redis vllm-env vllm-next-src
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The LMCache tests (the plugin in LMCache's engine, the L2 adapter under `lmcache bench

@@ -44,6 +44,7 @@ from hurray_store.config import load_config
 from hurray_store.identity import checkpoint_id, model_identity
 from hurray_store.store import TieredStore
 from hurray_store.tiny_model import build_tiny_model
+from tests.conftest import RedisProc
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -152,6 +153,72 @@ def test_the_connector_learns_each_cpu_kernels_packing_from_the_kernel(tmp_path:
     assert p.stdout.count("LEARNED") >= 3 and "REFUSED nope" in p.stdout, p.stdout
 
 
+VLLM_NEXT_SRC = ROOT / ".vllm-src-0.33.0"
+
+_VLLM_033_CHECK = """
+import inspect, sys
+import vllm
+from vllm._version import __version__
+assert vllm.__file__.startswith(sys.argv[1]), vllm.__file__  # 0.33, not the installed 0.32
+assert __version__.startswith("0.33."), __version__
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as Base
+from hurray_store.adapters.vllm import HurrayConnector as H
+
+assert not getattr(H, "__abstractmethods__", ()), H.__abstractmethods__
+assert Base.__abstractmethods__, "0.33's base class names its abstract methods"
+for name in sorted(Base.__abstractmethods__):
+    assert name in H.__dict__, f"{name}: abstract in 0.33, not implemented"
+checked = []
+for name, m in inspect.getmembers(Base):
+    if name.startswith("_") or name not in H.__dict__:
+        continue
+    b, h = inspect.getattr_static(Base, name), inspect.getattr_static(H, name)
+    assert type(b) is type(h), f"{name}: {type(b).__name__} in 0.33, {type(h).__name__} here"
+    if isinstance(b, property):
+        continue
+    sb, sh = inspect.signature(getattr(Base, name)), inspect.signature(getattr(H, name))
+    pb = [(p.name, p.kind, p.default) for p in sb.parameters.values()]
+    ph = [(p.name, p.kind, p.default) for p in sh.parameters.values()]
+    assert pb == ph, f"{name}: 0.33 {sb}, HurrayConnector {sh}"
+    checked.append(name)
+for name in ("supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"):
+    assert name in checked, f"{name}: new in 0.33, not implemented"
+# What the connector imports from vLLM when it runs, and the fields it reads.
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.config.cache import CacheConfig
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from hurray_store.adapters.vllm_layout import LAYOUTS
+assert "kv_cache_layout" in KVCacheConfig.__dataclass_fields__
+assert "kv_cache_layout" in CacheConfig.__dataclass_fields__
+assert sorted(m.name for m in KVCacheLayout) == sorted(LAYOUTS)
+print("CHECKED", len(checked), " ".join(checked))
+"""
+
+
+@pytest.mark.skipif(not VLLM_NEXT_SRC.exists(), reason="make test fetches vLLM 0.33's sources")
+def test_the_connector_implements_vllm_033s_connector_interface(tmp_path: Path) -> None:
+    """vLLM 0.33 has no CPU build: its connector interface is imported from the wheel's
+    Python sources (``make vllm-next-src``) by the vLLM environment's Python, with the
+    connector on top: every abstract method implemented, every method the connector
+    overrides with 0.33's parameters, the sleep-mode hooks there, and what the connector
+    reads from vLLM present."""
+    script = tmp_path / "check.py"
+    script.write_text(_VLLM_033_CHECK)
+    env = {**os.environ, "PYTHONPATH": f"{VLLM_NEXT_SRC}{os.pathsep}{ROOT}"}
+    env["VLLM_LOGGING_LEVEL"] = "ERROR"
+    p = subprocess.run(
+        [str(VLLM_PY), str(script), str(VLLM_NEXT_SRC)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert p.returncode == 0 and "CHECKED" in p.stdout, (p.stdout + p.stderr)[-3000:]
+    assert "restore_kv_caches" in p.stdout and "wait_for_save" in p.stdout
+
+
 @pytest.fixture(scope="module")
 def fp32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("vllm-model") / "llama-fp32"
@@ -233,6 +300,62 @@ def test_greedy_output_is_the_same_with_the_connector_and_loaded_from_the_store(
     again, counts = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg), split=False)
     assert [r["tokens"] for r in again] == [r["tokens"] for r in base]
     assert counts["load_errors"] > 0, counts
+
+
+def test_a_step_returns_before_its_saves_are_written_and_others_see_them_once_committed(
+    fp32_model: Path,
+    fp32_baseline: tuple[list[list[int]], list[Any]],
+    tmp_path: Path,
+    redis_server: RedisProc,
+) -> None:
+    """The store's writes held open (a real Redis under ``CLIENT PAUSE ... WRITE``):
+    vLLM generates every prompt, its steps' saves waiting behind it; another instance
+    finds none of the blocks until the writes are released, then all of them."""
+    import asyncio
+
+    import redis
+
+    prompts, base = fp32_baseline
+    tier = f"{{type: redis, url: '{redis_server.url}', key_prefix: 'held:', timeout_s: 300}}"
+    cfg = tmp_path / "hs.yaml"
+    cfg.write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: 268435456}}\n  - {tier}\n")
+    peer = tmp_path / "peer.yaml"  # another instance: Redis alone
+    peer.write_text(f"tiers:\n  - {tier}\n")
+    spec = vllm_spec(fp32_model)
+
+    def found() -> list[int]:
+        async def go() -> list[int]:
+            async with TieredStore(load_config(peer, env={})) as store:
+                return await store.lookup(spec, [p[:224] for p in prompts])
+
+        return asyncio.run(go())
+
+    r = redis.Redis.from_url(redis_server.url)
+    stats = tmp_path / "stats.json"
+    pfile = tmp_path / "prompts.json"
+    pfile.write_text(json.dumps(prompts))
+    cmd = [str(VLLM_PY), "-m", "tests.vllm_run", "--model", str(fp32_model)]
+    cmd += ["--prompts", str(pfile), "--config", str(cfg), "--stats", str(stats)]
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+    r.execute_command("CLIENT", "PAUSE", "600000", "WRITE")
+    try:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
+        assert proc.stdout is not None
+        result = next((ln for ln in proc.stdout if ln.startswith("RESULT ")), "")
+        assert result, "vLLM gave no result"
+        out = json.loads(result[len("RESULT ") :])
+        assert [x["tokens"] for x in out] == [x["tokens"] for x in base]
+        # Every step returned while nothing could be written: no block is committed.
+        assert found() == [0, 0]
+        r.execute_command("CLIENT", "UNPAUSE")
+        assert proc.wait(300) == 0  # its shutdown writes what was queued
+    finally:
+        r.execute_command("CLIENT", "UNPAUSE")
+        r.close()
+    counts = json.loads(stats.read_text())
+    assert counts["blocks_saved"] == 8 and counts["saves_dropped"] == 0, counts
+    assert counts["copy_out_s"] > 0, counts
+    assert found() == [224, 224]
 
 
 def _readme_block(after: str, fence: str) -> str:

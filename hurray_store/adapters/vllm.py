@@ -59,8 +59,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -74,9 +74,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hurray_store.adapters.store_thread import StoreThread
+from hurray_store.adapters.vllm_layout import LAYOUTS, LayoutError, Packing, check_view
+from hurray_store.adapters.vllm_transfer import BlockTransfers, Loading, Transfer
 from hurray_store.identity import adapter_id, checkpoint_id, model_identity
 from hurray_store.keys import check_salt, request_salt
-from hurray_store.paging import PagedKVPool
 from hurray_store.spec import SUPPORTED_DTYPES, KVSpec
 
 if TYPE_CHECKING:
@@ -87,18 +88,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _TIMEOUT_S = 120.0
-
-
-@dataclass(slots=True)
-class Transfer:
-    """Blocks ``first_block..`` of a request's blocks: to load (pages of
-    ``token_ids[:len]`` the store holds) or to save (full prompt pages)."""
-
-    req_id: str
-    token_ids: list[int]
-    block_ids: list[int]  # the request's blocks, from its first
-    first_block: int  # the first of them this transfer touches
-    salt: bytes  # the request's page salt (``keys.request_salt``), made by the scheduler
 
 
 @dataclass
@@ -115,15 +104,6 @@ class _Tracked:
     block_ids: list[int]
     saved: int  # prompt tokens (whole blocks) already handed to the worker to save
     salt: bytes
-
-
-@dataclass(slots=True)
-class _Loading:
-    """A step's loads in flight on the store's thread."""
-
-    loads: list[Transfer]
-    ready: list[threading.Event]  # per layer: its KV is in vLLM's blocks
-    future: Future[list[int]]  # tokens delivered per load
 
 
 def spec_for_vllm(vllm_config: Any, kv_cache_config: Any = None, tp_rank: int = 0) -> KVSpec:
@@ -259,11 +239,13 @@ class HurrayConnector(KVConnectorBase_V1):
         self.rank_specs = [replace(self.spec, tp_rank=r) for r in range(self.spec.tp_size)]
         # A JSON file the worker writes its counts to at shutdown (tests, debugging).
         self.stats_file = str(extra.get("stats_file", ""))
-        self.counts = {
+        self.counts: dict[str, Any] = {
             "blocks_loaded": 0,
             "blocks_saved": 0,
             "load_errors": 0,
             "saves_failed": 0,
+            "saves_dropped": 0,  # the save backlog was full
+            "copy_out_s": 0.0,  # time wait_for_save spent copying blocks out
             "layer_waits": 0,  # attention layers that waited for their load (or found it)
         }
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "") != "recompute":
@@ -290,12 +272,16 @@ class HurrayConnector(KVConnectorBase_V1):
         self._tracked: dict[str, _Tracked] = {}
         self._unconfirmed: set[str] = set()  # loads planned, their outcome not yet reported
         # worker
-        self._layers: list[torch.Tensor] = []
-        # The attention kernel's packing of a block's K and V regions (_learn_packing).
-        self._packed_of = self._logical_of = torch.empty(0, dtype=torch.long)
+        # The host memory saves copied out of vLLM's KV may hold while the store writes
+        # them (past it the oldest are dropped, counted in saves_dropped).
+        self.backlog_bytes = int(float(extra.get("save_backlog_mb", 1024)) * (1 << 20))
+        self.xfer: BlockTransfers | None = None  # the data path, once the KV is registered
+        self._asleep: BlockTransfers | None = None  # vLLM 0.33's sleep mode: KV released
+        self.layout = ""
         self._layer_index: dict[str, int] = {}
-        self._loading: _Loading | None = None  # this step's loads, while they run
+        self._loading: Loading | None = None  # this step's loads, while they run
         self._load_errors: set[int] = set()
+        self._stats_lock = threading.Lock()
 
     # ================================================================== scheduler
 
@@ -454,57 +440,71 @@ class HurrayConnector(KVConnectorBase_V1):
         from vllm.model_executor.models.utils import extract_layer_index
 
         layers = sorted(kv_caches.items(), key=lambda kv: extract_layer_index(kv[0]))
-        s = self.spec
-        shape = tuple(layers[0][1].shape) if layers else ()
-        ctx = self._vllm_config.compilation_config.static_forward_context
-        isa = {getattr(ctx.get(name), "isa", None) for name, _ in layers}
-        if self.disabled:
-            pass  # said at start
-        elif len(layers) != s.num_layers:
-            self.disabled = f"{len(layers)} KV layers, the model has {s.num_layers}"
-        elif layers[0][1].device.type != "cpu" or len(isa) != 1 or None in isa:
-            self.disabled = (
-                f"a KV packing this connector does not know (device "
-                f"{layers[0][1].device.type}, CPU attention kernel {sorted(map(str, isa))})"
-            )
-        elif layers[0][1].dtype != s.dtype:
-            self.disabled = f"KV cache of dtype {layers[0][1].dtype}, the key says {s.dtype}"
-        elif shape[1:] != (s.num_kv_heads, s.page_size, 2 * s.head_dim):
-            self.disabled = f"KV cache shape {shape}, expected [blocks, {s.num_kv_heads}, "
-            self.disabled += f"{s.page_size}, {2 * s.head_dim}]"
-        else:
-            packing = _learn_packing(str(next(iter(isa))), layers[0][1].dtype, s)
-            if isinstance(packing, str):
-                self.disabled = packing
+        layout = self._layout()
+        packing: Packing | None = None
+        if not self.disabled:
+            got = _check_views(self._vllm_config, self.spec, layers, layout)
+            if isinstance(got, str):
+                self.disabled = got
             else:
-                self._packed_of, self._logical_of = packing
+                packing = got
         if self.disabled:
             if not unkeyable(self._vllm_config, self._kv_cache_config):  # not said yet
                 log.warning("HurrayConnector: serving without the cache: %s", self.disabled)
             self._dump_counts()
             return
-        self._layers = [t for _, t in layers]
+        self.layout = layout
         self._layer_index = {name: i for i, (name, _) in enumerate(layers)}
+        self.xfer = BlockTransfers(
+            self.st,
+            self.spec,
+            [t for _, t in layers],
+            layout,
+            packing=packing,
+            backlog_bytes=self.backlog_bytes,
+            counts=self.counts,
+            on_written=self._dump_counts,
+        )
+        log.info(
+            "HurrayConnector: %d KV layers on %s in layout %s; a save backlog of %d MiB",
+            len(layers),
+            layers[0][1].device,
+            layout,
+            self.backlog_bytes >> 20,
+        )
 
-    def _regions(self, t: torch.Tensor) -> torch.Tensor:
-        """A KV layer tensor as ``[blocks, heads, 2, block_size * head_dim]``: per block
-        and head, the K region then the V region, each packed by the attention kernel."""
-        s = self.spec
-        return t.view(t.shape[0], s.num_kv_heads, 2, s.page_size * s.head_dim)
+    def _layout(self) -> str:
+        """The KV cache layout vLLM resolved (the engine core decides it once and each
+        worker adopts it); vLLM 0.32's CPU backend takes LBHNC only."""
+        for src in (self._vllm_config.cache_config, self._kv_cache_config):
+            if (name := getattr(src, "kv_cache_layout", None)) is not None:
+                return str(getattr(name, "name", name))
+        return "LBHNC" if self._vllm_config.device_config.device_type == "cpu" else ""
 
-    def _staging(self, blocks: list[int]) -> PagedKVPool:
-        """A pool of ``len(blocks)`` pages holding those vLLM blocks, in the store's
-        layout (page ``i`` is block ``blocks[i]``)."""
-        s = self.spec
-        idx = torch.tensor(blocks, dtype=torch.long)
-        out = []
-        for t in self._layers:
-            x = self._regions(t)[idx]  # [n, heads, 2, packed]
-            # Unpacked: [n, heads, 2, block_size, head_dim], then the store's pages.
-            kv = x.gather(-1, self._logical_of.expand(x.shape))
-            kv = kv.unflatten(-1, (s.page_size, s.head_dim)).permute(2, 0, 3, 1, 4)
-            out.append(kv.contiguous())
-        return PagedKVPool.from_tensors(self.spec, out)
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33: the connector follows sleep mode's KV remap (``unregister_kv_caches``
+        before the KV memory is released, ``restore_kv_caches`` once it is back)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33, before sleep releases the KV memory: this step's loads are
+        finished and every queued save is copied out and written (its buffers are the
+        connector's own, but a device copy may still read vLLM's blocks), then no load
+        or save touches the KV until ``restore_kv_caches``. Idempotent."""
+        if self.xfer is None:
+            return
+        self._finish_load()
+        if not self.xfer.drain(_TIMEOUT_S):
+            log.warning("HurrayConnector: saves still queued when the KV caches went away")
+        self._asleep, self.xfer = self.xfer, None
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33, after wake-up: sleep mode maps the KV memory back at the same
+        addresses, so the registered views are valid again (their contents are not:
+        vLLM recomputes or reloads them). Idempotent."""
+        if self._asleep is not None:
+            self.xfer, self._asleep = self._asleep, None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Start this step's loads on the store's thread, one retrieve for all of them:
@@ -515,57 +515,19 @@ class HurrayConnector(KVConnectorBase_V1):
         loads = meta.loads if isinstance(meta, HurrayMetadata) else []
         if not loads:
             return
-        if self.disabled:
+        if self.xfer is None:
             for tr in loads:
                 self._load_errors.update(self._blocks_of(tr, len(tr.token_ids)))
             return
-        ready = [threading.Event() for _ in self._layers]
-        self._loading = _Loading(loads, ready, self.st.submit(self._load_layers(loads, ready)))
-
-    async def _load_layers(self, loads: list[Transfer], ready: list[threading.Event]) -> list[int]:
-        """Retrieve every load's prefix into a staging pool and, layer by layer, write
-        its pages from each transfer's ``first_block`` on into vLLM's blocks, setting
-        that layer's event. Returns the tokens delivered per transfer."""
-        got = [tr.first_block * self.block_size for tr in loads]
-        try:
-            pages = sum(len(tr.token_ids) // self.block_size for tr in loads)
-            pool = PagedKVPool(self.spec, pages)
-            seqs = [tr.token_ids for tr in loads]
-            salts: list[bytes | str | None] = [tr.salt for tr in loads]
-            layers = self.st.store.retrieve_layers(pool, seqs, salt=salts)
-            async for layer in layers:
-                with torch.inference_mode():  # vLLM's KV tensors are inference tensors
-                    self._scatter_layer(pool, layer.layer_index, layer.block_tables, loads)
-                ready[layer.layer_index].set()
-                got = layer.num_tokens  # the last layer's counts are the final word
-        finally:
-            for e in ready:  # a failed load: the forward goes on, the blocks are reported
-                e.set()
-        return got
-
-    def _scatter_layer(
-        self, pool: PagedKVPool, li: int, tables: list[list[int]], loads: list[Transfer]
-    ) -> None:
-        x = self._regions(self._layers[li])
-        src: list[int] = []
-        dst: list[int] = []
-        for tr, table in zip(loads, tables, strict=True):
-            src += table[tr.first_block :]
-            dst += tr.block_ids[tr.first_block : len(table)]
-        if src:
-            s = torch.tensor(src, dtype=torch.long)
-            d = torch.tensor(dst, dtype=torch.long)
-            # The store's pages [2, n, block_size, heads, head_dim], packed as vLLM's.
-            kv = pool.layers[li][:, s].permute(1, 3, 0, 2, 4).flatten(-2)
-            x[d] = kv.gather(-1, self._packed_of.expand(kv.shape))
+        self._loading = self.xfer.start_load(loads)
 
     def _finish_load(self) -> None:
         """Wait for this step's loads; report every block they did not fill."""
         loading, self._loading = self._loading, None
-        if loading is None:
+        if loading is None or self.xfer is None:
             return
         try:
-            got = loading.future.result(_TIMEOUT_S)
+            got = self.xfer.finish_load(loading, _TIMEOUT_S)
         except Exception as e:
             loading.future.cancel()
             log.warning("HurrayConnector: load failed (%s); its blocks are recomputed", e)
@@ -586,39 +548,25 @@ class HurrayConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         loading = self._loading
         li = self._layer_index.get(layer_name)
-        if loading is None or li is None:
+        if loading is None or li is None or self.xfer is None:
             return
         self.counts["layer_waits"] += 1
-        if not loading.ready[li].wait(_TIMEOUT_S):
+        if not self.xfer.wait_layer(loading, li, _TIMEOUT_S):
             log.warning("HurrayConnector: layer %s not loaded in %.0f s", layer_name, _TIMEOUT_S)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # the layers are registered; wait_for_save reads them once the step is done
+        return  # the layers are registered; wait_for_save copies the step's blocks out
 
     def wait_for_save(self) -> None:
+        """Copy the prompt blocks this step filled out of vLLM's KV and return: the
+        put, the write-through and the commit run behind the engine (``BlockTransfers``)."""
         self._finish_load()  # the loads are done before a save reads those blocks
         meta = self._connector_metadata
-        if not isinstance(meta, HurrayMetadata) or not meta.saves or self.disabled:
+        if not isinstance(meta, HurrayMetadata) or not meta.saves or self.xfer is None:
             return
-        for tr in meta.saves:
-            n = len(tr.token_ids) // self.block_size
-            try:
-                pool = self._staging(tr.block_ids[:n])
-                r = self.st.call(
-                    self.st.store.put(pool, [tr.token_ids], [list(range(n))], salt=tr.salt),
-                    _TIMEOUT_S,
-                )
-                self.counts["blocks_saved"] += r.pages_written
-            except Exception as e:  # a save that fails is a future miss, never an error
-                self.counts["saves_failed"] += 1
-                log.warning("HurrayConnector: save of %s failed: %s", tr.req_id, e)
-        try:
-            self.st.call(self.st.store.flush(), _TIMEOUT_S)  # visible to every scheduler
-        except Exception as e:
-            log.warning("HurrayConnector: flush failed: %s", e)
-        self._dump_counts()
+        self.xfer.save(meta.saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_load()
@@ -626,12 +574,57 @@ class HurrayConnector(KVConnectorBase_V1):
         return out
 
     def _dump_counts(self) -> None:
-        if self.stats_file:
-            with open(self.stats_file, "w") as f:
-                json.dump({**self.counts, "disabled": self.disabled}, f)
+        if not self.stats_file or self._role != KVConnectorRole.WORKER:
+            return
+        with self._stats_lock:  # the engine's thread and the store's
+            tmp = f"{self.stats_file}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({**self.counts, "disabled": self.disabled, "layout": self.layout}, f)
+            os.replace(tmp, self.stats_file)
 
     def shutdown(self) -> None:
+        """Write every queued save (up to two minutes), then close the store."""
+        if self.xfer is not None and not self.xfer.drain(_TIMEOUT_S):
+            lost = self.xfer.pending_bytes()
+            log.warning("HurrayConnector: %d bytes of saves lost at shutdown", lost)
+        self._dump_counts()
         self.st.close()
+
+
+def _check_views(
+    vllm_config: Any, spec: KVSpec, layers: list[tuple[str, torch.Tensor]], layout: str
+) -> Packing | None | str:
+    """Whether the connector can read and write these KV views: the CPU backend's packing
+    (learned from its kernel), None for a GPU backend's plain C, or why not."""
+    views = [t for _, t in layers]
+    if len(views) != spec.num_layers:
+        return f"{len(views)} KV layers, the model has {spec.num_layers}"
+    v0 = views[0]
+    if layout not in LAYOUTS:
+        return f"a KV cache layout this connector does not know ({layout or 'none given'})"
+    if v0.dtype != spec.dtype:
+        return f"KV cache of dtype {v0.dtype}, the key says {spec.dtype}"
+    want = (spec.num_kv_heads, 2 * spec.head_dim)
+    if v0.dim() != 4 or (v0.shape[1], v0.shape[3]) != want or spec.page_size % v0.shape[2]:
+        return (
+            f"KV cache views of shape {tuple(v0.shape)}, expected [blocks, "
+            f"{spec.num_kv_heads}, a divisor of {spec.page_size}, {2 * spec.head_dim}]"
+        )
+    try:
+        for v in views:
+            check_view(v, layout)
+    except LayoutError as e:
+        return str(e)
+    if v0.device.type == "cuda":
+        return None  # GPU backends keep C plain: K then V per token
+    if v0.device.type != "cpu":
+        return f"KV caches on {v0.device.type}: only CPU and CUDA are supported"
+    ctx = vllm_config.compilation_config.static_forward_context
+    isa = {getattr(ctx.get(name), "isa", None) for name, _ in layers}
+    if len(isa) != 1 or None in isa or v0.shape[2] != spec.page_size:
+        kernels = sorted(map(str, isa))
+        return f"a KV packing this connector does not know (CPU attention kernel {kernels})"
+    return _learn_packing(str(next(iter(isa))), v0.dtype, spec)
 
 
 def warm_with_vllm(

@@ -86,12 +86,13 @@ def _kernel_ratio(view: torch.Tensor, block_size: int | None) -> int:
 
 
 def _ids(view: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, r: int) -> torch.Tensor:
-    ids = torch.as_tensor(block_ids, dtype=torch.long).to(view.device).reshape(-1)
+    # Made and checked on the host (a device tensor's min() would wait for the device).
+    ids = torch.as_tensor(block_ids, dtype=torch.long, device="cpu").reshape(-1)
     if r > 1:
-        ids = (ids[:, None] * r + torch.arange(r, device=view.device)).reshape(-1)
+        ids = (ids[:, None] * r + torch.arange(r)).reshape(-1)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= view.shape[0]):
         raise IndexError(f"block ids outside the view's {view.shape[0] // r} blocks")
-    return ids
+    return ids.to(view.device)
 
 
 def _split_c(c: int, head_size: int) -> int:
@@ -113,11 +114,15 @@ def pages_of(
     *,
     block_size: int | None = None,
     packing: Packing | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    non_blocking: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The blocks ``block_ids`` of one layer view as the store's pages: ``(keys,
     values)``, each ``[n, block_size, kv_heads, head]`` (contiguous, on the view's
     device). ``block_size``: the manager's block size when the view holds kernel
-    blocks; ``packing``: the CPU backend's packing within C."""
+    blocks; ``packing``: the CPU backend's packing within C; ``out``: two tensors of
+    that shape (on any device, e.g. pinned host buffers) the pages are copied into,
+    with ``non_blocking`` (a copy the caller's stream orders), and returned."""
     check_view(view, layout)
     r = _kernel_ratio(view, block_size)
     ids = _ids(view, block_ids, r)
@@ -137,7 +142,14 @@ def pages_of(
         k, v = kv[:, :, 0], kv[:, :, 1]
     else:
         k, v = blk[..., :head_size], blk[..., head_size:]
-    return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if out is None:
+        return k.contiguous(), v.contiguous()
+    for src, dst in zip((k, v), out, strict=True):
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(f"out {tuple(dst.shape)} {dst.dtype}, pages {tuple(src.shape)}")
+        dst.copy_(src, non_blocking=non_blocking)
+    return out
 
 
 def write_pages(
@@ -150,6 +162,7 @@ def write_pages(
     *,
     block_size: int | None = None,
     packing: Packing | None = None,
+    non_blocking: bool = False,
 ) -> None:
     """Write pages ``keys``/``values`` (each ``[n, block_size, kv_heads, head]``) into
     the blocks ``block_ids`` of one layer view, as ``pages_of`` reads them; other
@@ -166,8 +179,8 @@ def write_pages(
             f"pages {tuple(keys.shape)} and {tuple(values.shape)}, the blocks take "
             f"{want_k} and {want_v}"
         )
-    k = keys.to(view.device, view.dtype).transpose(1, 2)  # [n, H, N, hs]
-    v = values.to(view.device, view.dtype).transpose(1, 2)
+    k = keys.to(view.device, view.dtype, non_blocking=non_blocking).transpose(1, 2)
+    v = values.to(view.device, view.dtype, non_blocking=non_blocking).transpose(1, 2)
     if packing is not None:
         _check_packing(hv, head_size, r)
         packed_of, _ = packing

@@ -1,0 +1,370 @@
+"""The vLLM connector's data path, apart from vLLM (torch and the store only, so it runs
+on KV views built without vLLM too): copies of an engine's blocks out of its per-layer
+KV views for saving, and retrieved pages into them, on the CPU or on CUDA.
+
+**Saves leave the step at once.** ``save`` copies the step's blocks out of the views
+into host buffers and returns; the puts into the store, the write-through and the
+commit that makes the blocks visible to other instances run on the store's thread
+behind the engine, one step's saves at a time, oldest first.
+
+- On CUDA the blocks are gathered on a side stream that first waits for the engine's
+  stream (the step's KV is written), and then copied into pinned host buffers on the
+  same side stream. The engine's stream waits (on the device, no host wait) only for
+  the gather: its next kernels, which may write a freed block into a new request's KV,
+  are ordered after the gather has read it, so vLLM may reuse the blocks at once and
+  no block has to be held past ``request_finished``. The store's thread waits for the
+  copy's event before it writes the buffers.
+- On the CPU the copy out is a memcpy on the engine's thread, done when ``save``
+  returns.
+- The backlog is bounded: the host buffers of saves not yet written hold at most
+  ``backlog_bytes``. A save that does not fit drops the oldest saves still waiting (the
+  one being written is kept) and, if it still does not fit, is dropped itself; each
+  drop is counted in ``saves_dropped``. A save never waits for the store and never
+  grows memory past the bound. A dropped save is a future miss, as a failed one is.
+
+**Loads.** ``start_load`` retrieves the step's hits on the store's thread into a host
+pool (pinned on CUDA); as each layer arrives its pages are written into the engine's
+blocks (on CUDA: copied host-to-device and scattered on the side stream, which first
+waits for the engine's stream, then an event per layer); ``wait_layer`` holds the
+engine's thread until the layer is on its way and makes the engine's stream wait for
+its event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hurray_store.adapters.store_thread import StoreThread
+from hurray_store.adapters.vllm_layout import Packing, check_view, pages_of, write_pages
+from hurray_store.paging import PagedKVPool
+from hurray_store.spec import KVSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Transfer:
+    """Blocks ``first_block..`` of a request's blocks: to load (pages of
+    ``token_ids[:len]`` the store holds) or to save (full prompt pages)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]  # the request's blocks, from its first
+    first_block: int  # the first of them this transfer touches
+    salt: bytes  # the request's page salt (``keys.request_salt``), made by the scheduler
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One step's saves, copied out, waiting for the store."""
+
+    saves: list[Transfer]
+    buffers: list[torch.Tensor]  # per layer [2, pages, block_size, heads, head_dim]
+    copied: Any  # a CUDA event: the copy into ``buffers`` is done (None: it is)
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Loading:
+    """A step's loads in flight on the store's thread."""
+
+    loads: list[Transfer]
+    ready: list[threading.Event]  # per layer: its pages are on their way into the blocks
+    events: list[Any]  # per layer, on CUDA: the side stream's writes are done (or None)
+    future: Future[list[int]]  # tokens delivered per load
+
+
+class BlockTransfers:
+    """Saves and loads between one engine's per-layer KV views and a store.
+
+    ``views``: one tensor per layer, logically ``[blocks, kv_heads, tokens, C]`` in
+    ``layout`` (``vllm_layout``), all on one device; ``spec``: the store's KVSpec of
+    these pages (``page_size`` is the engine's block size); ``packing``: the CPU
+    backend's packing within C; ``counts``: a dict this adds its counts to;
+    ``on_written``: called on the store's thread after each step's saves are written.
+    """
+
+    def __init__(
+        self,
+        st: StoreThread,
+        spec: KVSpec,
+        views: list[torch.Tensor],
+        layout: str,
+        *,
+        packing: Packing | None = None,
+        backlog_bytes: int = 1 << 30,
+        counts: dict[str, Any] | None = None,
+        on_written: Callable[[], None] | None = None,
+    ) -> None:
+        if len(views) != spec.num_layers:
+            raise ValueError(f"{len(views)} KV layer views, the spec has {spec.num_layers} layers")
+        for v in views:
+            check_view(v, layout)
+        self.st, self.spec, self.views, self.layout = st, spec, views, layout
+        self.packing = packing
+        self.device = views[0].device
+        self.cuda = self.device.type == "cuda"
+        self.side = torch.cuda.Stream(self.device) if self.cuda else None
+        self.backlog_bytes = int(backlog_bytes)
+        self.page_bytes = 2 * spec.page_size * spec.num_kv_heads * spec.head_dim
+        self.page_bytes *= spec.dtype.itemsize * spec.num_layers
+        self.counts = counts if counts is not None else {}
+        for k in ("blocks_saved", "saves_failed", "saves_dropped", "blocks_loaded"):
+            self.counts.setdefault(k, 0)
+        self.counts.setdefault("copy_out_s", 0.0)  # engine time spent in save()
+        self.on_written = on_written
+        self._cv = threading.Condition()
+        self._queue: deque[_Pending] = deque()
+        self._held = 0  # bytes of the queued saves and the one being written
+        self._writing = False
+
+    # ------------------------------------------------------------------ saves
+
+    def save(self, saves: list[Transfer]) -> None:
+        """Copy the blocks of ``saves`` (each: ``block_ids[:len(token_ids) //
+        block_size]``) out of the views and queue their put; returns once they are
+        copied out (on CUDA: once the copy is ordered), never waiting for the store."""
+        saves = [s for s in saves if len(s.token_ids) >= self.spec.page_size]
+        if not saves:
+            return
+        t0 = time.perf_counter()
+        bs = self.spec.page_size
+        ids = [b for s in saves for b in s.block_ids[: len(s.token_ids) // bs]]
+        nbytes = len(ids) * self.page_bytes
+        if not self._reserve(nbytes, len(saves)):
+            return
+        try:
+            buffers, copied = self.copy_out(ids)
+        except Exception as e:  # a save that fails is a future miss, never an error
+            with self._cv:
+                self._held -= nbytes
+            self.counts["saves_failed"] += len(saves)
+            log.warning("HurrayConnector: copying %d blocks out failed: %s", len(ids), e)
+            return
+        with self._cv:
+            self._queue.append(_Pending(saves, buffers, copied, nbytes))
+            start, self._writing = not self._writing, True
+        if start:
+            self.st.submit(self._write_backlog())
+        self.counts["copy_out_s"] += time.perf_counter() - t0
+
+    def _reserve(self, nbytes: int, n_saves: int) -> bool:
+        """Room in the backlog for ``nbytes``, made by dropping the oldest saves still
+        waiting; False (and counted) when there is none."""
+        dropped = 0
+        with self._cv:
+            while nbytes <= self.backlog_bytes < self._held + nbytes and self._queue:
+                old = self._queue.popleft()
+                self._held -= old.nbytes
+                dropped += len(old.saves)
+            fits = self._held + nbytes <= self.backlog_bytes
+            if fits:
+                self._held += nbytes
+            else:
+                dropped += n_saves
+            self.counts["saves_dropped"] += dropped
+        if dropped:
+            log.warning(
+                "HurrayConnector: the save backlog (%d MiB) is full: %d saves dropped",
+                self.backlog_bytes >> 20,
+                dropped,
+            )
+        return fits
+
+    def copy_out(self, ids: list[int]) -> tuple[list[torch.Tensor], Any]:
+        """Blocks ``ids`` of every layer as host buffers, each ``[2, len(ids),
+        block_size, heads, head_dim]`` (pinned on CUDA), and the CUDA event that says
+        they are filled (None on the CPU: they are)."""
+        s = self.spec
+        shape = (2, len(ids), s.page_size, s.num_kv_heads, s.head_dim)
+        bufs = [torch.empty(shape, dtype=s.dtype, pin_memory=self.cuda) for _ in self.views]
+        idx = torch.tensor(ids, dtype=torch.long)
+        kw: dict[str, Any] = {"block_size": s.page_size, "packing": self.packing}
+        if not self.cuda:
+            for view, buf in zip(self.views, bufs, strict=True):
+                pages_of(view, self.layout, s.head_dim, idx, out=(buf[0], buf[1]), **kw)
+            return bufs, None
+        assert self.side is not None
+        engine = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(engine)  # the step's KV is written
+        with torch.cuda.stream(self.side):
+            pages = [pages_of(v, self.layout, s.head_dim, idx, **kw) for v in self.views]
+            gathered = torch.cuda.Event()
+            gathered.record(self.side)
+            for (k, v), buf in zip(pages, bufs, strict=True):
+                buf[0].copy_(k, non_blocking=True)
+                buf[1].copy_(v, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.side)
+        engine.wait_event(gathered)  # the engine's next writes come after the gather
+        return bufs, copied
+
+    async def _write_backlog(self) -> None:
+        """On the store's thread: write the queued saves, oldest first, each step's
+        committed (flushed) before the next; until the queue is empty."""
+        while True:
+            with self._cv:
+                if not self._queue:
+                    self._writing = False
+                    self._cv.notify_all()
+                    return
+                p = self._queue.popleft()
+            try:
+                await self._write(p)
+            finally:
+                with self._cv:
+                    self._held -= p.nbytes
+                    self._cv.notify_all()
+                if self.on_written is not None:
+                    self.on_written()
+
+    async def _write(self, p: _Pending) -> None:
+        if p.copied is not None:
+            while not p.copied.query():  # the device copy is still running
+                await asyncio.sleep(2e-4)
+        bs = self.spec.page_size
+        tables, off = [], 0
+        for tr in p.saves:
+            n = len(tr.token_ids) // bs
+            tables.append(list(range(off, off + n)))
+            off += n
+        store = self.st.store
+        try:
+            pool = PagedKVPool.from_tensors(self.spec, p.buffers)
+            toks = [tr.token_ids[: len(t) * bs] for tr, t in zip(p.saves, tables, strict=True)]
+            salts: list[bytes | str | None] = [tr.salt for tr in p.saves]
+            r = await store.put(pool, toks, tables, salt=salts)
+            self.counts["blocks_saved"] += r.pages_written
+            await store.flush()  # committed: visible to every instance's lookup
+        except Exception as e:  # a save that fails is a future miss, never an error
+            self.counts["saves_failed"] += len(p.saves)
+            log.warning("HurrayConnector: saving %d requests failed: %s", len(p.saves), e)
+
+    def pending_bytes(self) -> int:
+        with self._cv:
+            return self._held
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued save is written (or dropped); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._writing and not self._queue, timeout)
+
+    # ------------------------------------------------------------------ loads
+
+    def start_load(self, loads: list[Transfer]) -> Loading:
+        """Start retrieving ``loads`` (one retrieve for all) into the views."""
+        ready = [threading.Event() for _ in self.views]
+        events: list[Any] = [None] * len(self.views)  # set before the layer's ready
+        start = None
+        if self.cuda:
+            start = torch.cuda.Event()
+            start.record(torch.cuda.current_stream(self.device))  # before the blocks' reuse
+        fut = self.st.submit(self._load(loads, ready, events, start))
+        return Loading(loads, ready, events, fut)
+
+    def wait_layer(self, loading: Loading, li: int, timeout: float) -> bool:
+        """Hold until layer ``li``'s pages are in (on CUDA: ordered before the engine's
+        next kernels); False if it did not come in ``timeout`` seconds."""
+        ok = loading.ready[li].wait(timeout)
+        if (ev := loading.events[li]) is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        return ok
+
+    def finish_load(self, loading: Loading, timeout: float) -> list[int]:
+        """The tokens delivered per load (each from its request's first token); raises
+        what the retrieve raised."""
+        try:
+            return loading.future.result(timeout)
+        finally:
+            for ev in loading.events:  # a layer nobody waited for
+                if ev is not None:
+                    torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def _host_pool(self, pages: int) -> PagedKVPool:
+        s = self.spec
+        shape = (2, max(pages, 1), s.page_size, s.num_kv_heads, s.head_dim)
+        layers = [torch.empty(shape, dtype=s.dtype, pin_memory=self.cuda) for _ in self.views]
+        return PagedKVPool.from_tensors(s, layers)
+
+    async def _load(
+        self, loads: list[Transfer], ready: list[threading.Event], events: list[Any], start: Any
+    ) -> list[int]:
+        bs = self.spec.page_size
+        got = [tr.first_block * bs for tr in loads]
+        try:
+            pool = self._host_pool(sum(len(tr.token_ids) // bs for tr in loads))
+            seqs = [tr.token_ids for tr in loads]
+            salts: list[bytes | str | None] = [tr.salt for tr in loads]
+            async for layer in self.st.store.retrieve_layers(pool, seqs, salt=salts):
+                li = layer.layer_index
+                self._scatter(pool, li, layer.block_tables, loads, events, start)
+                ready[li].set()
+                got = layer.num_tokens  # the last layer's counts are the final word
+        finally:
+            for e in ready:  # a failed load: the forward goes on, the blocks are reported
+                e.set()
+        return got
+
+    def _scatter(
+        self,
+        pool: PagedKVPool,
+        li: int,
+        tables: list[list[int]],
+        loads: list[Transfer],
+        events: list[Any],
+        start: Any,
+    ) -> None:
+        src: list[int] = []
+        dst: list[int] = []
+        for tr, table in zip(loads, tables, strict=True):
+            src += table[tr.first_block :]
+            dst += tr.block_ids[tr.first_block : len(table)]
+        if not src:
+            return
+        events[li] = self.copy_in(pool.layers[li], li, src, dst, start)
+
+    def copy_in(
+        self, pages: torch.Tensor, li: int, src: list[int], dst: list[int], start: Any = None
+    ) -> Any:
+        """Write pages ``src`` of ``pages`` (one layer of a host pool, ``[2, n,
+        block_size, heads, head_dim]``, pinned on CUDA) into blocks ``dst`` of layer
+        ``li``'s view. On CUDA the copy runs on the side stream after the engine's event
+        ``start`` (None: after the engine's stream now); returns the event that says it
+        is done (None on the CPU: it is)."""
+        s = self.spec
+        kw: dict[str, Any] = {"block_size": s.page_size, "packing": self.packing}
+        if self.cuda and start is None:
+            start = torch.cuda.Event()
+            start.record(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), self._on_side(start):  # vLLM's KV: inference tensors
+            layer = pages.to(self.device, non_blocking=True) if self.cuda else pages
+            si = torch.tensor(src, dtype=torch.long, device=layer.device)
+            k, v = layer[0].index_select(0, si), layer[1].index_select(0, si)
+            write_pages(self.views[li], self.layout, s.head_dim, dst, k, v, **kw)
+            if not self.cuda:
+                return None
+            done = torch.cuda.Event()
+            done.record(self.side)
+            return done
+
+    @contextlib.contextmanager
+    def _on_side(self, start: Any) -> Iterator[None]:
+        """On CUDA: this thread's work on the side stream, after the engine's ``start``."""
+        if not self.cuda:
+            yield
+            return
+        assert self.side is not None
+        with torch.cuda.device(self.device), torch.cuda.stream(self.side):
+            self.side.wait_event(start)
+            yield

@@ -19,7 +19,7 @@ LMCACHE_NEXT ?= 0.5.7rc2
 NEXT_VENV    ?= .venv-lmcache-next
 NEXT_STAMP   := $(NEXT_VENV)/.hurray-setup-$(LMCACHE_NEXT)
 
-.PHONY: setup vllm-env vllm-next-src lmcache-next-env redis run test test-lmcache-next lint bench clean
+.PHONY: setup vllm-env vllm-next-src gpu-wheels lmcache-next-env redis run test test-lmcache-next lint bench clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,12 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-next-src: setup
 	@flock $(VLLM_NEXT_SRC).lock $(PY) tools/fetch_wheel_sources.py vllm==$(VLLM_NEXT) $(VLLM_NEXT_SRC)
+
+# What tools/gpu_check.py needs on a CUDA machine that has torch, transformers,
+# safetensors, xxhash, PyYAML and prometheus_client but no network: the wheels of the
+# rest, to install there with `pip install --no-index --no-deps build/gpu-wheels/*.whl`.
+gpu-wheels: setup
+	$(PY) -m pip download -q --no-deps -d build/gpu-wheels pyhurray==0.1.0 "redis>=5.0" "aiofiles>=23.0"
 
 # LMCache's release candidate (pinned by LMCACHE_NEXT) beside hurray_store, for
 # `make test-lmcache-next`: about 3 minutes and 2.1 GB.

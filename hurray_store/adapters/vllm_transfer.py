@@ -120,7 +120,7 @@ class BlockTransfers:
         self.page_bytes = 2 * spec.page_size * spec.num_kv_heads * spec.head_dim
         self.page_bytes *= spec.dtype.itemsize * spec.num_layers
         self.counts = counts if counts is not None else {}
-        for k in ("blocks_saved", "saves_failed", "saves_dropped", "blocks_loaded"):
+        for k in ("blocks_saved", "saves_failed", "saves_dropped", "blocks_loaded", "save_steps"):
             self.counts.setdefault(k, 0)
         self.counts.setdefault("copy_out_s", 0.0)  # engine time spent in save()
         self.on_written = on_written
@@ -157,6 +157,7 @@ class BlockTransfers:
             start, self._writing = not self._writing, True
         if start:
             self.st.submit(self._write_backlog())
+        self.counts["save_steps"] += 1
         self.counts["copy_out_s"] += time.perf_counter() - t0
 
     def _reserve(self, nbytes: int, n_saves: int) -> bool:

@@ -577,11 +577,17 @@ class HurrayConnector(KVConnectorBase_V1):
     def _dump_counts(self) -> None:
         if not self.stats_file or self._role != KVConnectorRole.WORKER:
             return
-        with self._stats_lock:  # the engine's thread and the store's
-            tmp = f"{self.stats_file}.tmp"
-            with open(tmp, "w") as f:
-                json.dump({**self.counts, "disabled": self.disabled, "layout": self.layout}, f)
-            os.replace(tmp, self.stats_file)
+        counts = {**self.counts, "disabled": self.disabled, "layout": self.layout}
+        # Written whole (a temporary file per process, then renamed): the engine's thread
+        # and the store's write it, and TP ranks share the file. Never an error to vLLM.
+        with self._stats_lock:
+            tmp = f"{self.stats_file}.{os.getpid()}.tmp"
+            try:
+                with open(tmp, "w") as f:
+                    json.dump(counts, f)
+                os.replace(tmp, self.stats_file)
+            except OSError as e:
+                log.warning("HurrayConnector: stats file %s: %s", self.stats_file, e)
 
     def shutdown(self) -> None:
         """Write every queued save (up to two minutes), then close the store."""

@@ -95,6 +95,21 @@ def _ids(view: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, r: int) ->
     return ids.to(view.device)
 
 
+def _gather(view: torch.Tensor, layout: str, ids: torch.Tensor) -> torch.Tensor:
+    """``view.index_select(0, ids)``, done in the view's memory order (whole runs of
+    bytes), seen back as ``[n, H, N, C]``."""
+    order = view_order(layout)
+    back = [order.index(a) for a in range(4)]
+    return view.permute(order).index_select(order.index(0), ids).permute(back)
+
+
+def _scatter(view: torch.Tensor, layout: str, ids: torch.Tensor, blk: torch.Tensor) -> None:
+    """``view.index_copy_(0, ids, blk)``, in the view's memory order."""
+    order = view_order(layout)
+    src = blk.permute(order).contiguous()
+    view.permute(order).index_copy_(order.index(0), ids, src)
+
+
 def _split_c(c: int, head_size: int) -> int:
     if not 0 < head_size < c:
         raise LayoutError(f"C of {c} elements holds no K of {head_size} and a V")
@@ -128,10 +143,10 @@ def pages_of(
     ids = _ids(view, block_ids, r)
     nb, heads, nk, c = view.shape
     hv = _split_c(c, head_size)
-    blk = view.index_select(0, ids)  # [n * r, H, Nk, C]
+    blk = _gather(view, layout, ids)  # [n * r, H, Nk, C]
     n = ids.numel() // r
     if r > 1:  # kernel blocks of one manager block, in token order
-        blk = blk.view(n, r, heads, nk, c).transpose(1, 2).reshape(n, heads, r * nk, c)
+        blk = blk.reshape(n, r, heads, nk, c).transpose(1, 2).reshape(n, heads, r * nk, c)
     tokens = r * nk
     if packing is not None:
         _check_packing(hv, head_size, r)
@@ -190,4 +205,4 @@ def write_pages(
         blk = torch.cat([k, v], dim=-1)  # [n, H, N, C]
     if r > 1:
         blk = blk.view(n, heads, r, nk, c).transpose(1, 2).reshape(n * r, heads, nk, c)
-    view.index_copy_(0, ids, blk)
+    _scatter(view, layout, ids, blk)

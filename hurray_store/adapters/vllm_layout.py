@@ -130,14 +130,12 @@ def pages_of(
     block_size: int | None = None,
     packing: Packing | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    non_blocking: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The blocks ``block_ids`` of one layer view as the store's pages: ``(keys,
     values)``, each ``[n, block_size, kv_heads, head]`` (contiguous, on the view's
     device). ``block_size``: the manager's block size when the view holds kernel
     blocks; ``packing``: the CPU backend's packing within C; ``out``: two tensors of
-    that shape (on any device, e.g. pinned host buffers) the pages are copied into,
-    with ``non_blocking`` (a copy the caller's stream orders), and returned."""
+    that shape (on any device) the pages are copied into, and returned."""
     check_view(view, layout)
     r = _kernel_ratio(view, block_size)
     ids = _ids(view, block_ids, r)
@@ -163,7 +161,7 @@ def pages_of(
     for src, dst in zip((k, v), out, strict=True):
         if dst.shape != src.shape or dst.dtype != src.dtype:
             raise ValueError(f"out {tuple(dst.shape)} {dst.dtype}, pages {tuple(src.shape)}")
-        dst.copy_(src, non_blocking=non_blocking)
+        dst.copy_(src)
     return out
 
 
@@ -177,7 +175,6 @@ def write_pages(
     *,
     block_size: int | None = None,
     packing: Packing | None = None,
-    non_blocking: bool = False,
 ) -> None:
     """Write pages ``keys``/``values`` (each ``[n, block_size, kv_heads, head]``) into
     the blocks ``block_ids`` of one layer view, as ``pages_of`` reads them; other
@@ -194,8 +191,8 @@ def write_pages(
             f"pages {tuple(keys.shape)} and {tuple(values.shape)}, the blocks take "
             f"{want_k} and {want_v}"
         )
-    k = keys.to(view.device, view.dtype, non_blocking=non_blocking).transpose(1, 2)
-    v = values.to(view.device, view.dtype, non_blocking=non_blocking).transpose(1, 2)
+    k = keys.to(view.device, view.dtype).transpose(1, 2)  # [n, H, N, hs]
+    v = values.to(view.device, view.dtype).transpose(1, 2)
     if packing is not None:
         _check_packing(hv, head_size, r)
         packed_of, _ = packing

@@ -12,6 +12,7 @@ import torch
 from hurray_store.adapters.vllm_layout import (
     LAYOUTS,
     LayoutError,
+    allocate,
     check_view,
     pages_of,
     write_pages,
@@ -24,14 +25,13 @@ _INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: 
 def _views(layout: str, dtype: torch.dtype, L: int, B: int, H: int, N: int, C: int):  # type: ignore[no-untyped-def]
     """One view per layer, ``[B, H, N, C]``, over one buffer in ``layout``'s memory
     order; element (l, b, h, n, c) holds its own coordinates as its bit pattern."""
-    order = LAYOUTS[layout]
     logical = (L, B, H, N, C)
-    raw = torch.empty([logical[a] for a in order], dtype=dtype)
-    five = raw.permute([order.index(a) for a in range(5)])  # logical axes
-    assert tuple(five.shape) == logical
+    _, views = allocate(layout, logical, dtype)
     code = torch.arange(L * B * H * N * C, dtype=torch.int64).view(logical)
-    five.view(_INT[dtype]).copy_(code.to(_INT[dtype]))
-    return [five[i] for i in range(L)], code
+    for layer, v in enumerate(views):
+        assert tuple(v.shape) == logical[1:]
+        v.view(_INT[dtype]).copy_(code[layer].to(_INT[dtype]))
+    return views, code
 
 
 def _expected(code: torch.Tensor, layer: int, ids: list[int], r: int, hs: int):  # type: ignore[no-untyped-def]

@@ -204,7 +204,7 @@ def test_a_full_backlog_drops_the_oldest_saves_counts_them_and_never_blocks(
         assert xfer.page_bytes * 2 == step
         paused_redis.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
         xfer.save([Transfer("r0", prompts[0], [0, 1], 0, b"")])
-        _wait(lambda: not xfer._queue)  # the writer took save 0 and is held in Redis
+        _wait(lambda: xfer.queued() == 0)  # the writer took save 0 and is held in Redis
         for i in range(1, 6):
             xfer.save([Transfer(f"r{i}", prompts[i], [2 * i, 2 * i + 1], 0, b"")])
             assert xfer.pending_bytes() <= 3 * step

@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from hurray_store import KVSpec, PagedKVPool  # noqa: E402
 from hurray_store.adapters.store_thread import StoreThread  # noqa: E402
-from hurray_store.adapters.vllm_layout import LAYOUTS, pages_of, write_pages  # noqa: E402
+from hurray_store.adapters.vllm_layout import LAYOUTS, allocate, pages_of, write_pages  # noqa: E402
 from hurray_store.adapters.vllm_transfer import BlockTransfers, Transfer  # noqa: E402
 from hurray_store.store import open_store  # noqa: E402
 
@@ -72,12 +72,10 @@ def layer_views(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A buffer in ``layout``'s memory order, random, and its per-layer ``[B, H, N, C]``
     views, as vLLM allocates them."""
-    order = LAYOUTS[layout]
-    logical = (L, B, H, N, C)
+    raw, views = allocate(layout, (L, B, H, N, C), dtype, device)
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randn([logical[a] for a in order], generator=g).to(dtype).to(device)
-    five = raw.permute([order.index(a) for a in range(5)])
-    return raw, [five[i] for i in range(L)]
+    raw.copy_(torch.randn(raw.shape, generator=g).to(dtype))
+    return raw, views
 
 
 def check_layouts(device: torch.device, quick: bool) -> Rows:

@@ -74,7 +74,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hurray_store.adapters.store_thread import StoreThread
-from hurray_store.adapters.vllm_layout import LAYOUTS, LayoutError, Packing, check_view
+from hurray_store.adapters.vllm_layout import LAYOUTS, LayoutError, Packing
 from hurray_store.adapters.vllm_transfer import BlockTransfers, Loading, Transfer
 from hurray_store.identity import adapter_id, checkpoint_id, model_identity
 from hurray_store.keys import check_salt, request_salt
@@ -278,7 +278,6 @@ class HurrayConnector(KVConnectorBase_V1):
         self.backlog_bytes = int(float(extra.get("save_backlog_mb", 1024)) * (1 << 20))
         self.xfer: BlockTransfers | None = None  # the data path, once the KV is registered
         self._asleep: BlockTransfers | None = None  # vLLM 0.33's sleep mode: KV released
-        self.layout = ""
         self._layer_index: dict[str, int] = {}
         self._loading: Loading | None = None  # this step's loads, while they run
         self._load_errors: set[int] = set()
@@ -442,30 +441,30 @@ class HurrayConnector(KVConnectorBase_V1):
 
         layers = sorted(kv_caches.items(), key=lambda kv: extract_layer_index(kv[0]))
         layout = self._layout()
-        packing: Packing | None = None
         if not self.disabled:
             got = _check_views(self._vllm_config, self.spec, layers, layout)
             if isinstance(got, str):
                 self.disabled = got
             else:
-                packing = got
+                try:  # it checks the layer count and each view's strides against layout
+                    self.xfer = BlockTransfers(
+                        self.st,
+                        self.spec,
+                        [t for _, t in layers],
+                        layout,
+                        packing=got,
+                        backlog_bytes=self.backlog_bytes,
+                        counts=self.counts,
+                        on_written=self._dump_counts,
+                    )
+                except (ValueError, LayoutError) as e:
+                    self.disabled = str(e)
         if self.disabled:
             if not unkeyable(self._vllm_config, self._kv_cache_config):  # not said yet
                 log.warning("HurrayConnector: serving without the cache: %s", self.disabled)
             self._dump_counts()
             return
-        self.layout = layout
         self._layer_index = {name: i for i, (name, _) in enumerate(layers)}
-        self.xfer = BlockTransfers(
-            self.st,
-            self.spec,
-            [t for _, t in layers],
-            layout,
-            packing=packing,
-            backlog_bytes=self.backlog_bytes,
-            counts=self.counts,
-            on_written=self._dump_counts,
-        )
         log.info(
             "HurrayConnector: %d KV layers on %s in layout %s; a save backlog of %d MiB",
             len(layers),
@@ -479,7 +478,7 @@ class HurrayConnector(KVConnectorBase_V1):
         worker adopts it); vLLM 0.32's CPU backend takes LBHNC only."""
         for src in (self._vllm_config.cache_config, self._kv_cache_config):
             if (name := getattr(src, "kv_cache_layout", None)) is not None:
-                return str(getattr(name, "name", name))
+                return str(name)  # a KVCacheLayout member's name
         return "LBHNC" if self._vllm_config.device_config.device_type == "cpu" else ""
 
     @classmethod
@@ -577,7 +576,9 @@ class HurrayConnector(KVConnectorBase_V1):
     def _dump_counts(self) -> None:
         if not self.stats_file or self._role != KVConnectorRole.WORKER:
             return
-        counts = {**self.counts, "disabled": self.disabled, "layout": self.layout}
+        xfer = self.xfer or self._asleep
+        layout = xfer.layout if xfer is not None else ""
+        counts = {**self.counts, "disabled": self.disabled, "layout": layout}
         # Written whole (a temporary file per process, then renamed): the engine's thread
         # and the store's write it, and TP ranks share the file. Never an error to vLLM.
         with self._stats_lock:
@@ -604,8 +605,6 @@ def _check_views(
     """Whether the connector can read and write these KV views: the CPU backend's packing
     (learned from its kernel), None for a GPU backend's plain C, or why not."""
     views = [t for _, t in layers]
-    if len(views) != spec.num_layers:
-        return f"{len(views)} KV layers, the model has {spec.num_layers}"
     v0 = views[0]
     if layout not in LAYOUTS:
         return f"a KV cache layout this connector does not know ({layout or 'none given'})"
@@ -617,11 +616,6 @@ def _check_views(
             f"KV cache views of shape {tuple(v0.shape)}, expected [blocks, "
             f"{spec.num_kv_heads}, a divisor of {spec.page_size}, {2 * spec.head_dim}]"
         )
-    try:
-        for v in views:
-            check_view(v, layout)
-    except LayoutError as e:
-        return str(e)
     if v0.device.type == "cuda":
         return None  # GPU backends keep C plain: K then V per token
     if v0.device.type != "cpu":

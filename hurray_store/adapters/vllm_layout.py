@@ -63,6 +63,24 @@ def view_order(layout: str) -> tuple[int, ...]:
     return tuple(i - 1 for i in order if i != 0)
 
 
+def allocate(
+    layout: str,
+    shape: tuple[int, int, int, int, int],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A KV buffer of logical ``shape`` ``(L, B, H, N, C)`` laid out in ``layout``'s
+    memory order, as vLLM allocates one, and its per-layer ``[B, H, N, C]`` views
+    (uninitialised). For tests and checks that need views as vLLM registers them."""
+    try:
+        order = LAYOUTS[layout]
+    except KeyError:
+        raise LayoutError(f"KV cache layout {layout!r} is not one of {sorted(LAYOUTS)}") from None
+    raw = torch.empty([shape[a] for a in order], dtype=dtype, device=device)
+    five = raw.permute([order.index(a) for a in range(5)])  # logical axes
+    return raw, [five[i] for i in range(shape[0])]
+
+
 def check_view(view: torch.Tensor, layout: str) -> None:
     """Raise LayoutError unless ``view`` is a 4-D ``[B, H, N, C]`` view whose strides
     follow ``layout`` (axes of size 1 may have any stride)."""

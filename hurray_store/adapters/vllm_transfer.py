@@ -253,8 +253,14 @@ class BlockTransfers:
             log.warning("HurrayConnector: saving %d requests failed: %s", len(p.saves), e)
 
     def pending_bytes(self) -> int:
+        """Host bytes of the saves not yet written (queued and the one being written)."""
         with self._cv:
             return self._held
+
+    def queued(self) -> int:
+        """Saves waiting for the store's thread (not counting the one being written)."""
+        with self._cv:
+            return len(self._queue)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued save is written (or dropped); False on timeout."""

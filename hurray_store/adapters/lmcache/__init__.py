@@ -5,7 +5,7 @@ the L2 adapter of ``lmcache server`` (this package is the only one that imports
 - ``plugin.HurrayStoragePlugin``: chunks through the store's object level, per-layer
   block-paged objects plus a checksummed chunk record (the commit point).
 - ``l2.HurrayL2Adapter``: objects and their records, one group each.
-- ``records``: those records, packed and parsed (pure).
+- ``hurray_store.records``: those records, packed and parsed (pure; the SGLang backend's page objects end in the chunk record too).
 - ``store_thread.StoreThread``: the store on an event loop of its own thread.
 
 See docs/lmcache.md.
@@ -13,8 +13,8 @@ See docs/lmcache.md.
 
 from hurray_store.adapters.lmcache.l2 import HurrayL2Adapter, HurrayL2AdapterConfig
 from hurray_store.adapters.lmcache.plugin import HurrayStoragePlugin
-from hurray_store.adapters.lmcache.records import layout_fingerprint
 from hurray_store.adapters.store_thread import StoreThread
+from hurray_store.records import layout_fingerprint
 
 __all__ = [
     "HurrayL2Adapter",

@@ -2,7 +2,7 @@
 adapters through non-blocking submit/query calls signalled on three eventfds. The
 adapter below keeps each of LMCache's objects as one object of hurray_store's object
 level: a Hurray stream of two rank-1 ``uint8`` tensors, the bytes and then a record (the
-commit point, last) with their offset, size and xxh3-64 checksum (``records.py``). Every
+commit point, last) with their offset, size and xxh3-64 checksum (``hurray_store.records``). Every
 tier writes an object whole or not at all, so no record exists without its bytes. A
 load reads the bytes straight into LMCache's buffer and the record beside them, in one
 ranged read, and checks the record against the buffer there; anything else is a 0 in
@@ -23,16 +23,16 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from hurray_store.adapters.lmcache.records import (
+from hurray_store.adapters.store_thread import StoreThread
+from hurray_store.batches import batches
+from hurray_store.errors import FormatError
+from hurray_store.format import checksum
+from hurray_store.records import (
     L2_RECORD_BYTES,
     l2_layout,
     pack_l2_object,
     parse_l2_record,
 )
-from hurray_store.adapters.store_thread import StoreThread
-from hurray_store.batches import batches
-from hurray_store.errors import FormatError
-from hurray_store.format import checksum
 from hurray_store.store import Pin, TieredStore
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ stores each chunk through the store's object level as one object, one Hurray str
   its page pool: one sequence, the chunk's tokens cut into pages of ``page_size``). The
   pools are views of LMCache's buffer; a partial last page is the only copy
   (zero-padded);
-- then the chunk record, the commit point, last (``records.py``). It holds the layout
+- then the chunk record, the commit point, last (``hurray_store.records``). It holds the layout
   fingerprint, the token count, the object's size, and per layer where its pools start
   and the xxh3-64 of the chunk's key and value token bytes (each byte hashed once).
 
@@ -45,16 +45,16 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from hurray_store.adapters.lmcache.records import (
+from hurray_store.adapters.store_thread import StoreThread, held_prefix, pin_held_prefix
+from hurray_store.errors import FormatError
+from hurray_store.format import Slot, checksum, plan_layer
+from hurray_store.format.wire import blob_descriptor
+from hurray_store.records import (
     chunk_record_bytes,
     chunk_record_of,
     layout_fingerprint,
     parse_chunk_record,
 )
-from hurray_store.adapters.store_thread import StoreThread, held_prefix, pin_held_prefix
-from hurray_store.errors import FormatError
-from hurray_store.format import Slot, checksum, plan_layer
-from hurray_store.format.wire import blob_descriptor
 from hurray_store.store import KeyRef, Pin, TieredStore
 from hurray_store.tiers import RangeIn, Sealed
 

@@ -1,0 +1,488 @@
+"""hurray_store as SGLang's HiCache storage backend (L3), for SGLang 0.5.23 (the only
+module that imports ``sglang``).
+
+Loaded by SGLang's backend factory::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+      '{"backend_name": "hurray", "module_path": "hurray_store.adapters.sglang",
+        "class_name": "HurrayHiCacheStorage", "interface_v1": 1,
+        "config": "/etc/hurray/store.yaml", "model_path": "/models/qwen2.5-0.5b"}'
+
+- ``interface_v1: 1`` selects the zero-copy calls (``batch_exists``, ``batch_get_v1``,
+  ``batch_set_v1`` over the registered host pool); without it SGLang uses the legacy
+  ``batch_get`` / ``batch_set`` of flat pages, which work too.
+- ``config``: a hurray_store YAML (absent: the embedded default, CPU memory and
+  ``./.hurray-cache``). ``model_path``: the model's folder, hashed for the key (absent:
+  SGLang's ``model_name`` when it is a folder, else the name, with a warning).
+  ``salt``: a namespace of its own in the key (absent: the store config's).
+
+Every page is one object (``sglang_pages``); its name is SGLang's page key after a
+prefix that hashes everything else the page's bytes depend on: the model's identity
+from its weights and config (``identity.model_identity``, the rule vLLM's connector and
+the transformers adapter follow), the salt, the KV geometry (layers, heads, head size,
+page size, dtype) and the ranks (TP, PP, attention CP). The host pool's layout is not in
+it: a page object is the same whichever layout wrote it.
+
+What SGLang relies on: ``batch_exists`` counts the leading run the books (or a shared
+tier) hold; a get checks every page in a staging buffer before it copies it into the
+host pool, and a page that is missing, corrupt or another page's object is False, with
+every page after it; a failed check drops the object. The store down, slow or full is
+misses and a warning, never an exception into SGLang's threads. A set returns once its
+pages are written through every tier (SGLang may reuse the host pages right after).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from hurray_store.adapters.sglang_pages import (
+    LAYOUTS,
+    PageCodec,
+    PageLayoutError,
+    flat_page_view,
+    page_fingerprint,
+    page_view,
+)
+from hurray_store.adapters.store_thread import StoreThread, held_prefix
+from hurray_store.format import checksum
+from hurray_store.identity import checkpoint_id, model_identity
+
+log = logging.getLogger(__name__)
+_TIMEOUT_S = 60.0  # the longest a call waits for the store before it is a miss
+_SAFE_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
+_WARN_EVERY_S = 10.0  # a failing store is logged at most this often
+
+
+def _identity(model_path: str | None, model_name: str | None) -> str:
+    """The model's identity from its folder (weights and KV-shaping config)."""
+    folder = model_path or model_name or ""
+    if not folder:
+        raise ValueError(
+            "HurrayHiCacheStorage: no model to key by: set model_path in "
+            "--hicache-storage-backend-extra-config"
+        )
+    cfg: dict[str, Any] = {}
+    p = Path(folder)
+    if p.is_dir() and (p / "config.json").is_file():
+        try:
+            cfg = json.loads((p / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"HurrayHiCacheStorage: {p / 'config.json'}: {e}") from e
+    elif not model_path:
+        log.warning(
+            "HurrayHiCacheStorage: model_name %r is not a model folder; set model_path "
+            "so the key names the weights",
+            folder,
+        )
+    return model_identity(checkpoint_id(folder), cfg)
+
+
+class HurrayHiCacheStorage(HiCacheStorage):
+    """SGLang's L3 HiCache storage on a hurray_store TieredStore (see the module doc)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        if storage_config.is_mla_model:
+            # SGLang stores an MLA model's latent once for all TP ranks (one writer);
+            # this backend keys per rank and has not been tested on MLA pools.
+            raise ValueError(
+                "HurrayHiCacheStorage: MLA models are not supported (the latent KV is "
+                "shared by every TP rank); serve this model with another L3 backend"
+            )
+        if storage_config.should_split_heads:
+            raise ValueError(
+                "HurrayHiCacheStorage: tp_lcm_size (pages split by heads across "
+                "heterogeneous TP) is not supported"
+            )
+        self.storage_config = storage_config
+        self.identity = _identity(extra.get("model_path"), storage_config.model_name)
+        self.st = StoreThread(extra.get("config"), "hurray-sglang")
+        self.store = self.st.store
+        self.salt = str(extra.get("salt", "")) or self.store.config.salt
+        c = storage_config
+        self.ranks = (
+            f"tp{c.tp_rank}/{c.tp_size}.pp{c.pp_rank}/{c.pp_size}"
+            f".cp{c.attn_cp_rank}/{c.attn_cp_size}"
+        )
+        self.codec: PageCodec | None = None
+        self.layout = ""
+        self.disabled = "no host pool registered"
+        self.prefix = ""  # what a page's name and fingerprint hash besides its key
+        self._names = ""  # the names' prefix
+        self._get_staging: torch.Tensor | None = None
+        self._set_staging: torch.Tensor | None = None
+        self._get_lock = threading.Lock()  # SGLang's prefetch and backup threads
+        self._set_lock = threading.Lock()
+        self._warned = 0.0
+        self.counts = {
+            "pages_read": 0,
+            "pages_written": 0,
+            "pages_deduplicated": 0,  # a set of pages the store already held
+            "pages_rejected": 0,  # read, but not this page's object (dropped)
+            "store_errors": 0,
+        }
+        # SGLang's StorageMetrics, per call since the last get_stats
+        self._prefetch: list[tuple[int, float]] = []  # (pages, GB/s)
+        self._backup: list[tuple[int, float]] = []
+
+    # ------------------------------------------------------------------ the pool
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        pool = mem_pool_host
+        why = _unsupported(pool)
+        if why:
+            self.disabled = why
+            log.warning("HurrayHiCacheStorage: every page a miss: %s", why)
+            return
+        self.layout = str(pool.layout)
+        self.codec = PageCodec(
+            int(pool.layer_num),
+            int(pool.head_num),
+            int(pool.head_dim),
+            int(pool.page_size),
+            pool.dtype,
+        )
+        fields = {
+            "model": self.identity,
+            "salt": self.salt,
+            "layers": self.codec.layers,
+            "heads": self.codec.heads,
+            "head_dim": self.codec.head_dim,
+            "page_size": self.codec.page_size,
+            "dtype": str(self.codec.dtype),
+            "ranks": self.ranks,
+        }
+        self.prefix = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        self._names = f"sgl.{xxhash.xxh3_128_hexdigest(self.prefix.encode())}."
+        self.disabled = ""
+        log.info(
+            "HurrayHiCacheStorage: host pool %s, %d layers x %d heads x %d, pages of %d "
+            "tokens (%d KiB), %s",
+            self.layout,
+            self.codec.layers,
+            self.codec.heads,
+            self.codec.head_dim,
+            self.codec.page_size,
+            self.codec.page_bytes >> 10,
+            self.ranks,
+        )
+
+    def name_of(self, key: str) -> str:
+        """The store's object name of SGLang's page ``key``."""
+        if _SAFE_KEY.fullmatch(key):
+            return self._names + key
+        return self._names + "h" + xxhash.xxh3_128_hexdigest(key.encode())
+
+    def _starts(self, n: int, host_indices: torch.Tensor) -> list[int]:
+        """The first host token index of each of ``n`` pages."""
+        assert self.codec is not None
+        P = self.codec.page_size
+        if host_indices.numel() < n * P:
+            raise PageLayoutError(f"{host_indices.numel()} host indices for {n} pages of {P}")
+        return [int(i) for i in host_indices[: n * P : P].tolist()]
+
+    def _staging(self, which: str, n: int) -> torch.Tensor:
+        """A reused contiguous buffer of ``n`` staging pages."""
+        assert self.codec is not None
+        attr = f"_{which}_staging"
+        buf: torch.Tensor | None = getattr(self, attr)
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty((max(n, 8), *self.codec.shape), dtype=self.codec.dtype)
+            setattr(self, attr, buf)
+        return buf
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        self.counts["store_errors"] += 1
+        now = time.monotonic()
+        if now - self._warned >= _WARN_EVERY_S:
+            self._warned = now
+            log.warning("HurrayHiCacheStorage: %s failed, served as misses: %r", what, e)
+
+    # ------------------------------------------------------------------ exists
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many of ``keys``, from the first, a get will find."""
+        if self.disabled or not keys:
+            return 0
+        try:
+            names = [self.name_of(k) for k in keys]
+            return int(self.st.call(held_prefix(self.store, names), _TIMEOUT_S))
+        except Exception as e:  # noqa: BLE001 - a miss, never an error into SGLang
+            self._failed("exists", e)
+            return 0
+
+    # ------------------------------------------------------------------ gets
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Read pages into the host pool at ``host_indices`` (page ``i`` at
+        ``host_indices[i * page_size]``): True for each page read and checked, up to
+        the first that is not."""
+        out = [False] * len(keys)
+        if self.disabled or not keys:
+            return out
+        assert self.codec is not None
+        t0 = time.perf_counter()
+        with self._get_lock:
+            try:
+                starts = self._starts(len(keys), host_indices)
+                dests = [
+                    page_view(self.mem_pool_host.kv_buffer, self.layout, self.codec.page_size, s)
+                    for s in starts
+                ]
+            except PageLayoutError as e:
+                log.error("HurrayHiCacheStorage: batch_get_v1: %s", e)
+                return out
+            staging = self._staging("get", len(keys))
+            n = self._read_pages(keys, [staging[i] for i in range(len(keys))])
+            for i in range(n):
+                dests[i].copy_(staging[i])
+                out[i] = True
+        self._note(self._prefetch, n, time.perf_counter() - t0)
+        return out
+
+    def _read_pages(self, keys: list[str], pages: list[torch.Tensor]) -> int:
+        """Read each key's object into the contiguous staging page beside it and check
+        it; how many, from the first, were read and are right. A page that was read
+        but is not its key's object is dropped from the store."""
+        assert self.codec is not None
+        codec = self.codec
+        names = [self.name_of(k) for k in keys]
+        views = [codec.pool_views(p) for p in pages]
+        records = [bytearray(codec.record_bytes) for _ in keys]
+        try:
+            got = self.st.call(self._read_all(names, views, records), _TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001
+            self._failed("get", e)
+            return 0
+        n = 0
+        for key, name, ok, vs, rec in zip(keys, names, got, views, records, strict=True):
+            if not ok:
+                break
+            why = codec.check(rec, page_fingerprint(self.prefix, key), [checksum(v) for v in vs])
+            if why:
+                self.counts["pages_rejected"] += 1
+                log.warning("HurrayHiCacheStorage: page %s: %s; dropped, a miss", key, why)
+                self._drop(name)
+                break
+            n += 1
+        self.counts["pages_read"] += n
+        return n
+
+    async def _read_all(
+        self, names: list[str], views: list[list[memoryview]], records: list[bytearray]
+    ) -> list[bool]:
+        ranges = self.codec.ranges if self.codec is not None else []
+        reads = [
+            self.store.read_object_into(name, ranges, [*vs, memoryview(rec)])
+            for name, vs, rec in zip(names, views, records, strict=True)
+        ]
+        got = await asyncio.gather(*reads, return_exceptions=True)
+        return [r is True for r in got]
+
+    def _drop(self, name: str) -> None:
+        try:
+            self.st.call(self.store.delete_object(name), _TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001
+            self._failed("delete", e)
+
+    # ------------------------------------------------------------------ sets
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Store the pages at ``host_indices`` under ``keys``; a page the store holds
+        already is not written again. True for each page stored (or held)."""
+        out = [False] * len(keys)
+        if self.disabled or not keys:
+            return out
+        assert self.codec is not None
+        t0 = time.perf_counter()
+        try:
+            starts = self._starts(len(keys), host_indices)
+            srcs = [
+                page_view(self.mem_pool_host.kv_buffer, self.layout, self.codec.page_size, s)
+                for s in starts
+            ]
+        except PageLayoutError as e:
+            log.error("HurrayHiCacheStorage: batch_set_v1: %s", e)
+            return out
+        out = self._write_pages(keys, srcs)
+        self._note(self._backup, sum(out), time.perf_counter() - t0)
+        return out
+
+    def _write_pages(self, keys: list[str], srcs: list[torch.Tensor]) -> list[bool]:
+        """Store each page (a ``[2, layers, page_size, heads, head_dim]`` view) under its
+        key unless the store holds it; returns once written through every tier."""
+        assert self.codec is not None
+        codec = self.codec
+        names = [self.name_of(k) for k in keys]
+        with self._set_lock:
+            try:
+                held = self.st.call(self._held_each(names), _TIMEOUT_S)
+                staging = self._staging("set", len(keys))
+                items = []
+                for j, (key, name, src) in enumerate(zip(keys, names, srcs, strict=True)):
+                    if held[j]:
+                        continue
+                    staging[j].copy_(src)
+                    items.append(
+                        (j, name, codec.encode(staging[j], page_fingerprint(self.prefix, key)))
+                    )
+                stored = self.st.call(self._put_all([(n, s) for _, n, s in items]), _TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001
+                self._failed("set", e)
+                return [False] * len(keys)
+        out = list(held)
+        for (j, _, _), ok in zip(items, stored, strict=True):
+            out[j] = ok
+        self.counts["pages_written"] += sum(stored)
+        self.counts["pages_deduplicated"] += sum(held)
+        return out
+
+    async def _held_each(self, names: list[str]) -> list[bool]:
+        await self.store.sync()
+        out = [self.store.has_object(n) for n in names]
+        if self.store.shared and not all(out):
+            asks = [self.store.contains_object(n) for n, h in zip(names, out, strict=True) if not h]
+            found = iter(await asyncio.gather(*asks))
+            out = [h or bool(next(found)) for h in out]
+        return out
+
+    async def _put_all(self, items: list[tuple[str, Any]]) -> list[bool]:
+        got = await asyncio.gather(
+            *(self.store.put_object(n, s, self_checked=True) for n, s in items),
+            return_exceptions=True,
+        )
+        await self.store.flush()  # written through: SGLang may reuse the host pages now
+        return [r is True for r in got]
+
+    # ------------------------------------------------------------------ legacy calls
+
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        got = self.batch_get([key], [target_location])
+        return got[0] if isinstance(got, list) else None
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        """SGLang's non-zero-copy path: each page into its flat page buffer (the host
+        layout's page order, ``get_dummy_flat_data_page``); None from the first page
+        that cannot be read."""
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        if self.disabled or not keys or target_locations is None:
+            return out
+        assert self.codec is not None
+        try:
+            dests = [flat_page_view(t, self.layout, self.codec) for t in target_locations]
+        except PageLayoutError as e:
+            log.error("HurrayHiCacheStorage: batch_get: %s", e)
+            return out
+        with self._get_lock:
+            staging = self._staging("get", len(keys))
+            n = self._read_pages(keys, [staging[i] for i in range(len(keys))])
+            for i in range(n):
+                dests[i].copy_(staging[i])
+                out[i] = target_locations[i]
+        return out
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """SGLang's non-zero-copy path: flat pages (``get_data_page(flat=True)``, the host
+        layout's page order)."""
+        if self.disabled or not keys or values is None:
+            return False
+        assert self.codec is not None
+        try:
+            srcs = [flat_page_view(v, self.layout, self.codec) for v in values]
+        except PageLayoutError as e:
+            log.error("HurrayHiCacheStorage: batch_set: %s", e)
+            return False
+        return all(self._write_pages(keys, srcs))
+
+    # ------------------------------------------------------------------ the rest
+
+    def _note(self, into: list[tuple[int, float]], pages: int, seconds: float) -> None:
+        if pages and self.codec is not None and seconds > 0:
+            into.append((pages, pages * self.codec.page_bytes / seconds / 1e9))
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` of the calls since the last ``get_stats``: pages
+        per prefetch and backup, and their GB/s."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        m = StorageMetrics()
+        for pages, gbs in self._prefetch:
+            m.prefetch_pgs.append(pages)
+            m.prefetch_bandwidth.append(gbs)
+        for pages, gbs in self._backup:
+            m.backup_pgs.append(pages)
+            m.backup_bandwidth.append(gbs)
+        self._prefetch, self._backup = [], []
+        return m
+
+    def close(self) -> None:
+        """Write what is pending, then close the store."""
+        self.st.close()
+
+
+def _unsupported(pool: Any) -> str:
+    """Why the backend cannot serve this host pool ("" when it can)."""
+    layout = getattr(pool, "layout", None)
+    if layout not in LAYOUTS:
+        return f"host pool layout {layout!r} (supported: {', '.join(LAYOUTS)})"
+    for attr in ("kv_buffer", "layer_num", "head_num", "head_dim", "page_size", "dtype"):
+        if not hasattr(pool, attr):
+            return f"a host pool without {attr} ({type(pool).__name__}: MHA pools only)"
+    if getattr(pool, "v_head_dim", pool.head_dim) != pool.head_dim:
+        return f"V head size {pool.v_head_dim} differs from K's {pool.head_dim}"
+    kv = pool.kv_buffer
+    if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu":
+        return "a host pool that is not a CPU tensor"
+    if kv.dtype != pool.dtype:
+        return f"a host pool of {kv.dtype} for a KV of {pool.dtype}"
+    try:
+        PageCodec(1, int(pool.head_num), int(pool.head_dim), int(pool.page_size), pool.dtype)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return ""

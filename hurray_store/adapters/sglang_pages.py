@@ -1,0 +1,201 @@
+"""SGLang's HiCache host pages as hurray_store objects (pure: torch, the format and the
+records; no SGLang, so it runs where SGLang is not installed).
+
+**One object per SGLang page.** SGLang names every page by a hash of its tokens chained
+to the pages before it, and asks for pages by those names: which of a batch exist
+(``batch_exists``: the leading run), then a get or a set of up to 128 pages at once, and
+a later call may name any run of them again. A page is therefore the unit that is
+looked up, written once and evicted alone; a batch's pages are read concurrently. The
+object of a page is the same stream as an LMCache chunk object (``records``): per layer
+a key and a value block-paged descriptor, each with its pool (one page of
+``[page_size, heads, head_dim]``), then the chunk record (``HSLC``), the commit point,
+with the xxh3-64 of each pool. The record's fingerprint is the page's own
+(``page_fingerprint``: the layout, the model, the ranks and the page's name), so an
+object read under another name or layout is refused, never copied into the pool.
+
+**The host pool's layouts.** ``page_view(kv_buffer, layout, page_size, index)`` is one
+page of SGLang's ``MHATokenToKVPoolHost.kv_buffer`` as a ``[2, layers, page_size, heads,
+head_dim]`` view (no copy), for the layouts SGLang's MHA host pool has:
+
+- ``layer_first``       ``(2, layers, tokens, heads, head_dim)``
+- ``page_first``        ``(2, tokens, layers, heads, head_dim)``
+- ``page_first_direct`` ``(2, pages, layers, page_size, heads, head_dim)``
+- ``page_head``         ``(2, pages, heads, page_size, layers, head_dim)``
+
+(``page_unified`` interleaves K and V inside head groups: not supported.) A page is
+copied between that view and a contiguous staging page (one ``copy_``): the object's
+pools are per layer, and a page read is checked in the staging buffer before any byte
+of it reaches the pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from hurray_store.format import checksum, plan_layer
+from hurray_store.format.layout import Slot
+from hurray_store.format.wire import blob_descriptor
+from hurray_store.records import chunk_record_bytes, chunk_record_of, parse_chunk_record
+from hurray_store.tiers import Sealed
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+
+class PageLayoutError(ValueError):
+    """A host pool or page the backend cannot read or write."""
+
+
+def page_view(kv_buffer: torch.Tensor, layout: str, page_size: int, index: int) -> torch.Tensor:
+    """The page that starts at token ``index`` of SGLang's host ``kv_buffer`` in
+    ``layout``, as a ``[2, layers, page_size, heads, head_dim]`` view."""
+    P = page_size
+    if index < 0 or index % P:
+        raise PageLayoutError(f"token index {index} does not start a page of {P}")
+    kv = kv_buffer
+    if layout == "layer_first":
+        if index + P > kv.shape[2]:
+            raise PageLayoutError(f"token index {index} outside a pool of {kv.shape[2]} tokens")
+        return kv[:, :, index : index + P]
+    if layout == "page_first":
+        if index + P > kv.shape[1]:
+            raise PageLayoutError(f"token index {index} outside a pool of {kv.shape[1]} tokens")
+        return kv[:, index : index + P].permute(0, 2, 1, 3, 4)
+    page = index // P
+    if page >= kv.shape[1]:
+        raise PageLayoutError(f"token index {index} outside a pool of {kv.shape[1]} pages")
+    if layout == "page_first_direct":
+        return kv[:, page]
+    if layout == "page_head":
+        return kv[:, page].permute(0, 3, 2, 1, 4)
+    raise PageLayoutError(f"host layout {layout!r} is not one of {list(LAYOUTS)}")
+
+
+def flat_page_view(flat: torch.Tensor, layout: str, codec: PageCodec) -> torch.Tensor:
+    """A flat page of SGLang's legacy calls (``get_data_page(flat=True)``,
+    ``get_dummy_flat_data_page``: the host layout's own page order) as a ``[2, layers,
+    page_size, heads, head_dim]`` view."""
+    _, L, P, H, D = codec.shape
+    if flat.dim() != 1 or flat.numel() != 2 * L * P * H * D or flat.dtype != codec.dtype:
+        raise PageLayoutError(
+            f"a flat page of {2 * L * P * H * D} {codec.dtype}, got {tuple(flat.shape)} "
+            f"of {flat.dtype}"
+        )
+    if not flat.is_contiguous():
+        raise PageLayoutError("a flat page that is not contiguous")
+    if layout in ("layer_first", "page_first_direct"):
+        return flat.view(2, L, P, H, D)
+    if layout == "page_first":
+        return flat.view(2, P, L, H, D).permute(0, 2, 1, 3, 4)
+    if layout == "page_head":
+        return flat.view(2, H, P, L, D).permute(0, 3, 2, 1, 4)
+    raise PageLayoutError(f"host layout {layout!r} is not one of {list(LAYOUTS)}")
+
+
+def page_fingerprint(prefix: str, name: str) -> bytes:
+    """The 32-byte fingerprint a page's record carries: its key prefix (layout, model,
+    ranks) and its SGLang name."""
+    return hashlib.sha256(f"hurray_store/sglang-page/v1|{prefix}|{name}".encode()).digest()
+
+
+class PageCodec:
+    """The byte layout of a page object of ``layers`` layers of ``[page_size, heads,
+    head_dim]`` keys and values of ``dtype``: where each pool sits, the object's size,
+    the ranges a get reads, the object of a staging page, and the check of a read."""
+
+    def __init__(
+        self, layers: int, heads: int, head_dim: int, page_size: int, dtype: torch.dtype
+    ) -> None:
+        self.layers, self.heads, self.head_dim = layers, heads, head_dim
+        self.page_size, self.dtype = page_size, dtype
+        self.shape = (2, layers, page_size, heads, head_dim)  # a staging page
+        self.pool_bytes = page_size * heads * head_dim * dtype.itemsize  # one layer's K or V
+        self.page_bytes = 2 * layers * self.pool_bytes
+        one = torch.zeros(1, dtype=torch.int64)
+        self.plans = [
+            plan_layer(
+                li,
+                one,
+                torch.tensor([0, 1]),
+                num_pages=1,
+                page_size=page_size,
+                heads=heads,
+                dim=head_dim,
+                dtype=dtype,
+            )
+            for li in range(layers)
+        ]
+        self.record_bytes = chunk_record_bytes(layers)
+        self.record_descriptor = blob_descriptor(self.record_bytes)
+        self._record_of = chunk_record_of(layers)
+        self.pools: list[tuple[int, int]] = []  # per layer, where its K and V pools start
+        pos = 0
+        for plan in self.plans:
+            self.pools.append((pos + plan.key_pool_offset, pos + plan.value_pool_offset))
+            pos += plan.nbytes
+        self.size = pos + len(self.record_descriptor) + self.record_bytes
+        # What a get reads: each layer's K pool, then its V pool, then the record.
+        self.ranges = [
+            *((off, self.pool_bytes) for pair in self.pools for off in pair),
+            (self.size - self.record_bytes, self.record_bytes),
+        ]
+
+    def pool_views(self, staging: torch.Tensor) -> list[memoryview]:
+        """The 2 x layers byte views of a contiguous staging page, in ``ranges`` order
+        (layer 0 K, layer 0 V, layer 1 K, ...)."""
+        if tuple(staging.shape) != self.shape or not staging.is_contiguous():
+            raise PageLayoutError(f"a staging page is a contiguous {self.shape}")
+        flat = memoryview(staging.view(-1).view(torch.uint8).numpy())
+        nb, half = self.pool_bytes, self.layers * self.pool_bytes
+        return [flat[r * half + li * nb :][:nb] for li in range(self.layers) for r in (0, 1)]
+
+    def encode(self, staging: torch.Tensor, fingerprint: bytes) -> Sealed:
+        """The object of a staging page (its pools are views of ``staging``, which must
+        stay unchanged until the put returns), sealed by its record; each pool is
+        hashed where the object is written."""
+        views = self.pool_views(staging)
+        parts: list[memoryview | bytes] = []
+        slots: list[int | None] = []
+        for li, plan in enumerate(self.plans):
+            for part in plan.parts:
+                if isinstance(part, Slot):
+                    r = 0 if part.role == "key" else 1
+                    parts.append(views[2 * li + r])
+                    slots.append(2 * li + r)
+                else:
+                    parts.append(part)
+                    slots.append(None)
+        parts.append(self.record_descriptor)
+        slots.append(None)
+        n, size, pools, record_of = self.page_size, self.size, self.pools, self._record_of
+
+        def seal(sums: list[int]) -> list[bytes]:
+            return [record_of(fingerprint, n, size, pools, sums)]
+
+        return Sealed(parts, slots, [0] * (2 * self.layers), seal, self.record_bytes, checksum)
+
+    def check(self, record: memoryview | bytes, fingerprint: bytes, sums: Sequence[int]) -> str:
+        """Why the page read (``sums``: the xxh3-64 of each pool as read, in ``ranges``
+        order; ``record``: the record's bytes) is not this page's object; "" when it is."""
+        want = self._record_of(fingerprint, self.page_size, self.size, self.pools, sums)
+        if bytes(record) == want:
+            return ""
+        try:
+            _, size, layers = parse_chunk_record(
+                record, fingerprint, self.layers, self.page_size, self._token_bytes
+            )
+        except ValueError as e:  # FormatError
+            return str(e)
+        if size != self.size:
+            return f"an object of {size} bytes, a page has {self.size}"
+        for li, lay in enumerate(layers):
+            if (lay.key_tokens_checksum, lay.value_tokens_checksum) != tuple(
+                sums[2 * li : 2 * li + 2]
+            ):
+                return f"layer {li}: checksum differs"
+        return "record differs"
+
+    def _token_bytes(self, n: int) -> int:
+        return n * self.heads * self.head_dim * self.dtype.itemsize

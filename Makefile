@@ -14,12 +14,17 @@ VLLM_STAMP := $(VLLM_VENV)/.hurray-setup
 VLLM_NEXT     ?= 0.33.0
 VLLM_NEXT_SRC ?= .vllm-src-$(VLLM_NEXT)
 
+# SGLang's HiCache classes (host pools, backend factory, HiCacheStorage) for the SGLang
+# backend's tests: sglang without its CUDA dependencies on the CPU torch (2.8 GB).
+SGLANG       ?= 0.5.23
+SGLANG_VENV  ?= .venv-sglang
+
 # LMCache's next release, while it is a release candidate: its own environment.
 LMCACHE_NEXT ?= 0.5.7rc2
 NEXT_VENV    ?= .venv-lmcache-next
 NEXT_STAMP   := $(NEXT_VENV)/.hurray-setup-$(LMCACHE_NEXT)
 
-.PHONY: setup vllm-env vllm-next-src gpu-wheels lmcache-next-env redis run test test-lmcache-next lint bench clean
+.PHONY: setup vllm-env sglang-env vllm-next-src gpu-wheels lmcache-next-env redis run test test-lmcache-next lint bench clean
 
 setup: $(STAMP)
 
@@ -44,6 +49,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/pip install -q -c tools/vllm-constraints.txt -e .
 	@touch $@
+
+sglang-env:
+	@flock $(SGLANG_VENV).lock sh tools/sglang_env.sh $(SGLANG_VENV) $(SGLANG)
 
 vllm-next-src: setup
 	@flock $(VLLM_NEXT_SRC).lock $(PY) tools/fetch_wheel_sources.py vllm==$(VLLM_NEXT) $(VLLM_NEXT_SRC)
@@ -81,7 +89,7 @@ run: setup
 	$(VENV)/bin/hurray-store replay --model $(MODEL) --warmup-prompts configs/sample_prompts.jsonl --prompts configs/sample_replay.jsonl
 
 # Two test processes: the vLLM tests (about 9 minutes here) in one, the rest in the other.
-test: setup redis vllm-env vllm-next-src
+test: setup redis vllm-env sglang-env vllm-next-src
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The LMCache tests (the plugin in LMCache's engine, the L2 adapter under `lmcache bench
@@ -105,4 +113,4 @@ bench: setup redis
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_engine_thread.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(NEXT_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(NEXT_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models

@@ -1,0 +1,201 @@
+"""Run in the SGLang environment (``.venv-sglang``, with ``tests/sglang_env`` on
+``PYTHONPATH``) by tests/test_sglang.py: SGLang's own host pool
+(``MHATokenToKVPoolHost`` on CPU tensors, from ``MHABufferInfo``) and our backend made
+by SGLang's ``StorageBackendFactory`` as its ``dynamic`` backend, then registered with
+the pool as SGLang's cache controller does.
+
+``python tests/sglang_cases.py '<json>'`` with ``{"op": "set" | "get" | ..., ...}``
+prints one JSON line of what it saw (``RESULT {...}``).
+
+A page's contents follow from its key alone (``page_data``), so a process that sets a
+page and another that reads it agree without sharing anything but the store. The
+expected positions in the pool come from SGLang's own per-layer views of it
+(``k_data_refs``/``v_data_refs``), not from the backend's code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import xxhash
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+LAYERS, HEADS, HEAD_DIM = 3, 2, 16
+
+
+def make_pool(layout: str, dtype: torch.dtype, page_size: int, pages: int) -> Any:
+    tokens = pages * page_size
+    k = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+    v = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+
+    def ptrs(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
+
+    info = MHABufferInfo(
+        buffers=KVBuffers(
+            k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD
+        ),
+        page_size=page_size,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
+    pool = MHATokenToKVPoolHost(
+        info,
+        1.0,
+        0,
+        page_size,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=tokens,
+        start_layer=0,
+        end_layer=LAYERS,
+        host_token_capacity=tokens,
+    )
+    pool.kv_buffer.fill_(-7)  # a sentinel: what no page holds
+    return pool
+
+
+def page_data(key: str, dtype: torch.dtype, page_size: int) -> torch.Tensor:
+    """Page ``key``'s K and V, ``[2, layers, page_size, heads, head_dim]``."""
+    g = torch.Generator().manual_seed(xxhash.xxh64_intdigest(key.encode()) >> 1)
+    return torch.randn((2, LAYERS, page_size, HEADS, HEAD_DIM), generator=g).to(dtype)
+
+
+def layer_slot(pool: Any, role: int, layer: int, start: int) -> torch.Tensor:
+    """``[page_size, heads, head_dim]`` of the page at host token ``start``, through
+    SGLang's own views of its pool."""
+    P = pool.page_size
+    if pool.layout == "page_head":  # (2, pages, heads, P, layers, D): no per-layer refs
+        return pool.kv_buffer[role, start // P, :, :, layer].permute(1, 0, 2)
+    refs = pool.k_data_refs if role == 0 else pool.v_data_refs
+    if pool.layout == "page_first_direct":  # refs[layer]: [pages, P, heads, D]
+        return refs[layer][start // P]
+    return refs[layer][start : start + P]  # [tokens, heads, D]
+
+
+def write_page(pool: Any, start: int, data: torch.Tensor) -> None:
+    for r in range(2):
+        for li in range(LAYERS):
+            layer_slot(pool, r, li, start).copy_(data[r, li])
+
+
+def read_page(pool: Any, start: int) -> torch.Tensor:
+    return torch.stack(
+        [torch.stack([layer_slot(pool, r, li, start) for li in range(LAYERS)]) for r in range(2)]
+    )
+
+
+def make_backend(spec: dict[str, Any], pool: Any) -> Any:
+    extra = {
+        "backend_name": "hurray",
+        "module_path": "hurray_store.adapters.sglang",
+        "class_name": "HurrayHiCacheStorage",
+        "interface_v1": 1,
+        "config": spec.get("config"),
+        "model_path": spec["model"],
+    }
+    cfg = HiCacheStorageConfig(
+        tp_rank=spec.get("tp_rank", 0),
+        tp_size=spec.get("tp_size", 1),
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=spec.get("mla", False),
+        enable_storage_metrics=False,
+        is_page_first_layout=pool is not None and pool.layout == "page_first",
+        model_name=spec.get("model_name", "test-model"),
+        extra_config=extra,
+    )
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    if pool is not None:
+        backend.register_mem_pool_host(pool)
+    return backend
+
+
+def indices(pool: Any, slots: list[int]) -> torch.Tensor:
+    """The host indices of pages in these page slots (as SGLang hands them over)."""
+    P = pool.page_size
+    return torch.cat([torch.arange(s * P, (s + 1) * P, dtype=torch.int64) for s in slots])
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    dtype = DTYPES[spec.get("dtype", "float32")]
+    P = spec.get("page_size", 16)
+    keys: list[str] = spec.get("keys", [])
+    op = spec["op"]
+    if op == "batch":  # several runs in one process (SGLang takes 6 s to import here)
+        return {"runs": [run({**spec, **r, "op": r["op"]}) for r in spec["runs"]]}
+    if op == "construct":
+        try:
+            make_backend(spec, None)
+        except ValueError as e:
+            return {"error": str(e)}
+        return {"error": ""}
+    pool = make_pool(spec.get("layout", "layer_first"), dtype, P, max(len(keys), 1) + 2)
+    b = make_backend(spec, pool)
+    out: dict[str, Any] = {"disabled": b.disabled}
+    slots = list(range(1, len(keys) + 1))[::-1]  # pages land in slots in no given order
+    idx = indices(pool, slots)
+    legacy = spec.get("legacy", False)
+    if op == "set":
+        for s, k in zip(slots, keys, strict=True):
+            write_page(pool, s * P, page_data(k, dtype, P))
+        if legacy:
+            data = [pool.get_data_page(s * P, flat=True) for s in slots]
+            out["set"] = b.batch_set(keys, data)
+        else:
+            out["set"] = b.batch_set_v1(keys, idx)
+    elif op == "get":
+        out["exists"] = b.batch_exists(keys)
+        if legacy:
+            dummies = [pool.get_dummy_flat_data_page() for _ in keys]
+            got = b.batch_get(keys, dummies)
+            out["get"] = [g is not None for g in got]
+            for s, g in zip(slots, got, strict=True):
+                if g is not None:
+                    pool.set_from_flat_data_page(s * P, g)
+        else:
+            if spec.get("kill_pid"):
+                import os
+                import signal
+
+                def kill() -> None:
+                    time.sleep(spec.get("kill_after_s", 0.05))
+                    os.kill(spec["kill_pid"], signal.SIGKILL)
+
+                threading.Thread(target=kill).start()
+            t0 = time.perf_counter()
+            out["get"] = b.batch_get_v1(keys, idx)
+            out["get_s"] = time.perf_counter() - t0
+        # Per page: equal to its data, or untouched (every element still the sentinel).
+        out["equal"] = [
+            bool(torch.equal(read_page(pool, s * P), page_data(k, dtype, P)))
+            for s, k in zip(slots, keys, strict=True)
+        ]
+        out["untouched"] = [bool((read_page(pool, s * P) == -7).all()) for s in slots]
+        out["names"] = [b.name_of(k) for k in keys]
+    out["counts"] = dict(b.counts)
+    stats = b.get_stats()
+    out["stats_pages"] = [*stats.prefetch_pgs, *stats.backup_pgs]
+    b.close()
+    return out
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    print("RESULT " + json.dumps(run(json.loads(sys.argv[1]))))

@@ -140,6 +140,27 @@ def parse_chunk_record(
     return n, size, layers
 
 
+def describe_chunk_record(rec: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """The header fields of a chunk record, checked against its own checksum (not
+    against any layout: for ``hurray-store inspect``); FormatError when it is none."""
+    mv = memoryview(rec).cast("B")
+    if len(mv) < _CHUNK.size + _SUM.size:
+        raise FormatError(f"chunk record of {len(mv)} bytes is shorter than its header")
+    magic, version, fp, n, nl, size = _CHUNK.unpack_from(mv)
+    if magic != CHUNK_MAGIC:
+        raise FormatError(f"not a chunk record (magic {bytes(magic)!r})")
+    (stored_sum,) = _SUM.unpack_from(mv, len(mv) - _SUM.size)
+    return {
+        "magic": bytes(magic).decode(),
+        "version": version,
+        "fingerprint": bytes(fp).hex(),
+        "tokens": n,
+        "layers": nl,
+        "object_size": size,
+        "checksum_ok": checksum(mv[: -_SUM.size]) == stored_sum,
+    }
+
+
 def l2_layout(nbytes: int) -> tuple[int, int, int]:
     """``(offset of LMCache's bytes, offset of the record, object size)`` of the L2
     object of ``nbytes`` bytes."""

@@ -147,7 +147,7 @@ class PageCodec:
         (layer 0 K, layer 0 V, layer 1 K, ...)."""
         if tuple(staging.shape) != self.shape or not staging.is_contiguous():
             raise PageLayoutError(f"a staging page is a contiguous {self.shape}")
-        flat = memoryview(staging.view(-1).view(torch.uint8).numpy())
+        flat = memoryview(staging.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         nb, half = self.pool_bytes, self.layers * self.pool_bytes
         return [flat[r * half + li * nb :][:nb] for li in range(self.layers) for r in (0, 1)]
 
@@ -176,7 +176,9 @@ class PageCodec:
 
         return Sealed(parts, slots, [0] * (2 * self.layers), seal, self.record_bytes, checksum)
 
-    def check(self, record: memoryview | bytes, fingerprint: bytes, sums: Sequence[int]) -> str:
+    def check(
+        self, record: memoryview | bytes | bytearray, fingerprint: bytes, sums: Sequence[int]
+    ) -> str:
         """Why the page read (``sums``: the xxh3-64 of each pool as read, in ``ranges``
         order; ``record``: the record's bytes) is not this page's object; "" when it is."""
         want = self._record_of(fingerprint, self.page_size, self.size, self.pools, sums)

@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 
 from hurray_store import FormatError
-from hurray_store.format import Manifest, decode_layer, encode_layer, parse_layer
+from hurray_store.errors import TensorCountError
+from hurray_store.format import Manifest, decode_layer, encode_layer, parse_chunk, parse_layer
 from hurray_store.format.manifest import MANIFEST_MAGIC
+from hurray_store.records import describe_chunk_record
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -34,7 +36,34 @@ def inspect_bytes(data: bytes) -> str:
     """A readable account of a layer object or a manifest; raises FormatError if bad."""
     if data[:4] == MANIFEST_MAGIC:
         return _inspect_manifest(Manifest.from_bytes(data))
-    return _inspect_layer(data)
+    try:
+        return _inspect_layer(data)
+    except TensorCountError:
+        return _inspect_chunk(data)  # more than a layer: a chunk object, or an error
+
+
+def _inspect_chunk(data: bytes) -> str:
+    """A chunk object: an LMCache chunk or an SGLang page (docs/format.md)."""
+    layers, rec = parse_chunk(data)
+    k0 = layers[0][0].descriptor
+    out = [
+        f"chunk object: {len(data)} bytes, {len(layers)} layers of a key and a value "
+        f"block-paged tensor, then a {len(rec)}-byte record",
+        f"  dtype {k0.dtype.name}, shape {list(k0.shape)}, page_size {k0.layout.page_size}, "
+        f"num_pages {k0.layout.num_pages}",
+    ]
+    for k, v in layers:
+        out.append(
+            f"    layer {k.descriptor.layout.layer_index}: key pool at {k.buffer_offsets[0]}, "
+            f"value pool at {v.buffer_offsets[0]} ({k.buffer_sizes[0]} bytes each)"
+        )
+    r = describe_chunk_record(rec)
+    out.append(
+        f"  record {r['magic']} v{r['version']}: {r['tokens']} tokens, {r['layers']} layers, "
+        f"object size {r['object_size']}, fingerprint {r['fingerprint'][:16]}..., "
+        f"record checksum {'ok' if r['checksum_ok'] else 'WRONG'}"
+    )
+    return "\n".join(out)
 
 
 def _inspect_layer(data: bytes) -> str:

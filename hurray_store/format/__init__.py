@@ -7,7 +7,7 @@ The only package of hurray_store that imports ``hurray`` (pyhurray). Pure: bytes
 memoryviews in and out, no files, sockets or event loops.
 """
 
-from hurray_store.format.decode import decode_layer, parse_layer, view_tensor
+from hurray_store.format.decode import decode_layer, parse_chunk, parse_layer, view_tensor
 from hurray_store.format.encode import encode_layer, encode_layer_buffers, plan_layer, quantize_int8
 from hurray_store.format.layout import (
     EncodedLayer,
@@ -43,6 +43,7 @@ __all__ = [
     "object_checksum",
     "page_checksum",
     "parse_blob_descriptor",
+    "parse_chunk",
     "parse_layer",
     "plan_layer",
     "quantize_int8",

@@ -112,6 +112,41 @@ def _decode_descriptor(mv: memoryview, off: int, what: str) -> tuple[hurray.Desc
     return d, dlen
 
 
+def parse_chunk(
+    data: bytes | bytearray | memoryview,
+) -> tuple[list[tuple[ParsedTensor, ParsedTensor]], memoryview]:
+    """Parse a chunk object (the LMCache plugin's chunks, SGLang's pages): layers, each a
+    key and a value block-paged tensor, then one ``uint8`` tensor that ends the stream
+    (its record). The layers' descriptors, and the record's bytes (not parsed here).
+    Raises a ``FormatError`` subclass for anything else."""
+    from hurray_store.format.wire import parse_blob_descriptor
+
+    mv = memoryview(data)
+    if mv.ndim != 1 or mv.itemsize != 1:
+        mv = mv.cast("B")
+    layers: list[tuple[ParsedTensor, ParsedTensor]] = []
+    off = 0
+    while off < len(mv):
+        try:
+            n, used = parse_blob_descriptor(mv[off:])
+        except errors.FormatError:
+            pass
+        else:
+            if off + used + n != len(mv):
+                raise errors.TensorCountError(
+                    f"a record of {n} bytes at {off} does not end the {len(mv)}-byte object"
+                )
+            if not layers:
+                raise errors.TensorCountError("a chunk object with no layer before its record")
+            return layers, mv[off + used :]
+        k = _parse_tensor(mv, off, f"layer {len(layers)} key tensor")
+        v = _parse_tensor(mv, k.end, f"layer {len(layers)} value tensor")
+        _check_pair(k, v, mv[: v.end])
+        layers.append((k, v))
+        off = v.end
+    raise errors.TensorCountError("a chunk object ends in its record; this one has none")
+
+
 def _parse_tensor(mv: memoryview, off: int, what: str) -> ParsedTensor:
     # Layout tag, rank, shard and paged_axis were checked on the header bytes already.
     d, dlen = _decode_descriptor(mv, off, what)

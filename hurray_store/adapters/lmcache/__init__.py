@@ -5,7 +5,8 @@ the L2 adapter of ``lmcache server`` (this package is the only one that imports
 - ``plugin.HurrayStoragePlugin``: chunks through the store's object level, per-layer
   block-paged objects plus a checksummed chunk record (the commit point).
 - ``l2.HurrayL2Adapter``: objects and their records, one group each.
-- ``hurray_store.records``: those records, packed and parsed (pure; the SGLang backend's page objects end in the chunk record too).
+- ``hurray_store.records``: those records, packed and parsed (pure; SGLang's page
+  objects end in the chunk record too).
 - ``store_thread.StoreThread``: the store on an event loop of its own thread.
 
 See docs/lmcache.md.

@@ -1,0 +1,297 @@
+"""The SGLang HiCache backend against SGLang 0.5.23's own classes (host pools on CPU
+tensors, ``HiCacheStorageConfig``, the backend factory), each case in processes of the
+SGLang environment (``tests/sglang_cases.py``); a store shared through a disk folder or
+a real ``hurray-store serve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import hurray
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from hurray_store.cli.format_cmds import inspect_bytes
+from tests.server_helpers import ServerProc
+
+ROOT = Path(__file__).resolve().parent.parent
+SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
+LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+DTYPES = ["float16", "bfloat16", "float32"]
+
+pytestmark = pytest.mark.skipif(
+    not SGLANG_PY.exists(), reason=".venv-sglang missing: `make sglang-env` builds it"
+)
+
+
+def sglang(spec: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+    """Run one case (or a batch of them) in a fresh SGLang process; what it saw."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "tests" / "sglang_env"),
+        "SGLANG_LOGGING_LEVEL": "WARNING",
+    }
+    p = subprocess.run(
+        [str(SGLANG_PY), str(ROOT / "tests" / "sglang_cases.py"), json.dumps(spec)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    out: dict[str, Any] = json.loads(line[len("RESULT ") :])
+    out["log"] = p.stderr
+    return out
+
+
+def model(d: Path, seed: int) -> str:
+    """A model folder: a config and weights (same geometry, weights from ``seed``)."""
+    d.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    save_file({"w": torch.randn(16, 16, generator=g)}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3}))
+    return str(d)
+
+
+def disk_config(tmp: Path) -> str:
+    p = tmp / "store.yaml"
+    cfg = {"tiers": [{"type": "disk", "path": str(tmp / "cache"), "capacity_bytes": 1 << 30}]}
+    p.write_text(yaml.safe_dump(cfg))
+    return str(p)
+
+
+def page_files(tmp: Path) -> list[Path]:
+    return sorted(f for f in (tmp / "cache" / "objects").rglob("*") if f.is_file())
+
+
+def keys(tag: str, n: int) -> list[str]:
+    return [f"{tag}{i:02d}" for i in range(n)]
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Any:
+    srv = ServerProc(tmp_path / "server").start()
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text(yaml.safe_dump({"tiers": [srv.tier(timeout_s=2.0)]}))
+    try:
+        yield srv, str(cfg)
+    finally:
+        srv.kill()
+
+
+def _matrix(cfg: str, mdl: str) -> None:
+    """Pages set by one process in each layout, dtype and page size are read bit-exact
+    by a fresh process in every layout; ``batch_exists`` counts the leading run."""
+    sets, gets = [], []
+    for dt in DTYPES:
+        for P in (16, 64):
+            for i, layout in enumerate(LAYOUTS):
+                k = keys(f"{dt[:2]}{P}{layout[:6]}", 3)
+                sets.append({"op": "set", "keys": k, "layout": layout, "dtype": dt, "page_size": P})
+                # read in another layout than it was written in, then one key absent
+                other = LAYOUTS[(i + 1) % 4]
+                gets.append(
+                    {
+                        "op": "get",
+                        "keys": [*k, "absent"],
+                        "layout": other,
+                        "dtype": dt,
+                        "page_size": P,
+                    }
+                )
+    base = {"config": cfg, "model": mdl}
+    wrote = sglang({**base, "op": "batch", "runs": sets})["runs"]
+    assert all(r["set"] == [True] * 3 and not r["disabled"] for r in wrote), wrote
+    read = sglang({**base, "op": "batch", "runs": gets})["runs"]
+    for g, r in zip(gets, read, strict=True):
+        assert r["exists"] == 3, (g, r)
+        assert r["get"] == [True, True, True, False], (g, r)
+        assert r["equal"] == [True, True, True, False], (g, r)
+        assert r["untouched"][3], (g, r)
+
+
+def test_every_layout_dtype_and_page_size_round_trips_through_a_shared_disk_folder(
+    tmp_path: Path,
+) -> None:
+    _matrix(disk_config(tmp_path), model(tmp_path / "m", 1))
+
+
+def test_every_layout_dtype_and_page_size_round_trips_through_the_cache_server(
+    tmp_path: Path, served: Any
+) -> None:
+    _matrix(served[1], model(tmp_path / "m", 1))
+
+
+def test_batch_exists_counts_exactly_the_leading_run_stored(tmp_path: Path) -> None:
+    base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1)}
+    k = keys("run", 6)
+    sglang({**base, "op": "set", "keys": [k[0], k[1], k[3]]})
+    got = sglang(
+        {
+            **base,
+            "op": "batch",
+            "runs": [
+                {"op": "get", "keys": k},  # 0, 1 held, 2 not: 2 (3 is not counted)
+                {"op": "get", "keys": [k[3]]},
+                {"op": "get", "keys": [k[2], k[3]]},
+            ],
+        }
+    )["runs"]
+    assert [r["exists"] for r in got] == [2, 1, 0]
+    assert got[0]["get"] == [True, True, False, False, False, False]
+    assert got[0]["untouched"][2:] == [True] * 4
+
+
+def test_pages_named_again_with_a_partial_overlap_write_only_the_missing_ones(
+    tmp_path: Path,
+) -> None:
+    base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1)}
+    k = keys("ov", 5)
+    first = sglang({**base, "op": "set", "keys": k[:3]})
+    assert first["counts"]["pages_written"] == 3
+    files = {f.name: f.stat().st_mtime_ns for f in page_files(tmp_path)}
+    second = sglang({**base, "op": "set", "keys": k[1:]})
+    assert second["set"] == [True] * 4
+    assert (second["counts"]["pages_written"], second["counts"]["pages_deduplicated"]) == (2, 2)
+    after = {f.name: f.stat().st_mtime_ns for f in page_files(tmp_path)}
+    assert all(after[n] == t for n, t in files.items())  # the held pages were not rewritten
+    assert len(after) == len(files) + 2
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "deleted"])
+def test_a_damaged_page_object_is_a_miss_from_that_page_on(tmp_path: Path, damage: str) -> None:
+    base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1)}
+    k = keys("dm", 4)
+    sglang({**base, "op": "set", "keys": k})
+    names = sglang({**base, "op": "get", "keys": k})["names"]
+    (victim,) = [f for f in page_files(tmp_path) if f.name.endswith(names[1].replace("/", "%2F"))]
+    raw = bytearray(victim.read_bytes())
+    if damage == "corrupt":
+        raw[-400] ^= 0x40  # a byte of the last layer's value pool (the record is 162 bytes)
+        victim.write_bytes(bytes(raw))
+    elif damage == "truncated":
+        victim.write_bytes(bytes(raw[: len(raw) // 2]))
+    else:
+        victim.unlink()
+    got = sglang({**base, "op": "get", "keys": k})
+    assert got["get"] == [True, False, False, False]
+    assert got["equal"][0] and got["untouched"][1:] == [True, True, True]
+    if damage == "corrupt":  # read, found wrong, dropped: the next lookup does not count it
+        assert got["counts"]["pages_rejected"] == 1
+        again = sglang({**base, "op": "get", "keys": k})
+        assert again["exists"] == 1 and again["get"] == [True, False, False, False]
+
+
+def test_two_models_of_one_geometry_and_two_tp_ranks_never_share_a_page(tmp_path: Path) -> None:
+    cfg = disk_config(tmp_path)
+    a, b = model(tmp_path / "a", 1), model(tmp_path / "b", 2)
+    k = keys("id", 3)
+    sglang({"config": cfg, "model": a, "op": "set", "keys": k, "tp_size": 2})
+    got = sglang(
+        {
+            "config": cfg,
+            "op": "batch",
+            "keys": k,
+            "runs": [
+                {"op": "get", "model": a, "tp_size": 2},
+                {"op": "get", "model": b, "tp_size": 2},  # other weights
+                {"op": "get", "model": a, "tp_size": 2, "tp_rank": 1},  # the other rank
+                {"op": "get", "model": a, "tp_size": 1},  # another TP size
+            ],
+        }
+    )["runs"]
+    assert [r["exists"] for r in got] == [3, 0, 0, 0]
+    assert [r["get"] for r in got[1:]] == [[False] * 3] * 3
+    assert all(all(r["untouched"]) for r in got[1:])
+
+
+def test_the_legacy_flat_page_calls_round_trip_in_every_layout(tmp_path: Path) -> None:
+    base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1), "legacy": True}
+    runs = []
+    for i, layout in enumerate(LAYOUTS):
+        k = keys(f"lg{i}", 2)
+        runs.append({"op": "set", "keys": k, "layout": layout})
+        runs.append({"op": "get", "keys": [*k, "nope"], "layout": LAYOUTS[(i + 2) % 4]})
+    got = sglang({**base, "op": "batch", "runs": runs})["runs"]
+    for s, g in zip(got[::2], got[1::2], strict=True):
+        assert s["set"] is True
+        assert g["get"] == [True, True, False] and g["equal"] == [True, True, False]
+
+
+def test_the_server_killed_mid_get_is_misses_and_no_exception(tmp_path: Path, served: Any) -> None:
+    srv, cfg = served
+    base = {"config": cfg, "model": model(tmp_path / "m", 1), "page_size": 64}
+    k = keys("kill", 96)
+    assert sglang({**base, "op": "set", "keys": k})["set"] == [True] * 96
+    assert srv.proc is not None
+    got = sglang({**base, "op": "get", "keys": k, "kill_pid": srv.proc.pid, "kill_after_s": 0.0})
+    n = got["get"].count(True)
+    assert got["get"] == [True] * n + [False] * (96 - n)
+    assert got["equal"][:n] == [True] * n and all(got["untouched"][n:])
+    # and with the server gone: misses, no exception
+    gone = sglang({**base, "op": "get", "keys": k[:4]})
+    assert gone["exists"] == 0 and gone["get"] == [False] * 4
+
+
+def test_a_store_that_is_down_is_misses_and_failed_sets_never_an_exception(
+    tmp_path: Path,
+) -> None:
+    from tests.conftest import free_port
+
+    cfg = tmp_path / "down.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "tiers": [
+                    {"type": "redis", "url": f"redis://127.0.0.1:{free_port()}/0", "timeout_s": 0.5}
+                ]
+            }
+        )
+    )
+    base = {"config": str(cfg), "model": model(tmp_path / "m", 1)}
+    got = sglang(
+        {**base, "op": "batch", "keys": keys("dn", 2), "runs": [{"op": "set"}, {"op": "get"}]}
+    )["runs"]
+    assert got[0]["set"] == [False, False]
+    assert got[1]["exists"] == 0 and got[1]["get"] == [False, False]
+
+
+def test_mla_models_are_refused_at_construction_and_unknown_layouts_with_one_line(
+    tmp_path: Path,
+) -> None:
+    base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1)}
+    mla = sglang({**base, "op": "construct", "mla": True})
+    assert "MLA models are not supported" in mla["error"]
+    assert sglang({**base, "op": "construct"})["error"] == ""
+    # A model that is no folder and no model_path: a name, with a warning
+    named = sglang(
+        {"config": base["config"], "op": "construct", "model": None, "model_name": "some/name"}
+    )
+    assert named["error"] == "" and "is not a model folder" in named["log"]
+
+
+def test_page_objects_decode_with_pyhurray_and_hurray_store_inspect(tmp_path: Path) -> None:
+    base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1), "page_size": 16}
+    sglang({**base, "op": "set", "keys": ["insp"], "dtype": "bfloat16"})
+    (obj,) = page_files(tmp_path)
+    raw = obj.read_bytes()
+    tensors = list(hurray.StreamReader(raw))
+    assert len(tensors) == 2 * 3 + 1  # per layer K and V, then the record
+    assert [t.layout.kv_role for t in tensors[:2]] == ["key", "value"]
+    assert tensors[0].layout.page_size == 16 and tensors[0].layout.num_pages == 1
+    text = inspect_bytes(raw)
+    assert "chunk object" in text and "3 layers" in text and "HSLC" in text
+    p = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "hurray-store"), "inspect", str(obj)],
+        capture_output=True,
+        text=True,
+    )
+    assert p.returncode == 0 and "chunk object" in p.stdout

@@ -24,46 +24,18 @@ from typing import Any
 
 import torch
 import xxhash
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from hurray_store.adapters.sglang import cpu_host_pool
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 LAYERS, HEADS, HEAD_DIM = 3, 2, 16
 
 
 def make_pool(layout: str, dtype: torch.dtype, page_size: int, pages: int) -> Any:
-    tokens = pages * page_size
-    k = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
-    v = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
-
-    def ptrs(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
-
-    info = MHABufferInfo(
-        buffers=KVBuffers(
-            k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD
-        ),
-        page_size=page_size,
-        head_num=HEADS,
-        head_dim=HEAD_DIM,
-        v_head_dim=HEAD_DIM,
-        dtype=dtype,
-        device=torch.device("cpu"),
-    )
-    pool = MHATokenToKVPoolHost(
-        info,
-        1.0,
-        0,
-        page_size,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=tokens,
-        start_layer=0,
-        end_layer=LAYERS,
-        host_token_capacity=tokens,
+    pool = cpu_host_pool(
+        layout, dtype, page_size, pages, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM
     )
     pool.kv_buffer.fill_(-7)  # a sentinel: what no page holds
     return pool

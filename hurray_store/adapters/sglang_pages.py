@@ -103,7 +103,7 @@ def page_fingerprint(prefix: str, name: str) -> bytes:
 class PageCodec:
     """The byte layout of a page object of ``layers`` layers of ``[page_size, heads,
     head_dim]`` keys and values of ``dtype``: where each pool sits, the object's size,
-    the ranges a get reads, the object of a staging page, and the check of a read."""
+    the object of a staging page, where a read object's pools are, and its check."""
 
     def __init__(
         self, layers: int, heads: int, head_dim: int, page_size: int, dtype: torch.dtype
@@ -136,26 +136,62 @@ class PageCodec:
             self.pools.append((pos + plan.key_pool_offset, pos + plan.value_pool_offset))
             pos += plan.nbytes
         self.size = pos + len(self.record_descriptor) + self.record_bytes
-        # What a get reads: each layer's K pool, then its V pool, then the record.
-        self.ranges = [
-            *((off, self.pool_bytes) for pair in self.pools for off in pair),
-            (self.size - self.record_bytes, self.record_bytes),
+        # Where the pools sit, as strides over the object's bytes (role, layer), when the
+        # layers' descriptors are all of one length (they are, up to layer 2**7 here):
+        # a read page is then copied out in one strided copy.
+        k0, v0 = self.pools[0]
+        step = self.pools[1][0] - k0 if layers > 1 else 0
+        self.strides: tuple[int, int] | None = (v0 - k0, step)
+        if any(p != (k0 + li * step, v0 + li * step) for li, p in enumerate(self.pools)):
+            self.strides = None
+
+    def page_of(self, obj: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
+        """The pools of a page object read into ``obj`` (a uint8 tensor of ``size``
+        bytes), as ``(byte view, role, layer)`` parts of the ``[2, layers, page_size,
+        heads, head_dim * itemsize]`` bytes of the page: one strided view when the
+        pools are evenly spaced, else one per pool."""
+        isz, at = self.dtype.itemsize, obj.storage_offset()
+        row = (self.page_size, self.heads, self.head_dim * isz)
+        inner = (self.heads * self.head_dim * isz, self.head_dim * isz, 1)
+        if self.strides is not None:
+            kv, step = self.strides
+            view = obj.as_strided((2, self.layers, *row), (kv, step, *inner), at + self.pools[0][0])
+            return [(view, -1, -1)]
+        return [
+            (obj.as_strided(row, inner, at + off), r, li)
+            for li, pair in enumerate(self.pools)
+            for r, off in enumerate(pair)
         ]
 
-    def pool_views(self, staging: torch.Tensor) -> list[memoryview]:
-        """The 2 x layers byte views of a contiguous staging page, in ``ranges`` order
-        (layer 0 K, layer 0 V, layer 1 K, ...)."""
-        if tuple(staging.shape) != self.shape or not staging.is_contiguous():
-            raise PageLayoutError(f"a staging page is a contiguous {self.shape}")
-        flat = memoryview(staging.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-        nb, half = self.pool_bytes, self.layers * self.pool_bytes
-        return [flat[r * half + li * nb :][:nb] for li in range(self.layers) for r in (0, 1)]
+    def pool_sums(self, obj: memoryview) -> list[int]:
+        """The xxh3-64 of each pool of a page object read into ``obj``, layer 0 K first."""
+        nb = self.pool_bytes
+        return [checksum(obj[off : off + nb]) for pair in self.pools for off in pair]
 
-    def encode(self, staging: torch.Tensor, fingerprint: bytes) -> Sealed:
-        """The object of a staging page (its pools are views of ``staging``, which must
-        stay unchanged until the put returns), sealed by its record; each pool is
-        hashed where the object is written."""
-        views = self.pool_views(staging)
+    def staging_bytes(self, staging: torch.Tensor) -> memoryview:
+        """The bytes of a contiguous buffer of staging pages ``[n, *shape]`` (taken once
+        per batch: a tensor operation hands the GIL over, and with the store's threads
+        busy it took milliseconds to get it back)."""
+        if tuple(staging.shape[1:]) != self.shape or not staging.is_contiguous():
+            raise PageLayoutError(f"staging pages are a contiguous [n, {self.shape}]")
+        return memoryview(staging.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+    def pool_views(self, pages: memoryview, j: int) -> list[memoryview]:
+        """The 2 x layers byte views of staging page ``j`` of ``pages``
+        (``staging_bytes``), layer 0 K, layer 0 V, layer 1 K, ..."""
+        nb, half = self.pool_bytes, self.layers * self.pool_bytes
+        at = j * self.page_bytes
+        return [
+            pages[at + r * half + li * nb : at + r * half + (li + 1) * nb]
+            for li in range(self.layers)
+            for r in (0, 1)
+        ]
+
+    def encode(self, pages: memoryview, j: int, fingerprint: bytes) -> Sealed:
+        """The object of staging page ``j`` of ``pages`` (``staging_bytes``; its pools
+        are views of it, which must stay unchanged until the put returns), sealed by
+        its record; each pool is hashed where the object is written."""
+        views = self.pool_views(pages, j)
         parts: list[memoryview | bytes] = []
         slots: list[int | None] = []
         for li, plan in enumerate(self.plans):
@@ -179,8 +215,8 @@ class PageCodec:
     def check(
         self, record: memoryview | bytes | bytearray, fingerprint: bytes, sums: Sequence[int]
     ) -> str:
-        """Why the page read (``sums``: the xxh3-64 of each pool as read, in ``ranges``
-        order; ``record``: the record's bytes) is not this page's object; "" when it is."""
+        """Why the page read (``sums``: the xxh3-64 of each pool as read, layer 0 K
+        first; ``record``: the record's bytes) is not this page's object; "" when it is."""
         want = self._record_of(fingerprint, self.page_size, self.size, self.pools, sums)
         if bytes(record) == want:
             return ""

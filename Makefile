@@ -102,7 +102,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check hurray_store tests tools
 	$(VENV)/bin/mypy
 
-bench: setup redis
+bench: setup redis sglang-env
 	$(PY) tools/bench_format.py
 	$(PY) tools/bench_paging.py
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_store.py
@@ -111,6 +111,7 @@ bench: setup redis
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_server.py
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_attack.py
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_engine_thread.py
+	PYTHONPATH=tests/sglang_env $(SGLANG_VENV)/bin/python tools/bench_sglang.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(NEXT_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models

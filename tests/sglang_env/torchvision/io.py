@@ -1,12 +1,6 @@
 """Imported by transformers' video utilities once it sees a torchvision (see
 ``torchvision/__init__``); never called in the SGLang tests."""
 
+from torchvision import missing
 
-def __getattr__(name: str):  # type: ignore[no-untyped-def]
-    if name.startswith("__"):
-        raise AttributeError(name)
-
-    def unavailable(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise RuntimeError(f"torchvision.io.{name}: not in the SGLang test environment")
-
-    return unavailable
+__getattr__ = missing("torchvision.io")

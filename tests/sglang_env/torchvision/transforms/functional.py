@@ -2,22 +2,17 @@
 
 from enum import Enum
 
+from torchvision import missing
+
 
 class InterpolationMode(Enum):
     NEAREST = "nearest"
     NEAREST_EXACT = "nearest-exact"
     BOX = "box"
-    HAMMING = "hamming"
     BILINEAR = "bilinear"
+    HAMMING = "hamming"
     BICUBIC = "bicubic"
     LANCZOS = "lanczos"
 
 
-def __getattr__(name: str):  # type: ignore[no-untyped-def]
-    if name.startswith("__"):
-        raise AttributeError(name)
-
-    def unavailable(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise RuntimeError(f"torchvision.transforms.functional.{name}: not available here")
-
-    return unavailable
+__getattr__ = missing("torchvision.transforms.functional")

@@ -188,13 +188,22 @@ class HurrayHiCacheStorage(HiCacheStorage):
             return self._names + key
         return self._names + "h" + xxhash.xxh3_128_hexdigest(key.encode())
 
-    def _starts(self, n: int, host_indices: torch.Tensor) -> list[int]:
-        """The first host token index of each of ``n`` pages."""
+    def _page_views(
+        self, n: int, host_indices: torch.Tensor, call: str
+    ) -> list[torch.Tensor] | None:
+        """The host pool's ``[2, layers, page_size, heads, head_dim]`` view of each of
+        ``n`` pages (page ``i`` starts at ``host_indices[i * page_size]``); None, logged,
+        when the indices do not name ``n`` pages of the pool."""
         assert self.codec is not None
         P = self.codec.page_size
-        if host_indices.numel() < n * P:
-            raise PageLayoutError(f"{host_indices.numel()} host indices for {n} pages of {P}")
-        return [int(i) for i in host_indices[: n * P : P].tolist()]
+        try:
+            if host_indices.numel() < n * P:
+                raise PageLayoutError(f"{host_indices.numel()} host indices for {n} pages of {P}")
+            starts = [int(i) for i in host_indices[: n * P : P].tolist()]
+            return [page_view(self.mem_pool_host.kv_buffer, self.layout, P, s) for s in starts]
+        except PageLayoutError as e:
+            log.error("HurrayHiCacheStorage: %s: %s", call, e)
+            return None
 
     def _staging(self, n: int) -> torch.Tensor:
         """A reused contiguous buffer of ``n`` pages, ``[2, layers, page_size, heads,
@@ -247,16 +256,10 @@ class HurrayHiCacheStorage(HiCacheStorage):
             return out
         assert self.codec is not None
         t0 = time.perf_counter()
+        dests = self._page_views(len(keys), host_indices, "batch_get_v1")
+        if dests is None:
+            return out
         with self._get_lock:
-            try:
-                starts = self._starts(len(keys), host_indices)
-                dests = [
-                    page_view(self.mem_pool_host.kv_buffer, self.layout, self.codec.page_size, s)
-                    for s in starts
-                ]
-            except PageLayoutError as e:
-                log.error("HurrayHiCacheStorage: batch_get_v1: %s", e)
-                return out
             n = self._read_pages(keys, dests)
             for i in range(n):
                 out[i] = True
@@ -349,14 +352,8 @@ class HurrayHiCacheStorage(HiCacheStorage):
             return out
         assert self.codec is not None
         t0 = time.perf_counter()
-        try:
-            starts = self._starts(len(keys), host_indices)
-            srcs = [
-                page_view(self.mem_pool_host.kv_buffer, self.layout, self.codec.page_size, s)
-                for s in starts
-            ]
-        except PageLayoutError as e:
-            log.error("HurrayHiCacheStorage: batch_set_v1: %s", e)
+        srcs = self._page_views(len(keys), host_indices, "batch_set_v1")
+        if srcs is None:
             return out
         out = self._write_pages(keys, srcs)
         self._note(self._backup, sum(out), time.perf_counter() - t0)

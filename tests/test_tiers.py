@@ -39,6 +39,7 @@ from hurray_store.tiers import (
     SealedObject,
     StoredObject,
     Tier,
+    Unhashed,
     blob_nbytes,
     host_view,
     open_tier,
@@ -190,6 +191,17 @@ class TierContract:
         assert sorted(seen) == [(0, i, checksum(b)) for i, b in enumerate(want)] + [
             (1, 0, checksum(small[10:30]))
         ]
+        # An ``Unhashed`` callback hears of the same ranges, with no sums taken.
+        arrived: list[tuple[int, int]] = []
+        again = [
+            NowRead(r.key, r.ranges, [memoryview(bytearray(len(b))) for b in r.buffers], r.size)
+            for r in reads[:2]
+        ]
+        assert await asyncio.to_thread(
+            tier.read_into_now, again, Unhashed(lambda j, i: arrived.append((j, i)))
+        ) == [True, True]
+        assert sorted(arrived) == [(0, i) for i in range(len(spans))] + [(1, 0)]
+        assert [bytes(b) for b in again[0].buffers] == want
         with pytest.raises(ValueError, match="buffers of other sizes"):
             tier.read_into_now([NowRead("n/small", [(0, 8)], [memoryview(bytearray(4))], 1024)])
 

@@ -36,12 +36,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import queue
 import re
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
@@ -65,6 +69,7 @@ log = logging.getLogger(__name__)
 _TIMEOUT_S = 60.0  # the longest a call waits for the store before it is a miss
 _SAFE_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
 _WARN_EVERY_S = 10.0  # a failing store is logged at most this often
+_SET_STEP = 16  # pages a set copies before their writes start
 
 
 def _identity(model_path: str | None, model_name: str | None) -> str:
@@ -124,6 +129,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
         self.prefix = ""  # what a page's name and fingerprint hash besides its key
         self._names = ""  # the names' prefix
         self._get_staging: torch.Tensor | None = None  # page objects read (uint8)
+        self._ahead: _ReadAhead | None = None
         self._set_staging: torch.Tensor | None = None
         self._get_lock = threading.Lock()  # SGLang's prefetch and backup threads
         self._set_lock = threading.Lock()
@@ -169,6 +175,9 @@ class HurrayHiCacheStorage(HiCacheStorage):
         }
         self.prefix = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         self._names = f"sgl.{xxhash.xxh3_128_hexdigest(self.prefix.encode())}."
+        if self._ahead is not None:
+            self._ahead.close()
+        self._ahead = _ReadAhead(self.codec.size)
         self.disabled = ""
         log.info(
             "HurrayHiCacheStorage: host pool %s, %d layers x %d heads x %d, pages of %d "
@@ -267,55 +276,88 @@ class HurrayHiCacheStorage(HiCacheStorage):
         return out
 
     def _read_pages(self, keys: list[str], dests: list[torch.Tensor]) -> int:
-        """Read each key's object whole into a staging buffer, check it, and copy its
-        pools into the ``[2, layers, page_size, heads, head_dim]`` view beside it; how
-        many, from the first, were read, right and copied. A page that was read but is
-        not its key's object is dropped from the store."""
-        assert self.codec is not None
-        codec = self.codec
+        """Read each key's page object, check it, and copy its pools into the ``[2,
+        layers, page_size, heads, head_dim]`` view beside it; how many, from the first,
+        were read, right and copied. Nothing is written into the slots of a page that
+        is not among them. A page that was read but is not its key's object is dropped
+        from the store.
+
+        Pages a tier reads on the calling thread (a disk tier, a single Redis) are read
+        and checked one at a time on a helper thread (``_ReadAhead``) while this thread
+        copies the ones before them into the pool. From the first page that such a tier
+        does not hold, pages are read on the store's loop into a staging buffer, then
+        checked and copied."""
+        assert self.codec is not None and self._ahead is not None
+        codec, n = self.codec, len(keys)
         names = [self.name_of(k) for k in keys]
-        objs = self._objects(len(keys))
-        mvs = [memoryview(objs[i].numpy()) for i in range(len(keys))]  # type: ignore[arg-type]
+        whys: list[str | None] = [None] * n  # None: not read; "": right; else why not
         whole = [(0, codec.size)]
+
+        def read(j: int, into: memoryview) -> str | None:
+            if not self.store.read_objects_into_now([(names[j], whole, [into])])[0]:
+                return _ON_THE_LOOP
+            return self._check(keys[j], into) or None
+
+        def take(j: int, obj: torch.Tensor) -> None:
+            _copy_page(codec, obj, dests[j])
+
         try:
-            # From a disk tier (or a single Redis) on this thread, else on the store's loop.
-            got = self.store.read_objects_into_now(
-                [(n, whole, [m]) for n, m in zip(names, mvs, strict=True)]
-            )
-            if not all(got):
-                rest = [j for j, ok in enumerate(got) if not ok]
-                later = self.st.call(
-                    self._read_all([names[j] for j in rest], [mvs[j] for j in rest]), _TIMEOUT_S
-                )
-                for j, ok in zip(rest, later, strict=True):
-                    got[j] = ok
+            at, why = self._ahead.run(n, read, take)
+            whys[:at] = [""] * at
+            if why is not None:
+                whys[at] = why
+            if why == _ON_THE_LOOP:
+                at = self._read_on_the_loop(keys, names, dests, whys, at)
         except Exception as e:  # noqa: BLE001
             self._failed("get", e)
             return 0
-        n = 0
-        rec_at = codec.size - codec.record_bytes
-        for i, (key, name, ok) in enumerate(zip(keys, names, got, strict=True)):
+        why = whys[at] if at < n else ""
+        if why and why != _ON_THE_LOOP:
+            self.counts["pages_rejected"] += 1
+            log.warning("HurrayHiCacheStorage: page %s: %s; dropped, a miss", keys[at], why)
+            self._drop(names[at])
+        self.counts["pages_read"] += at
+        return at
+
+    def _read_on_the_loop(
+        self,
+        keys: list[str],
+        names: list[str],
+        dests: list[torch.Tensor],
+        whys: list[str | None],
+        at: int,
+    ) -> int:
+        """Pages ``at`` on (up to the first known wrong one) read on the store's loop
+        into a staging buffer, each checked, then copied, in order; where the leading
+        run copied ends now (``whys`` says why)."""
+        assert self.codec is not None
+        end = next(
+            (j for j in range(at, len(keys)) if whys[j] not in (None, "", _ON_THE_LOOP)), len(keys)
+        )
+        todo = list(range(at, end))
+        objs = self._objects(len(todo))
+        mvs = [memoryview(objs[i].numpy()) for i in range(len(todo))]  # type: ignore[arg-type]
+        got = self.st.call(self._read_all([names[j] for j in todo], mvs), _TIMEOUT_S)
+        for i, (j, ok) in enumerate(zip(todo, got, strict=True)):
             if not ok:
-                break
-            mv = mvs[i]
-            why = codec.check(mv[rec_at:], page_fingerprint(self.prefix, key), codec.pool_sums(mv))
+                whys[j] = _ON_THE_LOOP  # a miss there too
+                return j
+            whys[j] = why = self._check(keys[j], mvs[i])
             if why:
-                self.counts["pages_rejected"] += 1
-                log.warning("HurrayHiCacheStorage: page %s: %s; dropped, a miss", key, why)
-                self._drop(name)
-                break
-            n += 1
-        # Every check before any copy (see _write_pages: Python after torch's copies ran
-        # slowly beside its spinning OpenMP threads).
-        for i in range(n):
-            dest = dests[i].view(torch.uint8)  # [2, layers, page_size, heads, head_dim * isz]
-            for part, r, li in codec.page_of(objs[i]):
-                (dest if r < 0 else dest[r, li]).copy_(part)
-        self.counts["pages_read"] += n
-        return n
+                return j
+            _copy_page(self.codec, objs[i], dests[j])
+        return end
+
+    def _check(self, key: str, mv: memoryview) -> str:
+        """Why the page object read into ``mv`` is not ``key``'s ("" when it is)."""
+        assert self.codec is not None
+        codec = self.codec
+        rec = mv[codec.size - codec.record_bytes :]
+        return codec.check(rec, page_fingerprint(self.prefix, key), codec.pool_sums(mv))
 
     def _objects(self, n: int) -> torch.Tensor:
-        """A reused ``[n, object size]`` uint8 buffer that page objects are read into."""
+        """A reused ``[n, object size]`` uint8 buffer that page objects are read into
+        on the store's loop."""
         assert self.codec is not None
         buf = self._get_staging
         if buf is None or buf.shape[0] < n:
@@ -371,16 +413,11 @@ class HurrayHiCacheStorage(HiCacheStorage):
                 staging = self._staging(len(keys))
                 pages = codec.staging_bytes(staging)
                 todo = [j for j in range(len(keys)) if not held[j]]
-                # The objects first (Python only), then the copies into them: after
-                # torch's parallel copies its OpenMP threads spin a while, and Python
-                # beside them ran 30x slower here (0.7 ms an object against 20 us).
                 items = [
                     (j, names[j], codec.encode(pages, j, page_fingerprint(self.prefix, keys[j])))
                     for j in todo
                 ]
-                for j in todo:
-                    staging[j].copy_(srcs[j])
-                stored = self.st.call(self._put_all([(n, s) for _, n, s in items]), _TIMEOUT_S)
+                stored = self._copy_and_put(staging, srcs, items)
             except Exception as e:  # noqa: BLE001
                 self._failed("set", e)
                 return [False] * len(keys)
@@ -390,6 +427,29 @@ class HurrayHiCacheStorage(HiCacheStorage):
         self.counts["pages_written"] += sum(stored)
         self.counts["pages_deduplicated"] += sum(held)
         return out
+
+    def _copy_and_put(
+        self, staging: torch.Tensor, srcs: list[torch.Tensor], items: list[tuple[int, str, Any]]
+    ) -> list[bool]:
+        """Copy each item's page into its staging page and put its object, in steps of
+        ``_SET_STEP`` pages: a step's writes (on the disk tier's threads) run while the
+        next step is copied (numpy's copy, which lets the GIL go and starts no OpenMP
+        threads, whose spinning slowed the Python beside them 30x here). Returns once
+        every put ended and the store flushed: the staging pages are free again."""
+        futs: list[Future[list[bool]]] = []
+        try:
+            for a in range(0, len(items), _SET_STEP):
+                step = items[a : a + _SET_STEP]
+                for j, _, _ in step:
+                    _copy_into(staging[j], srcs[j])
+                futs.append(self.st.submit(self._put_all([(n, o) for _, n, o in step])))
+        finally:
+            # Every put that started ends before the staging pages are reused.
+            done = [f.result(_TIMEOUT_S) for f in futs]
+        self.st.call(
+            self.store.flush(), _TIMEOUT_S
+        )  # written through: SGLang may reuse the host pages now
+        return [ok for d in done for ok in d]
 
     async def _held_each(self, names: list[str]) -> list[bool]:
         await self.store.sync()
@@ -405,7 +465,6 @@ class HurrayHiCacheStorage(HiCacheStorage):
             *(self.store.put_object(n, s, self_checked=True) for n, s in items),
             return_exceptions=True,
         )
-        await self.store.flush()  # written through: SGLang may reuse the host pages now
         return [r is True for r in got]
 
     # ------------------------------------------------------------------ legacy calls
@@ -485,6 +544,8 @@ class HurrayHiCacheStorage(HiCacheStorage):
     def close(self) -> None:
         """Write what is pending, then close the store."""
         self.st.close()
+        if self._ahead is not None:
+            self._ahead.close()
 
 
 def cpu_host_pool(
@@ -534,6 +595,88 @@ def cpu_host_pool(
         end_layer=layers,
         host_token_capacity=tokens,
     )
+
+
+_ON_THE_LOOP = "not read on the calling thread"  # a page ``_read_on_the_loop`` reads
+
+
+class _ReadAhead:
+    """A get's pages read and checked on a thread of its own, each into one of a few
+    reused buffers of one page object, while the caller copies the pages before it
+    into the host pool, in order: a page's bytes are still in the CPU's cache when
+    they are hashed and copied, and the reads, hashes and copies (all of which let
+    the GIL go) run on two cores."""
+
+    def __init__(self, object_bytes: int, buffers: int = 3) -> None:
+        self.pool = ThreadPoolExecutor(1, "hurray-sglang-get")
+        self.buffers = [torch.empty(object_bytes, dtype=torch.uint8) for _ in range(buffers)]
+
+    def run(
+        self,
+        n: int,
+        read: Callable[[int, memoryview], str | None],
+        take: Callable[[int, torch.Tensor], None],
+    ) -> tuple[int, str | None]:
+        """``read(j, into)`` of pages ``0 .. n - 1`` in order on the helper thread
+        (None: read and right, else why not), ``take(j, buffer)`` of each right one on
+        the caller's, in order, up to the first that is not: how many were taken, and
+        why the next one was not (None: all were)."""
+        free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        ready: queue.SimpleQueue[tuple[int, int, str | None] | BaseException] = queue.SimpleQueue()
+        for i in range(len(self.buffers)):
+            free.put(i)
+        stop = threading.Event()
+        views = [memoryview(b.numpy()) for b in self.buffers]  # type: ignore[arg-type]
+
+        def reader() -> None:
+            try:
+                for j in range(n):
+                    i = free.get()
+                    if stop.is_set():
+                        return
+                    why = read(j, views[i])
+                    ready.put((j, i, why))
+                    if why is not None:
+                        return
+            except BaseException as e:  # handed to the caller
+                ready.put(e)
+
+        done = self.pool.submit(reader)
+        taken, why = 0, None
+        try:
+            while taken < n:
+                got = ready.get()
+                if isinstance(got, BaseException):
+                    raise got
+                j, i, why = got
+                if why is not None:
+                    break
+                take(j, self.buffers[i])
+                free.put(i)
+                taken += 1
+        finally:
+            stop.set()
+            free.put(0)  # wakes a reader waiting for a buffer; it sees stop
+            done.result()
+        return taken, why
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _copy_into(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """``dest.copy_(src)`` (same shape and dtype) by numpy: on this thread alone, the
+    GIL let go."""
+    np.copyto(dest.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
+
+
+def _copy_page(codec: PageCodec, obj: torch.Tensor, dest: torch.Tensor) -> None:
+    """The pools of the page object in ``obj`` into ``dest``, a ``[2, layers, page_size,
+    heads, head_dim]`` view of the host pool (numpy's copy: it lets the GIL go, and
+    runs on the calling thread alone, where torch's would start its OpenMP threads)."""
+    d = dest.view(torch.uint8)  # [2, layers, page_size, heads, head_dim * itemsize]
+    for part, r, li in codec.page_of(obj):
+        np.copyto((d if r < 0 else d[r, li]).numpy(), part.numpy())
 
 
 def _unsupported(pool: Any) -> str:

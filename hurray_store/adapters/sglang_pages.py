@@ -136,6 +136,23 @@ class PageCodec:
             self.pools.append((pos + plan.key_pool_offset, pos + plan.value_pool_offset))
             pos += plan.nbytes
         self.size = pos + len(self.record_descriptor) + self.record_bytes
+        # The object's parts as a template: each pool by its index in ``pool_views``
+        # (layer 0 K, layer 0 V, ...), the bytes between two pools (descriptors, the
+        # same for every page) joined into one: a part costs the writer a buffer.
+        self._template: list[int | bytes] = []
+        for li, plan in enumerate(self.plans):
+            for part in plan.parts:
+                if isinstance(part, Slot):
+                    self._template.append(2 * li + (0 if part.role == "key" else 1))
+                elif self._template and isinstance(self._template[-1], bytes):
+                    self._template[-1] += bytes(part)
+                else:
+                    self._template.append(bytes(part))
+        if isinstance(self._template[-1], bytes):
+            self._template[-1] += self.record_descriptor
+        else:
+            self._template.append(self.record_descriptor)
+        self._slots = [t if isinstance(t, int) else None for t in self._template]
         # Where the pools sit, as strides over the object's bytes (role, layer), when the
         # layers' descriptors are all of one length (they are, up to layer 2**7 here):
         # a read page is then copied out in one strided copy.
@@ -192,25 +209,15 @@ class PageCodec:
         are views of it, which must stay unchanged until the put returns), sealed by
         its record; each pool is hashed where the object is written."""
         views = self.pool_views(pages, j)
-        parts: list[memoryview | bytes] = []
-        slots: list[int | None] = []
-        for li, plan in enumerate(self.plans):
-            for part in plan.parts:
-                if isinstance(part, Slot):
-                    r = 0 if part.role == "key" else 1
-                    parts.append(views[2 * li + r])
-                    slots.append(2 * li + r)
-                else:
-                    parts.append(part)
-                    slots.append(None)
-        parts.append(self.record_descriptor)
-        slots.append(None)
+        parts = [views[t] if isinstance(t, int) else t for t in self._template]
         n, size, pools, record_of = self.page_size, self.size, self.pools, self._record_of
 
         def seal(sums: list[int]) -> list[bytes]:
             return [record_of(fingerprint, n, size, pools, sums)]
 
-        return Sealed(parts, slots, [0] * (2 * self.layers), seal, self.record_bytes, checksum)
+        return Sealed(
+            parts, self._slots, [0] * (2 * self.layers), seal, self.record_bytes, checksum
+        )
 
     def check(
         self, record: memoryview | bytes | bytearray, fingerprint: bytes, sums: Sequence[int]

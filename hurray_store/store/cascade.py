@@ -36,6 +36,7 @@ from hurray_store.tiers import (
     RangeIn,
     Reservation,
     Tier,
+    Unhashed,
     blob_nbytes,
     host_view,
 )
@@ -563,4 +564,7 @@ def _renumbered(each: RangeIn | None, items: list[int]) -> RangeIn | None:
     """``each`` for a tier's share of the items: its read ``j`` is item ``items[j]``."""
     if each is None:
         return None
+    if isinstance(each, Unhashed):
+        f = each.arrived
+        return Unhashed(lambda j, i: f(items[j], i))
     return lambda j, i, s: each(items[j], i, s)

@@ -47,6 +47,23 @@ ReadInto = bytearray | memoryview | list[memoryview] | None
 RangeIn = Callable[[int, int, int], None]
 
 
+@dataclass(frozen=True, slots=True)
+class Unhashed:
+    """An ``each`` of a ``read_into_now`` that takes no sum: ``arrived(j, i)`` once
+    range ``i`` of read ``j`` is in, with nothing hashed for it (its caller checks the
+    bytes its own way). Called as a ``RangeIn``, its sum is ignored."""
+
+    arrived: Callable[[int, int], None]
+
+    def __call__(self, j: int, i: int, s: int = 0) -> None:
+        self.arrived(j, i)
+
+
+def wants_sums(each: RangeIn | None) -> bool:
+    """Whether a ``read_into_now``'s ``each`` takes the sums of its ranges."""
+    return each is not None and not isinstance(each, Unhashed)
+
+
 # The slowest transfer rate an operation's timeout allows for: a timeout grows by one
 # second per 50 MB moved.
 TRANSFER_BYTES_PER_S = 50e6

@@ -63,6 +63,7 @@ from hurray_store.tiers.base import (
     Tier,
     check_into,
     shared_run,
+    wants_sums,
 )
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ class _RangeReads:
         each: RangeIn | None,
     ) -> None:
         self.reads, self.fds, self.ok, self.each = reads, fds, ok, each
+        self.sums = wants_sums(each)
         self.work = [(j, i) for j in fds if ok[j] for i in range(len(reads[j].ranges))]
         self._next = itertools.count()  # next() on it is atomic under the GIL
 
@@ -199,7 +201,7 @@ class _RangeReads:
                 # Right after its read, in the CPU's cache: one whole range (a chunk's
                 # pool, 512 KiB) measured faster than hashing as it is read in pieces
                 # (steps of 64-256 KiB cost more calls than the cache saved).
-                self.each(j, i, checksum(r.buffers[i]))
+                self.each(j, i, checksum(r.buffers[i]) if self.sums else 0)
 
 
 # File names stay under the usual 255-byte limit with room for the temp prefix.

@@ -63,6 +63,7 @@ from hurray_store.tiers.base import (
     host_view,
     one_buffer,
     shared_run,
+    wants_sums,
 )
 
 log = logging.getLogger(__name__)
@@ -601,6 +602,7 @@ class _NowGets:
         each: RangeIn | None,
     ) -> None:
         self.tier, self.reads, self.todo, self.ok, self.each = tier, reads, todo, ok, each
+        self.sums = wants_sums(each)
         self._next = itertools.count()  # next() on it is atomic under the GIL
         self.stop = False
 
@@ -661,12 +663,12 @@ class _NowGets:
         for n, (i, _, buf) in enumerate(pieces):
             size = replies.head(errors=True)
             if whole and size == len(buf):
-                if self.each is not None and (n == 0 or pieces[n - 1][0] != i):
+                if self.sums and (n == 0 or pieces[n - 1][0] != i):
                     h = running_checksum()  # the range's first piece
                 replies.take(buf, h)
                 replies.skip(2)
-                if ends[i] == n and h is not None and self.each is not None:
-                    self.each(j, i, h.intdigest())
+                if ends[i] == n and self.each is not None:
+                    self.each(j, i, h.intdigest() if h is not None else 0)
             else:
                 whole = False
                 if size >= 0:
@@ -676,7 +678,7 @@ class _NowGets:
         if whole and self.each is not None:  # empty ranges have no piece
             for i, (_, ln) in enumerate(r.ranges):
                 if ln == 0:
-                    self.each(j, i, checksum(b""))
+                    self.each(j, i, checksum(b"") if self.sums else 0)
         return whole
 
 

@@ -19,14 +19,22 @@ cores (with ``fsync``, the CPU count + 4, as Python's default pool), everything 
 one of the CPU count + 4; about 80 us a trip, so never one trip per page.
 
 Several processes may open one folder at once (vLLM's scheduler and workers, several
-engines on a host). Each holds a shared ``flock`` on ``lock``; a store that gets it
-exclusively at open is alone, and only then empties the journal and lets the restart
-scan delete every uncommitted object; otherwise only those older than
-``ORPHAN_AGE_S`` (no live writer takes that long between a segment's first object and
-its manifest). Each store appends a line to ``journal`` per group it commits (its last
-key) and per group it removes, with one ``O_APPEND`` write; the others read the lines
-they have not seen before each operation (one ``fstat`` when there are none), so each
-finds the others' segments and forgets what they evicted.
+engines on a host). Each holds a shared ``flock`` on ``lock``, on ``journal`` and on
+the ``objects`` folder; a store that gets all three exclusively at open is alone, and
+only then empties the journal and lets the restart scan delete every uncommitted
+object; otherwise only those older than ``ORPHAN_AGE_S`` (no live writer takes that
+long between a segment's first object and its manifest). A lock file or journal
+deleted or replaced by hand is noticed by inode: a newcomer still finds the others'
+locks on the rest, and each store holds the new file (``_rejoin``). An open that
+cannot get a shared lock within ``LOCK_WAIT_S`` fails and says so. Each store appends
+a line to ``journal`` per group it commits (its last key) and per group it removes,
+with one ``O_APPEND`` write; the others read the lines they have not seen before each
+operation (one ``stat`` when there are none), so each finds the others' segments and
+forgets what they evicted. A journal line no store wrote (too long, too deep, not
+JSON) is skipped and counted, and the lines after it are read.
+
+Nothing in the folder is opened so that it could block or follow a link: a FIFO, a
+folder, a device or a symlink where an object should be is a miss for that object.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import itertools
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -217,6 +226,84 @@ class KeyTooLongError(FileNotFoundError):
     """A key too long to be a file name: this tier cannot hold it."""
 
 
+class NotAnObjectError(FileNotFoundError):
+    """Something other than a regular file (a FIFO, a folder, a symlink, a device) lies
+    where an object or the journal should be: put there by hand or by a co-tenant of
+    the folder, never by a store. It is a miss, as an absent file is."""
+
+
+# No open of the folder's files blocks or follows a link: a FIFO opened for reading
+# without O_NONBLOCK waits for a writer forever; a symlink may point anywhere.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_object(path: Path | str) -> int:
+    """A read-only descriptor of the regular file at ``path``; NotAnObjectError when
+    something else lies there (a symlink, even to a file, included)."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):
+            raise NotAnObjectError(e.errno, f"not a regular file: {path}") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotAnObjectError(errno.EINVAL, f"not a regular file: {path}")
+    return fd
+
+
+def _is_object(path: Path) -> bool:
+    """Whether a regular file (not a link to one) lies at ``path``."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+# The journal is read in pieces of this many bytes, and a line longer than this is not
+# a store's (a key's file name is at most MAX_NAME_BYTES; its line, JSON-escaped, a
+# few times that): skipped unparsed, so a line of 256 MiB costs one pass, not one a call.
+_JOURNAL_PIECE = 1 << 20
+_JOURNAL_LINE = 4096
+_BAD_LINE_EVERY_S = 60.0  # a warning about bad journal lines at most this often
+
+
+# The longest an open waits for a shared lock on the folder (a store holds it
+# exclusively only while it opens).
+LOCK_WAIT_S = 30.0
+# How often a store checks that the lock file at its path is still the one it holds.
+LOCK_CHECK_S = 1.0
+
+
+def _try_lock(fd: int, how: int) -> bool:
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _open_locked_file(path: Path, flags: int) -> int:
+    """The folder's lock file or journal, made if absent, opened without blocking or
+    following a link; an error that says so if something else lies there."""
+    said = f"{path} is not a regular file: remove it, and a store makes it again"
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):
+            raise NotAnObjectError(e.errno, said) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotAnObjectError(errno.EINVAL, said)
+    return fd
+
+
 @functools.lru_cache(maxsize=8192)
 def _object_path(objects: Path, key: str) -> Path:
     """``DiskTier.path_of``, kept made for the last few thousand keys."""
@@ -266,8 +353,15 @@ class DiskTier(Tier):
         self._made: set[Path] = set()  # shard folders this tier has seen exist
         self._lock_fd: int | None = None
         self._journal_fd: int | None = None
+        self._objects_fd: int | None = None
+        self._lock_ino = self._journal_ino = 0
+        self._lock_checked_at = 0.0
+        self._lock_moved = False
         self._journal_path = self.root / "journal"
         self._seen = 0  # bytes of the journal read
+        self._skipping = False  # in the middle of an overlong journal line
+        self.bad_journal_lines = 0
+        self._bad_line_at = -_BAD_LINE_EVERY_S
         self._me = os.urandom(6).hex()  # this store's lines, skipped when read back
 
     def _off(
@@ -291,32 +385,104 @@ class DiskTier(Tier):
             await self._off(self._share_sync)()
 
     def _share_sync(self) -> None:
-        """Join the stores using the folder: alone when the lock is ours exclusively
-        (then the journal starts empty), then hold it shared like the others."""
-        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        """Join the stores using the folder. Each holds a shared ``flock`` on three
+        things: the lock file, the journal and the objects folder. A store is alone only
+        when it gets all three exclusively (then the journal starts empty and the
+        restart scan may sweep every uncommitted object): a lock file or journal deleted
+        or replaced by hand leaves the others' locks on the other two, so a newcomer is
+        never wrongly alone. A lock held exclusively by another program is waited for at
+        most ``LOCK_WAIT_S``, then the open fails and says so."""
+        fd = _open_locked_file(self.root / "lock", os.O_RDWR)
+        jfd = dfd = None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self.alone = True
-        except BlockingIOError:
-            self.alone = False
-        jfd = os.open(self._journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if self.alone:
-            os.ftruncate(jfd, 0)
-        fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a newcomer holds it exclusively
-        self._lock_fd, self._journal_fd = fd, jfd
+            self.alone = _try_lock(fd, fcntl.LOCK_EX)
+            jfd = _open_locked_file(self._journal_path, os.O_WRONLY | os.O_APPEND)
+            dfd = os.open(self.objects, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            if self.alone:
+                self.alone = _try_lock(jfd, fcntl.LOCK_EX) and _try_lock(dfd, fcntl.LOCK_EX)
+            if self.alone:
+                os.ftruncate(jfd, 0)
+            # The journal and the folder first, the lock file last: while this store
+            # holds the lock file exclusively no newcomer gets past it, and when it
+            # does, it finds the other two held.
+            for held in (jfd, dfd, fd):
+                self._wait_shared(held)
+        except BaseException:
+            for f in (fd, jfd, dfd):
+                if f is not None:
+                    os.close(f)
+            raise
+        self._lock_fd, self._journal_fd, self._objects_fd = fd, jfd, dfd
+        self._lock_ino = os.fstat(fd).st_ino
+        self._journal_ino = os.fstat(jfd).st_ino
+        self._lock_checked_at = time.monotonic()
         self._seen = os.fstat(jfd).st_size  # before the restart scan: nothing is missed
         if not self.alone:
             log.info("disk tier %s: %s is open in another process too", self.name, self.root)
+
+    def _wait_shared(self, fd: int) -> None:
+        """A shared lock on ``fd``, waited for while a newcomer holds it exclusively (for
+        as long as its open takes), at most ``LOCK_WAIT_S``."""
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while not _try_lock(fd, fcntl.LOCK_SH):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    errno.ETIMEDOUT,
+                    f"disk tier {self.name}: {self.root} has been locked exclusively for "
+                    f"{LOCK_WAIT_S:g} s by something that is not a store opening it (a store "
+                    "holds it so for well under a second): find the program that holds "
+                    f"{self.root}/lock, its journal or objects folder (fuser -v) and stop it",
+                )
+            time.sleep(0.01)
+
+    def _rejoin(self) -> None:
+        """The lock file or the journal at their paths are not the ones this store
+        holds (deleted or replaced by hand, or by a store that then believed it was
+        alone): hold the ones there now, and read the journal there from its start."""
+        if self._lock_fd is None or self._journal_fd is None:
+            return
+        self._lock_moved = False  # until the next check
+        for which in ("lock", "journal"):
+            path = self.root / "lock" if which == "lock" else self._journal_path
+            held = self._lock_fd if which == "lock" else self._journal_fd
+            try:
+                if os.stat(path).st_ino == os.fstat(held).st_ino:
+                    continue
+            except FileNotFoundError:
+                pass
+            flags = os.O_RDWR if which == "lock" else os.O_WRONLY | os.O_APPEND
+            try:
+                fd = _open_locked_file(path, flags)
+            except OSError as e:
+                log.warning("disk tier %s: %s could not be opened again: %s", self.name, path, e)
+                continue
+            if not _try_lock(fd, fcntl.LOCK_SH):
+                os.close(fd)  # a newcomer holds it for its open: again next time
+                continue
+            log.warning(
+                "disk tier %s: %s was deleted or replaced while this store held it; "
+                "holding the new one%s",
+                self.name,
+                path,
+                " and reading it from its start" if which == "journal" else "",
+            )
+            os.close(held)
+            if which == "lock":
+                self._lock_fd, self._lock_ino = fd, os.fstat(fd).st_ino
+            else:
+                self._journal_fd, self._journal_ino = fd, os.fstat(fd).st_ino
+                self._seen, self._skipping = 0, False
+            self.alone = False
 
     async def close(self) -> None:
         for pool in (self._writers, self._pool, self._helpers):
             if pool is not None:
                 pool.shutdown(wait=True)
         self._writers = self._pool = self._helpers = None
-        for fd in (self._journal_fd, self._lock_fd):
+        for fd in (self._journal_fd, self._objects_fd, self._lock_fd):
             if fd is not None:
                 os.close(fd)
-        self._journal_fd = self._lock_fd = None
+        self._journal_fd = self._objects_fd = self._lock_fd = None
 
     # ------------------------------------------------------------------ other processes
 
@@ -325,53 +491,138 @@ class DiskTier(Tier):
             return
         lines = [json.dumps([self._me, "+", k]) for k in added]
         lines += [json.dumps([self._me, "-", k]) for k in removed]
-        data = ("\n".join(lines) + "\n").encode()
+        # A newline first: a line left without one (a writer killed mid-write, or a
+        # hostile one) ends there, so these lines are not glued to it and lost.
+        data = ("\n" + "\n".join(lines) + "\n").encode()
         try:
             n = os.write(self._journal_fd, data)
             # An append leaves the offset at the end of what it wrote. Right after all
             # that was read, nothing unread lies before these lines: count them read,
             # so the next operation does not read this store's own lines back.
             end = os.lseek(self._journal_fd, 0, os.SEEK_CUR)
-            if n == len(data) and end - n == self._seen:
+            if n == len(data) and end - n == self._seen and not self._skipping:
                 self._seen = end
         except OSError as e:
             log.warning("disk tier %s: journal write failed: %s", self.name, e)
 
     def changes(self) -> list[tuple[bool, str]]:
+        """The other stores' lines not read before: (added?, key) each. Read in pieces
+        of ``_JOURNAL_PIECE``; a line that is not a store's (too long, too deep, not
+        JSON, another shape) is skipped with a warning and the lines after it are read."""
+        if self._unchanged() is not False:
+            return []  # one stat: nothing new (or no journal there)
         try:
-            size = os.stat(self._journal_path).st_size
+            moved = self._lock_moved or os.stat(self._journal_path).st_ino != self._journal_ino
         except OSError:
             return []
-        if size < self._seen:  # emptied by hand: read it again from the start
-            self._seen = 0
-        if size == self._seen:
-            return []
+        if moved:
+            self._rejoin()  # other files at the paths: held, the journal read from 0
         try:
-            with open(self._journal_path, "rb") as f:
-                f.seek(self._seen)
-                data = f.read(size - self._seen)
+            fd = _open_object(self._journal_path)
         except OSError:
             return []
-        end = data.rfind(b"\n") + 1  # a line being appended now is read next time
-        self._seen += end
         out: list[tuple[bool, str]] = []
-        for line in data[:end].splitlines():
-            try:
-                who, op, key = json.loads(line)
-            except (ValueError, TypeError):
-                continue  # not a journal line: ignored
-            if who != self._me and op in ("+", "-") and isinstance(key, str):
-                out.append((op == "+", key))
+        try:
+            size = os.fstat(fd).st_size
+            if size < self._seen:  # emptied by hand: read it again from the start
+                self._seen, self._skipping = 0, False
+            while self._seen < size:
+                want = min(_JOURNAL_PIECE, size - self._seen)
+                data = os.pread(fd, want, self._seen)
+                last = len(data) < _JOURNAL_PIECE or len(data) < want  # up to the end
+                if not data:
+                    break
+                start = 0
+                if self._skipping:  # the rest of an overlong line: up to its newline
+                    nl = data.find(b"\n")
+                    if nl < 0:
+                        self._seen += len(data)
+                        continue
+                    start, self._skipping = nl + 1, False
+                end = data.rfind(b"\n") + 1
+                if end > start:
+                    for line in data[start : end - 1].split(b"\n"):
+                        self._parse(line, out)
+                else:
+                    end = start
+                self._seen += end
+                if len(data) - end > _JOURNAL_LINE:  # no store writes a line this long
+                    self._bad_line()
+                    self._skipping = True
+                    self._seen += len(data) - end
+                elif last:
+                    break  # a line being appended now is read next time
+        except OSError as e:
+            log.warning("disk tier %s: journal read failed: %s", self.name, e)
+        finally:
+            os.close(fd)
         return out
 
-    def has_changes(self) -> bool:
-        # One ``fstat`` of the journal this store holds open (``changes`` reads it by
-        # its path, and so finds a journal emptied by hand; this probe need not).
-        fd = self._journal_fd
+    def _parse(self, line: bytes, out: list[tuple[bool, str]]) -> None:
+        if not line:
+            return  # the newline a store writes before its lines
+        if len(line) > _JOURNAL_LINE or not line.startswith(b'["'):
+            self._bad_line()
+            return
         try:
-            return fd is not None and os.fstat(fd).st_size != self._seen
+            got = json.loads(line)
+        except (ValueError, RecursionError):
+            self._bad_line()
+            return
+        if not (
+            isinstance(got, list)
+            and len(got) == 3
+            and all(isinstance(x, str) for x in got)
+            and got[1] in ("+", "-")
+        ):
+            self._bad_line()
+            return
+        who, op, key = got
+        if who != self._me:
+            out.append((op == "+", key))
+
+    def _bad_line(self) -> None:
+        """Count a journal line no store wrote; warn at most once a minute."""
+        self.bad_journal_lines += 1
+        now = time.monotonic()
+        if now - self._bad_line_at >= _BAD_LINE_EVERY_S:
+            self._bad_line_at = now
+            log.warning(
+                "disk tier %s: %d lines of %s are not a store's (too long, too deep or not "
+                "JSON) and were skipped: something else writes to the folder",
+                self.name,
+                self.bad_journal_lines,
+                self._journal_path,
+            )
+
+    def _check_lock(self) -> None:
+        """At most once every LOCK_CHECK_S, whether the lock file at its path is still
+        the one this store holds (``_lock_moved``). From any thread."""
+        now = time.monotonic()
+        if now - self._lock_checked_at >= LOCK_CHECK_S:
+            self._lock_checked_at = now
+            try:
+                self._lock_moved = os.stat(self.root / "lock").st_ino != self._lock_ino
+            except OSError:
+                self._lock_moved = True
+
+    def _unchanged(self) -> bool | None:
+        """None: no journal at its path; True: nothing to read and nothing moved."""
+        if self._journal_fd is None:
+            return None
+        self._check_lock()
+        try:
+            st = os.stat(self._journal_path)
         except OSError:
-            return False
+            return None
+        return not self._lock_moved and st.st_ino == self._journal_ino and st.st_size == self._seen
+
+    def has_changes(self) -> bool:
+        # One ``stat`` of the journal's path (another size, or another file there); the
+        # lock file's path checked at most once every LOCK_CHECK_S. It may run on any
+        # thread, so it only says so: ``changes``, on the store's loop, holds the new
+        # files (``_rejoin``) and reads the new journal from its start.
+        return self._unchanged() is False
 
     async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
         if self.alone:
@@ -473,19 +724,31 @@ class DiskTier(Tier):
 
     def _read_sync(self, key: str) -> bytearray | None:
         try:
-            with open(self.path_of(key), "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                buf = bytearray(size)
-                if f.readinto(buf) != size:
-                    return None
-                return buf
-        except FileNotFoundError:
+            fd = _open_object(self.path_of(key))
+        except OSError as e:
+            self._not_read(key, e)
             return None
+        try:
+            size = os.fstat(fd).st_size
+            buf = bytearray(size)
+            return buf if _pread_into(fd, memoryview(buf), 0) else None
+        except OSError as e:
+            self._not_read(key, e)
+            return None
+        finally:
+            os.close(fd)
+
+    def _not_read(self, key: str, e: OSError) -> None:
+        """A file that could not be opened or read: a miss for that object alone (an
+        absent one is an ordinary miss; anything else is said)."""
+        if type(e) is not FileNotFoundError and not isinstance(e, KeyTooLongError):
+            log.warning("disk tier %s: %s is a miss: %s", self.name, key[:120], e)
 
     def _ranges_sync(self, key: str, ranges: Sequence[Range], into: Any) -> list[Blob] | None:
         try:
-            fd = os.open(self.path_of(key), os.O_RDONLY)
-        except FileNotFoundError:
+            fd = _open_object(self.path_of(key))
+        except OSError as e:
+            self._not_read(key, e)
             return None
         total = sum(ln for _, ln in ranges)
         per_range = isinstance(
@@ -506,6 +769,9 @@ class DiskTier(Tier):
                 out.append(view)
                 pos += ln
             return out
+        except OSError as e:
+            self._not_read(key, e)
+            return None
         finally:
             os.close(fd)
 
@@ -515,7 +781,7 @@ class DiskTier(Tier):
         if not self.objects.is_dir():
             return found, 0
         for shard in os.scandir(self.objects):
-            if not shard.is_dir():
+            if not shard.is_dir(follow_symlinks=False):
                 continue
             for e in os.scandir(shard.path):
                 if e.name.startswith(_TMP):
@@ -526,8 +792,8 @@ class DiskTier(Tier):
                         removed += 1
                     except FileNotFoundError:
                         pass
-                elif e.is_file():
-                    found.append((unquote(e.name), e.stat().st_size))
+                elif e.is_file(follow_symlinks=False):  # a FIFO, folder or link: not ours
+                    found.append((unquote(e.name), e.stat(follow_symlinks=False).st_size))
         return found, removed
 
     # ------------------------------------------------------------------ interface
@@ -584,15 +850,14 @@ class DiskTier(Tier):
                 r = reads[j]
                 check_into(r.key, r.ranges, r.buffers)
                 try:
-                    fds[j] = fd = os.open(self.path_of(r.key), os.O_RDONLY)
+                    fds[j] = fd = _open_object(self.path_of(r.key))
                     # Another size: another process replaced it; a range past the end:
                     # the loop's read says it is a miss.
                     ok[j] = os.fstat(fd).st_size == r.size and all(
                         off + ln <= r.size for off, ln in r.ranges
                     )
                 except OSError as e:
-                    if not isinstance(e, FileNotFoundError):
-                        log.info("disk tier %s: %s not read off the loop: %s", self.name, r.key, e)
+                    self._not_read(r.key, e)
             jobs = _RangeReads(reads, fds, ok, each)
             nbytes = sum(ln for j in fds if ok[j] for _, ln in reads[j].ranges)
             if len(jobs.work) > 1 and nbytes >= _SPLIT_BYTES:
@@ -609,7 +874,7 @@ class DiskTier(Tier):
 
     async def contains(self, key: str) -> bool:
         try:
-            return bool(await self._off(os.path.exists)(self.path_of(key)))
+            return bool(await self._off(_is_object)(self.path_of(key)))
         except KeyTooLongError:
             return False
 

@@ -234,27 +234,35 @@ class NotAnObjectError(FileNotFoundError):
 
 # No open of the folder's files blocks or follows a link: a FIFO opened for reading
 # without O_NONBLOCK waits for a writer forever; a symlink may point anywhere.
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _open_object(path: Path | str) -> int:
-    """A read-only descriptor of the regular file at ``path``; NotAnObjectError when
-    something else lies there (a symlink, even to a file, included)."""
+_NOT_A_FILE = (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP)
+
+
+def _open_regular(path: Path | str, flags: int, said: str, mode: int = 0o644) -> int:
+    """A descriptor of the regular file at ``path``, opened with ``flags`` without
+    blocking or following a link; NotAnObjectError(``said``) when something else lies
+    there (a symlink, even to a file, included)."""
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):
-            raise NotAnObjectError(e.errno, f"not a regular file: {path}") from None
+        if e.errno in _NOT_A_FILE:
+            raise NotAnObjectError(e.errno, said) from None
         raise
     try:
-        mode = os.fstat(fd).st_mode
+        is_file = stat.S_ISREG(os.fstat(fd).st_mode)
     except OSError:
         os.close(fd)
         raise
-    if not stat.S_ISREG(mode):
+    if not is_file:
         os.close(fd)
-        raise NotAnObjectError(errno.EINVAL, f"not a regular file: {path}")
+        raise NotAnObjectError(errno.EINVAL, said)
     return fd
+
+
+def _open_object(path: Path | str) -> int:
+    """A read-only descriptor of the object file at ``path``."""
+    return _open_regular(path, os.O_RDONLY, f"not a regular file: {path}")
 
 
 def _is_object(path: Path) -> bool:
@@ -289,19 +297,9 @@ def _try_lock(fd: int, how: int) -> bool:
 
 
 def _open_locked_file(path: Path, flags: int) -> int:
-    """The folder's lock file or journal, made if absent, opened without blocking or
-    following a link; an error that says so if something else lies there."""
+    """The folder's lock file or journal, made if absent."""
     said = f"{path} is not a regular file: remove it, and a store makes it again"
-    try:
-        fd = os.open(path, flags | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):
-            raise NotAnObjectError(e.errno, said) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise NotAnObjectError(errno.EINVAL, said)
-    return fd
+    return _open_regular(path, flags | os.O_CREAT, said)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -445,8 +443,9 @@ class DiskTier(Tier):
         for which in ("lock", "journal"):
             path = self.root / "lock" if which == "lock" else self._journal_path
             held = self._lock_fd if which == "lock" else self._journal_fd
+            ino = self._lock_ino if which == "lock" else self._journal_ino
             try:
-                if os.stat(path).st_ino == os.fstat(held).st_ino:
+                if os.stat(path).st_ino == ino:
                     continue
             except FileNotFoundError:
                 pass
@@ -509,12 +508,9 @@ class DiskTier(Tier):
         """The other stores' lines not read before: (added?, key) each. Read in pieces
         of ``_JOURNAL_PIECE``; a line that is not a store's (too long, too deep, not
         JSON, another shape) is skipped with a warning and the lines after it are read."""
-        if self._unchanged() is not False:
+        news, moved = self._journal_news()
+        if not news:
             return []  # one stat: nothing new (or no journal there)
-        try:
-            moved = self._lock_moved or os.stat(self._journal_path).st_ino != self._journal_ino
-        except OSError:
-            return []
         if moved:
             self._rejoin()  # other files at the paths: held, the journal read from 0
         try:
@@ -529,7 +525,7 @@ class DiskTier(Tier):
             while self._seen < size:
                 want = min(_JOURNAL_PIECE, size - self._seen)
                 data = os.pread(fd, want, self._seen)
-                last = len(data) < _JOURNAL_PIECE or len(data) < want  # up to the end
+                last = len(data) < _JOURNAL_PIECE  # read up to the end
                 if not data:
                     break
                 start = 0
@@ -606,23 +602,25 @@ class DiskTier(Tier):
             except OSError:
                 self._lock_moved = True
 
-    def _unchanged(self) -> bool | None:
-        """None: no journal at its path; True: nothing to read and nothing moved."""
+    def _journal_news(self) -> tuple[bool, bool]:
+        """(anything to read, other files at the paths), from one ``stat`` of the
+        journal's path (and the lock check); nothing when no journal lies there."""
         if self._journal_fd is None:
-            return None
+            return False, False
         self._check_lock()
         try:
             st = os.stat(self._journal_path)
         except OSError:
-            return None
-        return not self._lock_moved and st.st_ino == self._journal_ino and st.st_size == self._seen
+            return False, False
+        moved = self._lock_moved or st.st_ino != self._journal_ino
+        return moved or st.st_size != self._seen, moved
 
     def has_changes(self) -> bool:
         # One ``stat`` of the journal's path (another size, or another file there); the
         # lock file's path checked at most once every LOCK_CHECK_S. It may run on any
         # thread, so it only says so: ``changes``, on the store's loop, holds the new
         # files (``_rejoin``) and reads the new journal from its start.
-        return self._unchanged() is False
+        return self._journal_news()[0]
 
     async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
         if self.alone:

@@ -64,7 +64,13 @@ class Arena:
         if populate:
             flags |= getattr(mmap, "MAP_POPULATE", 0)
         self.size = size
-        self._mm = mmap.mmap(-1, size, flags=flags)
+        try:
+            self._mm = mmap.mmap(-1, size, flags=flags)
+        except (OSError, OverflowError) as e:  # beyond the address space or the limits
+            raise OSError(
+                f"cannot reserve {size} bytes of host memory for an arena (capacity_bytes "
+                f"too large for this machine?): {e}"
+            ) from None
         if hasattr(mmap, "MADV_HUGEPAGE"):
             with contextlib.suppress(OSError):  # fewer faults where THP is allowed
                 self._mm.madvise(mmap.MADV_HUGEPAGE)

@@ -115,7 +115,8 @@ def test_only_an_admin_token_deletes_another_tenants_segment(server: ServerProc)
 
 
 def test_a_quota_evicts_the_tenants_own_groups_only(tmp_path: Path) -> None:
-    tenants = [{**TENANTS[0], "quota_bytes": 48 << 10}, TENANTS[1], TENANTS[2]]
+    # Its segments are ~39 KB of bytes in 6 objects, charged 16 KiB each besides.
+    tenants = [{**TENANTS[0], "quota_bytes": 320 << 10}, TENANTS[1], TENANTS[2]]
     srv = ServerProc(tmp_path / "srv", token="", tenants=tenants).start()
 
     async def main() -> None:
@@ -130,7 +131,7 @@ def test_a_quota_evicts_the_tenants_own_groups_only(tmp_path: Path) -> None:
             own = await remote.server_stats()
             assert own is not None and set(own) == {"tenant"}, "a tenant sees its own books only"
             t = own["tenant"]
-            assert t["name"] == "alice" and 0 < t["used_bytes"] <= 48 << 10
+            assert t["name"] == "alice" and 0 < t["used_bytes"] <= 320 << 10
             assert t["quota_evictions"] > 0
         finally:
             await remote.close()
@@ -171,14 +172,15 @@ def test_a_quota_evicts_the_tenants_own_groups_only(tmp_path: Path) -> None:
 
 
 def test_an_object_larger_than_the_quota_is_refused(tmp_path: Path) -> None:
-    tenants = [{**TENANTS[0], "quota_bytes": 1024}]
+    # A put in flight costs its bytes, its key and the server's per-object overhead.
+    tenants = [{**TENANTS[0], "quota_bytes": 64 << 10}]
     srv = ServerProc(tmp_path / "srv", token="", tenants=tenants).start()
 
     async def main() -> None:
         remote = _remote(srv, tenants[0])
         try:
             assert await remote.put("small", [b"x" * 512])
-            assert not await remote.put("big", [b"x" * 2048]), "NOT_STORED: past the quota"
+            assert not await remote.put("big", [b"x" * (128 << 10)]), "NOT_STORED: past the quota"
             assert await remote.sizes(["small", "big"]) == [512, None]
         finally:
             await remote.close()

@@ -89,6 +89,7 @@ def load_config(
 
 # A namespace is the first component of every stored key: no character the key scheme
 # (``<ns>/s/{...}/``, ``<ns>/o/``, ``<ns>/g/``) or a file name could misread.
+_MAX_CAPACITY = 1 << 62  # beyond any memory or disk; also keeps mmap sizes in range
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -146,10 +147,17 @@ def _check_server(s: ServerConfig, namespace: str) -> ServerConfig:
         "max_object_bytes",
         "max_connections",
         "max_unauthenticated",
+        "max_requests_per_connection",
         "max_inflight_put_bytes",
+        "max_claims_per_connection",
+        "max_claims_per_tenant",
     ):
         if getattr(s, key) < 1:
             raise ConfigError(f"server.{key}: expected a positive number, got {getattr(s, key)}")
+    if not s.hello_failures_per_s > 0:
+        raise ConfigError(
+            f"server.hello_failures_per_s: expected a positive rate, got {s.hello_failures_per_s}"
+        )
     if s.max_object_bytes > s.max_inflight_put_bytes:
         raise ConfigError(
             f"server.max_object_bytes: {s.max_object_bytes} exceeds server.max_inflight_put_bytes "
@@ -283,9 +291,10 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
         if isinstance(cfg, RedisTierConfig) and cfg.wait_replicas < 0:
             raise ConfigError(f"{label}.wait_replicas: expected 0 or more, got {cfg.wait_replicas}")
         cap = getattr(cfg, "capacity_bytes", None)
-        if cap is not None and cap < 1:
+        if cap is not None and not 1 <= cap <= _MAX_CAPACITY:
             raise ConfigError(
-                f"{label}.capacity_bytes: expected a positive number of bytes, got {cap}"
+                f"{label}.capacity_bytes: expected a positive number of bytes up to "
+                f"{_MAX_CAPACITY} (2**62), got {cap}"
             )
         out.append(cfg)
     return tuple(out)

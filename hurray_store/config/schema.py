@@ -312,8 +312,19 @@ class ServerConfig:
     )
     max_unauthenticated: int = _doc(
         "connections that have not sent their CLIENT_HELLO yet; one more closes the oldest "
-        "of them once it had 0.25 s to say hello (a client says it at once)",
+        "of them that has sent no byte (a client sends its hello at once, so a flood of "
+        "silent connections pushes out only its own)",
+        1024,
+    )
+    max_requests_per_connection: int = _doc(
+        "requests one connection may have in flight; the server reads its next message "
+        "once one of them is answered (no connection fills the server's queue)",
         64,
+    )
+    hello_failures_per_s: float = _doc(
+        "CLIENT_HELLOs with a wrong token one peer address may send a second (bursts of 10 "
+        "times this); past it, each further failure is answered after 1 s",
+        5.0,
     )
     request_timeout_s: float = _doc(
         "to read one message, or one put's data frames, once its header arrived", 30.0
@@ -324,7 +335,7 @@ class ServerConfig:
     )
     max_inflight_put_bytes: int = _doc(
         "bytes of puts being received or staged, counted as they arrive, plus each "
-        "object's key and 1 KiB; a frame waits for room (up to half of request_timeout_s), "
+        "object's key and 2 KiB; a frame waits for room (up to half of request_timeout_s), "
         "then its put gets ERROR (busy)",
         1 << 30,
     )
@@ -333,6 +344,14 @@ class ServerConfig:
     )
     claim_timeout_s: float = _doc(
         "how long pages claimed by one client's put make another client's put wait for them", 30.0
+    )
+    max_claims_per_connection: int = _doc(
+        "pages one connection may hold claimed at once; a claiming lookup past it claims "
+        "what fits, leading pages first",
+        1 << 16,
+    )
+    max_claims_per_tenant: int = _doc(
+        "pages all of one tenant's connections may hold claimed at once", 1 << 18
     )
     shutdown_timeout_s: float = _doc(
         "on SIGTERM/SIGINT, how long in-flight requests may take before connections are cut", 30.0

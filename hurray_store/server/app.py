@@ -44,13 +44,34 @@ from hurray_store.server.backing import ServedStore
 from hurray_store.server.http import HealthEndpoint
 from hurray_store.server.metrics import ServerMetrics
 from hurray_store.server.segments import PutBudget, SegmentDesk
-from hurray_store.server.session import Session
+from hurray_store.server.session import HelloFailures, Session
 from hurray_store.server.tenants import Tenants
 from hurray_store.store import TieredStore
 
 log = logging.getLogger(__name__)
-# How long a new connection may take to say hello before a flood may push it out.
-_HELLO_GRACE_S = 0.25
+# How many of the oldest connections without a hello are looked at for one that has
+# sent nothing, when the queue is full.
+_SILENT_SCAN = 16
+
+
+def _first_silent(queue: dict[Session, None]) -> Session:
+    """The oldest queued connection that has sent no byte (among the oldest few), else
+    the oldest."""
+    for i, s in enumerate(queue):
+        if i >= _SILENT_SCAN:
+            break
+        if not s.heard and not _has_bytes(s.sock):
+            return s
+    return next(iter(queue))
+
+
+def _has_bytes(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True  # broken: its own session sees to it
 
 
 class CacheServer:
@@ -61,6 +82,7 @@ class CacheServer:
         self.store = ServedStore(store, tenants)
         self.cfg = cfg
         self.budget = PutBudget(cfg.max_inflight_put_bytes)
+        self.hello_failures = HelloFailures(cfg.hello_failures_per_s)
         self.desk = SegmentDesk(self.store, cfg)
         self.sessions: set[Session] = set()
         self.unauthenticated: dict[Session, None] = {}  # before their CLIENT_HELLO
@@ -170,20 +192,13 @@ class CacheServer:
                 continue
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             if len(self.unauthenticated) >= self.cfg.max_unauthenticated:
-                # The queue of connections yet to say hello is full. The oldest goes when it
-                # has had time to say hello and has not (a client says it at once); while
-                # every one of them is that young, the newcomer is refused instead, so a
-                # flood cannot push out a client whose hello is on its way.
-                oldest = next(iter(self.unauthenticated))
-                if time.monotonic() - oldest.since < _HELLO_GRACE_S:
-                    log.info("client %s: too many connections without a hello; refused", peer)
-                    conn.close()
-                    continue
-                self.unauthenticated.pop(oldest)
-                log.info(
-                    "client %s: no CLIENT_HELLO yet and the queue is full; closed", oldest.peer
-                )
-                oldest.close()
+                # The queue of connections yet to say hello is full: the oldest that has
+                # sent nothing goes (a client sends its hello with its connect, so a flood
+                # of silent connections pushes out its own), else the oldest.
+                gone = _first_silent(self.unauthenticated)
+                self.unauthenticated.pop(gone)
+                log.info("client %s: no CLIENT_HELLO yet and the queue is full; closed", gone.peer)
+                gone.close()
             s = Session(self, conn, peer)
             self.sessions.add(s)
             self.unauthenticated[s] = None

@@ -22,7 +22,7 @@ from hurray_store.errors import ChecksumError, FormatError
 from hurray_store.format import Manifest
 from hurray_store.keys import ObjectKey, SegmentKey, SegmentPart, parse_key
 from hurray_store.ledger import Group
-from hurray_store.server.tenants import Tenant, Tenants
+from hurray_store.server.tenants import Tenant, Tenants, charge
 from hurray_store.store import TieredStore
 from hurray_store.store.catalog import depth
 from hurray_store.tiers import Blob, Buffer, Range, Reservation, StoredObject
@@ -97,7 +97,7 @@ class ServedStore:
                     f"{k.stored} is a segment object: it is stored by commit_segment with "
                     "its manifest"
                 )
-            nbytes = sum(memoryview(d).nbytes for d in data)
+            nbytes = charge(sum(memoryview(d).nbytes for d in data), 1)
             why = await self.tenants.admit(tenant, obj, nbytes)
             if why:
                 raise FormatError(why)
@@ -198,7 +198,10 @@ class ServedStore:
                 release()
             self.tenants.touch([seg])
             return True
-        nbytes = memoryview(manifest).nbytes + sum(memoryview(b).nbytes for b in objects.values())
+        nbytes = charge(
+            memoryview(manifest).nbytes + sum(memoryview(b).nbytes for b in objects.values()),
+            len(objects) + 1,
+        )
         why = await self.tenants.admit(tenant, seg, nbytes)
         if why:
             if release is not None:

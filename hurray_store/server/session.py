@@ -14,6 +14,8 @@ import contextlib
 import logging
 import socket
 import time
+import traceback
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -30,6 +32,8 @@ from hurray_store.transport import Err, Msg
 
 log = logging.getLogger(__name__)
 _HELLO_LIMIT = 64 << 10
+_MAX_PEERS = 4096  # peer addresses whose failed hellos are counted
+_MAX_HELD_BACK = 256  # failed hellos answered late at once
 # Messages a client may send; the rest flow server -> client only.
 _CLIENT_SENDS = {
     Msg.TENSOR_REQUEST,
@@ -48,8 +52,26 @@ _CLIENT_SENDS = {
 }
 
 
+def let_go(e: BaseException) -> None:
+    """Clear the finished frames of an exception caught for good, and of the ones it
+    chains to: a frame left in a traceback would keep a request's buffers (a message
+    half received, a landing's view) alive for as long as the exception object lives,
+    and an exception caught by asyncio can live on in a reference cycle until a
+    garbage collection that may not come soon."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        traceback.clear_frames(x.__traceback__)
+        todo += [x.__context__, x.__cause__]
+
+
 class SessionHost(Protocol):
     cfg: ServerConfig
+    hello_failures: HelloFailures
     store: ServedStore
     desk: SegmentDesk
     budget: PutBudget
@@ -58,6 +80,37 @@ class SessionHost(Protocol):
     unauthenticated: dict[Session, None]  # before their CLIENT_HELLO, oldest first
     served: set[Session]  # past their CLIENT_HELLO
     draining: bool
+
+
+class HelloFailures:
+    """Failed CLIENT_HELLOs per peer address: a token bucket each (``rate`` a second,
+    bursts of 10x), past which a failure is answered after 1 s; at most
+    ``_MAX_HELD_BACK`` answers are held back at once (past that, closed unanswered)."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.burst = 10 * rate
+        self.peers: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, when
+        self.held_back = 0
+
+    def failed(self, peer: str) -> float | None:
+        """A failure from ``peer``: how long to wait before answering it (0: at once;
+        None: do not answer)."""
+        now = time.monotonic()
+        tokens, then = self.peers.pop(peer, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate) - 1
+        self.peers[peer] = (tokens, now)
+        while len(self.peers) > _MAX_PEERS:
+            self.peers.popitem(last=False)
+        if tokens >= 0:
+            return 0.0
+        if self.held_back >= _MAX_HELD_BACK:
+            return None
+        self.held_back += 1
+        return 1.0
+
+    def waited(self) -> None:
+        self.held_back -= 1
 
 
 @dataclass(eq=False, slots=True)
@@ -87,6 +140,8 @@ class Session(Requests):
         self.client_max = 1 << 20
         self.reading = False  # inside a message (its header has arrived)
         self.last_sid = 0  # stream of the last header read: where a connection-level ERROR goes
+        self.heard = False  # its first header arrived
+        self.peer_host = peer.rsplit(":", 1)[0]
 
         # The requests that run as tasks of their own, each by its handler.
         self.requests: dict[Msg, Callable[[int, memoryview], Awaitable[None]]] = {
@@ -123,15 +178,15 @@ class Session(Requests):
                 self.ch.grow(256 << 10)
                 await self._loop()
         except ProtocolError as e:
+            let_go(e)
             await self._fatal(self.last_sid, e.code, str(e))
-        except TimeoutError:  # before OSError, its base class
+        except TimeoutError as e:  # before OSError, its base class
+            let_go(e)
             await self._fatal(
                 self.last_sid, Err.TIMEOUT, "a message took longer than request_timeout_s"
             )
-        except (tp.ConnectionClosed, OSError):
-            pass
-        except asyncio.CancelledError:
-            pass
+        except (tp.ConnectionClosed, OSError, asyncio.CancelledError) as e:
+            let_go(e)
         finally:
             for t in list(self.handlers):
                 t.cancel()
@@ -172,6 +227,7 @@ class Session(Requests):
         assert ch is not None
         async with asyncio.timeout(self.cfg.hello_timeout_s):
             kind, sid, n = await ch.read_header()
+            self.heard = True
             self.last_sid = sid
             if kind != Msg.CLIENT_HELLO:
                 raise ProtocolError(
@@ -193,6 +249,18 @@ class Session(Requests):
             return False
         tenant = self.server.store.tenants.match((hello.ext or {}).get("token", ""))
         if tenant is None:
+            delay = self.server.hello_failures.failed(self.peer_host)
+            if delay is None:  # too many answers already held back: closed unanswered
+                self.close()
+                return False
+            if delay:
+                # Out of the queue of connections yet to say hello while it waits: its
+                # hello came, and the wait must not push out anyone else's.
+                self.server.unauthenticated.pop(self, None)
+                try:
+                    await asyncio.sleep(delay)
+                finally:
+                    self.server.hello_failures.waited()
             await self._fatal(sid, Err.AUTH_FAILED, "missing or wrong token")
             return False
         self.tenant = tenant
@@ -229,6 +297,9 @@ class Session(Requests):
             self.reading = False
             if self.server.draining and not self.handlers and not self.puts:
                 return
+            while len(self.handlers) >= self.cfg.max_requests_per_connection:
+                # Its next message waits for one of its requests to be answered.
+                await asyncio.wait(set(self.handlers), return_when=asyncio.FIRST_COMPLETED)
             # Between a put's frames the client may not idle past the put's deadline
             # (its bytes are held); between requests it may idle as long as it likes.
             idle = (
@@ -307,7 +378,10 @@ class Session(Requests):
                 f"{self.cfg.request_timeout_s} s",
             )
             return
-        put.landing = Landing(self.server.store, self.server.budget, n, cost)
+        if not await self._stage_room(sid, cost):
+            self.server.budget.give(cost)
+            return
+        put.landing = Landing(self.server.store, self.server.budget, n, cost, self.tenant)
 
     async def _data(self, sid: int, n: int) -> None:
         ch = self.ch
@@ -329,6 +403,10 @@ class Session(Requests):
         if time.monotonic() > put.deadline:
             raise TimeoutError
         landing = put.landing
+        if landing is not None and not await self._stage_room(sid, k):
+            put.landing = None  # over the tenant's quota: refused, its frames dropped
+            landing.release()
+            landing = None
         if landing is not None and not await self.server.budget.take(
             k, self.cfg.request_timeout_s / 2
         ):
@@ -342,10 +420,21 @@ class Session(Requests):
         if landing is None:
             await ch.skip(k)
         else:
-            landing.cost += k  # given back with the rest once the store no longer needs it
+            # Given back with the rest once the store no longer needs it; counted in the
+            # tenant's staging until then.
+            landing.grow(k)
             await ch.read_into(landing.view[off : off + k])
             self.server.metrics.bytes_in.inc(k)
         put.pos += k
+
+    async def _stage_room(self, sid: int, n: int) -> bool:
+        """Room under the tenant's quota for ``n`` more bytes of its puts in flight
+        (made by deleting its own least recently used groups); else ERROR NOT_STORED on
+        the put's stream, and False."""
+        why = await self.server.store.tenants.stage_room(self.tenant, n)
+        if why:
+            await self._error(sid, Err.NOT_STORED, why)
+        return not why
 
     def _put_end(self, sid: int, n: int) -> None:
         put = self.puts.pop(sid, None)
@@ -404,20 +493,27 @@ class Session(Requests):
             try:
                 await coro
             except ProtocolError as e:
+                let_go(e)
                 if e.fatal:
                     await self._fatal(sid, e.code, str(e))
                 else:
                     await self._error(sid, e.code, str(e))
-            except TimeoutError:  # an answer stuck half-sent: the stream is unusable
+            except TimeoutError as e:  # an answer stuck half-sent: the stream is unusable
+                let_go(e)
                 log.info(
                     "client %s: an answer took longer than request_timeout_s to send; closing",
                     self.peer,
                 )
                 self.close()
-            except (tp.ConnectionClosed, OSError):
+            except (tp.ConnectionClosed, OSError) as e:
+                let_go(e)
                 self.close()
+            except asyncio.CancelledError as e:
+                let_go(e)
+                raise
             except Exception as e:  # a bug of ours: this request fails, the server goes on
                 log.exception("client %s: %s failed", self.peer, name)
+                let_go(e)
                 with contextlib.suppress(Exception):
                     await self._error(
                         sid, Err.INTERNAL, f"{name} failed on the server: {e.__class__.__name__}"
@@ -427,4 +523,9 @@ class Session(Requests):
 
         task = asyncio.ensure_future(timed())
         self.handlers.add(task)
-        task.add_done_callback(self.handlers.discard)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self.handlers.discard(t)
+            coro.close()  # cancelled before it started: closed, not left "never awaited"
+
+        task.add_done_callback(done)

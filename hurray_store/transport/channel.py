@@ -15,6 +15,7 @@ import contextlib
 import select
 import socket
 import threading
+import traceback
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -194,20 +195,29 @@ class Channel:
         stop = threading.Event()
         fut = self.loop.run_in_executor(IO_THREADS.executor(), fn, *args, stop)
         try:
-            return int(await asyncio.shield(fut))
+            n = int(await asyncio.shield(fut))
         except asyncio.CancelledError:
             stop.set()
             await asyncio.wait([fut])
+            if not fut.cancelled() and (e := fut.exception()) is not None:
+                # Retrieved (no "never retrieved" log line), and the thread's frames let
+                # go of the caller's buffer.
+                traceback.clear_frames(e.__traceback__)
             raise
+        if n < 0:
+            raise ConnectionClosed("connection closed")
+        return n
 
     def _recv_some(self, view: memoryview, stop: threading.Event) -> int:
         """Receive into ``view`` until it is full, or until the peer has sent nothing
-        for _IDLE_S (the thread is then given back); the bytes received."""
+        for _IDLE_S (the thread is then given back); the bytes received, -1 when told to
+        stop or the channel closed (no exception: none outlives the call holding the
+        caller's buffer in its frames)."""
         pos, need = 0, view.nbytes
         idle = False
         while pos < need:
             if stop.is_set() or self.closed:
-                raise ConnectionClosed("read abandoned")
+                return -1
             try:
                 n = self.sock.recv_into(view[pos:])
             except (BlockingIOError, InterruptedError):
@@ -227,11 +237,11 @@ class Channel:
     def _send_some(self, views: list[memoryview], i: int, stop: threading.Event) -> int:
         """Send ``views[i:]`` until all are sent, or until the peer has taken nothing for
         _IDLE_S (the thread is then given back); the index of the first unsent view
-        (``views`` is advanced in place)."""
+        (``views`` is advanced in place), -1 when told to stop or the channel closed."""
         idle = False
         while i < len(views):
             if stop.is_set() or self.closed:
-                raise ConnectionClosed("write abandoned")
+                return -1
             try:
                 n = self.sock.sendmsg(views[i : i + 512])
             except (BlockingIOError, InterruptedError):

@@ -518,13 +518,16 @@ class ServiceTier(Tier):
         default: T,
         nbytes: int = 0,
         extra_s: float = 0.0,
+        *,
+        timed: bool = False,
     ) -> T:
         """Run one call under the outage rules, at most ``_slots`` at once, timed out
-        after ``timeout_s`` plus one second per 50 MB it moves (plus ``extra_s``). What
-        it raises goes to ``_failed``; the call is then ``default``."""
+        after ``timeout_s`` plus one second per 50 MB it moves (plus ``extra_s``), or,
+        ``timed``, by the call itself (it learns its size on the way). What it raises
+        goes to ``_failed``; the call is then ``default``."""
         if not self.outage.ready:
             return default
-        limit = transfer_timeout_s(self.cfg.timeout_s, nbytes) + extra_s
+        limit = None if timed else transfer_timeout_s(self.cfg.timeout_s, nbytes) + extra_s
         try:
             async with self._slots, asyncio.timeout(limit):
                 result = await call()

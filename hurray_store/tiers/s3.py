@@ -9,18 +9,25 @@ upload completes. Partial retrieves read exactly their byte ranges (ranged GETs,
 coalesced into larger reads). At open the store lists ``objects/`` to find committed
 segments again (restart).
 
-Outages are the Redis tier's rules: a connection error, a timeout, a 5xx or refused
-credentials turn the call into a miss (reads) or a skipped write (``False``), log one
-warning for the whole outage, and start a backoff during which calls return at once.
-obstore's own retries are kept short (two, within ``timeout_s``), so a down endpoint
-costs one timeout, not minutes. A missing object is a miss and says nothing about the
-endpoint.
+Outages are the Redis tier's rules: a connection error, a timeout, a 5xx, throttling
+(408, 429) or refused credentials (401, 403) turn the call into a miss (reads) or a
+skipped write (``False``), log one warning for the whole outage, and start a backoff
+during which calls return at once. obstore's own retries are kept short (two, within
+``timeout_s``), so a down endpoint costs one timeout, not minutes.
+
+Faults of one object are that object's: a missing object (404), a range past its end
+(416, an object shorter than its books say), a short read or any other 4xx answer is a
+miss for that object, which the store then drops from its books, and says nothing
+about the endpoint (it answered). Every transfer's timeout scales with its size: a
+whole-object GET is timed ``timeout_s`` to its answer's head, then ``timeout_s`` plus
+one second per 50 MB of the size the head gives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -41,6 +48,7 @@ from hurray_store.tiers.base import (
     ReadInto,
     ServiceTier,
     one_buffer,
+    transfer_timeout_s,
 )
 
 log = logging.getLogger(__name__)
@@ -103,7 +111,12 @@ class S3Tier(ServiceTier):
             self.outage.up()  # a missing object (obstore raises the former for a 404)
         elif isinstance(e, InvalidPathError):  # a key S3 cannot hold: this call fails
             log.warning("s3 tier %s: %s: %s", self.name, what, e)
-        else:  # obstore's errors, timeouts: the endpoint is not serving
+        elif object_fault(e):
+            # The endpoint answered about this object (a range past its end, a
+            # precondition): a miss for it alone.
+            log.info("s3 tier %s: %s: %s", self.name, what, _first_line(e))
+            self.outage.up()
+        else:  # obstore's errors, timeouts, 5xx: the endpoint is not serving
             self.outage.down(what, _first_line(e))
 
     # ------------------------------------------------------------------ interface
@@ -122,10 +135,16 @@ class S3Tier(ServiceTier):
         against SeaweedFS on loopback here: 0.2-0.5 GB/s against 0.8 for one stream.)"""
 
         async def run() -> Blob:
-            r = await obstore.get_async(self.store, self.path(key))
-            return memoryview(await r.bytes_async())
+            async with asyncio.timeout(self.cfg.timeout_s):
+                r = await obstore.get_async(self.store, self.path(key))
+            size = int(r.meta["size"])
+            async with asyncio.timeout(transfer_timeout_s(self.cfg.timeout_s, size)):
+                body = memoryview(await r.bytes_async())
+            if body.nbytes != size:
+                raise ShortRead(f"{key}: {body.nbytes} of {size} bytes")
+            return body
 
-        return await self._guard("GET", run, None)
+        return await self._guard("GET", run, None, timed=True)
 
     async def get_ranges(
         self, key: str, ranges: Sequence[Range], into: ReadInto = None
@@ -224,6 +243,25 @@ class S3Tier(ServiceTier):
                 return
             for item in got:
                 yield item
+
+
+class ShortRead(Exception):
+    """An answer shorter than the object it is of."""
+
+
+# The HTTP status obstore's error text carries ("... non-2xx status code: 416 ...").
+_STATUS = re.compile(r"status code: (\d{3})")
+# 4xx answers that say the endpoint will not serve anyone now, not that one object is bad.
+_SERVICE_4XX = frozenset({401, 403, 408, 429})
+
+
+def object_fault(e: BaseException) -> bool:
+    """True when ``e`` is about one object (a short read, a 4xx answer other than
+    refused credentials and throttling); False for what says the endpoint is down."""
+    if isinstance(e, ShortRead):
+        return True
+    m = _STATUS.search(str(e))
+    return m is not None and 400 <= int(m.group(1)) < 500 and int(m.group(1)) not in _SERVICE_4XX
 
 
 def _first_line(e: BaseException) -> BaseException:

@@ -158,6 +158,19 @@ class S3TierConfig:
     )
     backoff_initial_s: float = _doc("first wait before retrying after an outage", 0.5)
     backoff_max_s: float = _doc("longest wait between retries during an outage", 30.0)
+    orphan_age_s: float = _doc(
+        "at open, an uncommitted object (a layer without its manifest) is deleted only "
+        "once older than this: a younger one may be another store's upload",
+        600.0,
+    )
+    change_poll_s: float = _doc(
+        "how often the tier lists the prefix's change log for the commits and deletes of "
+        "other stores on it (one LIST); 0: never (this store is alone on the prefix)",
+        1.0,
+    )
+    change_log_keep_s: float = _doc(
+        "change log entries older than this are deleted by the store that lists them", 3600.0
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -465,11 +465,20 @@ class Tier(ABC):
                         raise o
                 if not all(oks):
                     return False
+                more = batch is not objects[-1:] and len(objects) > 1
+                if more and not await self.confirm(objects[:-1]):
+                    return False
             ok = True
             return True
         finally:
             if not ok:
                 await self.delete_many([o.key for o in objects])
+
+    async def confirm(self, objects: Sequence[GroupObject]) -> bool:
+        """Before a group's last object (its commit point) is written: the others are
+        there, whole. Default yes (a tier whose own writes are the only ones that touch
+        its objects); a medium other stores also clean up checks."""
+        return True
 
     def _buffers_of(self, obj: GroupObject) -> Iterable[Buffer]:
         """What ``put`` gets of ``obj``: its buffers (a tier that writes from a worker

@@ -2,12 +2,28 @@
 Ceph RGW, Cloudflare R2), through obstore (the only module that imports ``obstore``).
 
 Layout: ``<prefix>/objects/<key>`` for every object, ``<prefix>/quarantine/<key>`` for
-corrupt ones taken out of service. One object is one S3 object: a PUT is atomic (a
-reader sees the old object, none, or the whole new one); an object larger than
-``multipart_bytes`` goes up in parts of that size, and S3 publishes it whole when the
-upload completes. Partial retrieves read exactly their byte ranges (ranged GETs, never
-coalesced into larger reads). At open the store lists ``objects/`` to find committed
-segments again (restart).
+corrupt ones taken out of service, ``<prefix>/log/`` for the change log. One object is
+one S3 object: a PUT is atomic (a reader sees the old object, none, or the whole new
+one); an object larger than ``multipart_bytes`` goes up in parts of that size, and S3
+publishes it whole when the upload completes. Partial retrieves read exactly their byte
+ranges (ranged GETs, never coalesced into larger reads). At open the store lists
+``objects/`` to find committed segments again (restart).
+
+Several stores may share one prefix, as several processes share a disk folder:
+
+* nothing another store may still be writing is swept: at open, an uncommitted object
+  (a segment's layer without its manifest) is deleted only once it is older than
+  ``orphan_age_s`` (its Last-Modified);
+* a group's last object (a segment's manifest, the commit point) is written only after
+  a HEAD of each of its other objects confirms them there and whole: one HEAD per
+  layer object, in parallel;
+* every commit and delete is announced in the change log (``tiers/changelog.py``: one
+  empty object per change, its name saying what changed), which each store lists every
+  ``change_poll_s`` (one LIST, from a minute before the newest entry it has heard);
+  what it hears joins or leaves its books and index on its next call. Entries older
+  than ``change_log_keep_s`` are deleted by whichever store lists them. Until a store
+  has heard a change (up to ``change_poll_s``), a lookup may promise a segment another
+  store just removed; its get is then a miss, and the segment leaves the books.
 
 Outages are the Redis tier's rules: a connection error, a timeout, a 5xx, throttling
 (408, 429) or refused credentials (401, 403) turn the call into a miss (reads) or a
@@ -28,8 +44,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import secrets
+import time
 from collections.abc import AsyncIterator, Sequence
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import obstore
@@ -43,6 +61,7 @@ from hurray_store.config import S3TierConfig, parse_s3_url
 from hurray_store.tiers.base import (
     Blob,
     Buffer,
+    GroupObject,
     Outage,
     Range,
     ReadInto,
@@ -50,14 +69,17 @@ from hurray_store.tiers.base import (
     one_buffer,
     transfer_timeout_s,
 )
+from hurray_store.tiers.changelog import ChangeFeed, entry_time_ms
 
 log = logging.getLogger(__name__)
 _PARALLEL = 12  # parts of one object in flight at once (upload and ranged download)
+_LOG_PAGE = 10_000  # change log entries one listing takes at most
 
 
 class S3Tier(ServiceTier):
     config_cls = S3TierConfig
     persistent = True
+    journaled = True  # other stores on the prefix: heard through the change log
 
     def __init__(self, cfg: S3TierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)
@@ -66,6 +88,11 @@ class S3Tier(ServiceTier):
         self.root = f"{prefix}/" if prefix else ""
         self.objects = self.root + "objects/"
         self.quarantined = self.root + "quarantine/"
+        self.log = self.root + "log/"
+        self.feed = ChangeFeed(secrets.token_hex(6))
+        self._poller: asyncio.Task[None] | None = None
+        self._announcing: set[asyncio.Task[None]] = set()
+        self._cleaned = 0.0  # when the log's old entries were last deleted
         opts: ClientConfig = {
             "connect_timeout": timedelta(seconds=cfg.timeout_s),
             # Whole calls are timed in _guard (longer for more bytes); this is a backstop.
@@ -129,6 +156,130 @@ class S3Tier(ServiceTier):
             return True
 
         await self._guard("open (listing the bucket)", first_page, False)
+        if self.cfg.change_poll_s > 0 and self._poller is None:
+            self._poller = asyncio.ensure_future(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
+        await asyncio.gather(*self._announcing, return_exceptions=True)
+
+    # ------------------------------------------------------------------ other stores
+
+    def announce(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:
+        names = self.feed.names(added, removed)
+        if names:
+            task = asyncio.ensure_future(self._write_log(names))
+            self._announcing.add(task)
+            task.add_done_callback(self._announcing.discard)
+
+    async def _write_log(self, names: list[str]) -> None:
+        for name in names:
+
+            async def run(name: str = name) -> None:
+                await obstore.put_async(self.store, self.log + name, b"")
+
+            await self._guard("PUT (change log)", run, None)
+
+    def changes(self) -> list[tuple[bool, str]]:
+        return self.feed.take()
+
+    def has_changes(self) -> bool:
+        return bool(self.feed.pending)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.change_poll_s)
+            await self.poll()
+
+    async def poll(self) -> None:
+        """List the change log for what the other stores did since the last listing
+        (at most ``_LOG_PAGE`` entries a call; the rest the next time)."""
+        n = len(self.log)
+
+        async def run() -> list[str]:
+            got: list[str] = []
+            stream = obstore.list(
+                self.store, self.log, offset=self.log + self.feed.offset(), chunk_size=1000
+            )
+            async for batch in stream:
+                got += [m["path"][n:] for m in batch]
+                if len(got) >= _LOG_PAGE:
+                    break
+            return got
+
+        names = await self._guard("LIST (change log)", run, None)
+        for name in names or ():
+            self.feed.hear(name)
+        self.feed.forget_old()
+        now = time.time()
+        if now - self._cleaned > self.cfg.change_log_keep_s / 10:
+            self._cleaned = now
+            await self._clean_log(now)
+
+    async def _clean_log(self, now: float) -> None:
+        """Delete the log's entries older than ``change_log_keep_s`` (at most
+        ``_LOG_PAGE`` a call), oldest first, stopping at the first younger one."""
+        edge = (now - self.cfg.change_log_keep_s) * 1000
+        n = len(self.log)
+
+        async def run() -> list[str]:
+            old: list[str] = []
+            async for batch in obstore.list(self.store, self.log, chunk_size=1000):
+                for m in batch:
+                    ts = entry_time_ms(m["path"][n:])
+                    if ts is not None and ts >= edge:
+                        return old
+                    old.append(m["path"])
+                if len(old) >= _LOG_PAGE:
+                    break
+            return old
+
+        old = await self._guard("LIST (change log)", run, None)
+        if old:
+
+            async def delete() -> None:
+                await obstore.delete_async(self.store, old)
+
+            await self._guard("DELETE (change log)", delete, None)
+
+    async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
+        """Uncommitted objects older than ``orphan_age_s``: a younger one may be a layer
+        another store is still uploading."""
+        now = datetime.now(UTC)
+
+        async def age(key: str) -> float | None:
+            async def run() -> float:
+                meta = await obstore.head_async(self.store, self.path(key))
+                return (now - meta["last_modified"]).total_seconds()
+
+            return await self._guard("HEAD", run, None)
+
+        ages = await asyncio.gather(*(age(k) for k in keys))
+        limit = self.cfg.orphan_age_s
+        old = [k for k, a in zip(keys, ages, strict=True) if a is not None and a > limit]
+        if len(old) < len(keys):
+            log.info(
+                "s3 tier %s: %d uncommitted objects kept: another store may be writing them",
+                self.name,
+                len(keys) - len(old),
+            )
+        return old
+
+    async def confirm(self, objects: Sequence[GroupObject]) -> bool:
+        """A HEAD of each: every one there with its size, or the commit is not made."""
+        sizes = await self.sizes([o.key for o in objects])
+        missing = [o.key for o, n in zip(objects, sizes, strict=True) if n != o.nbytes]
+        if missing:
+            log.warning(
+                "s3 tier %s: %d objects of a group are gone before its commit (%s); not committed",
+                self.name,
+                len(missing),
+                missing[0],
+            )
+        return not missing
 
     async def get(self, key: str) -> Blob | None:
         """The whole object, one GET. (Parallel ranged GETs of its parts measured slower

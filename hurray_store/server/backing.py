@@ -14,6 +14,7 @@ Writes are charged to the tenant's quota.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,9 @@ from hurray_store.server.tenants import Tenant, Tenants, charge
 from hurray_store.store import TieredStore
 from hurray_store.store.catalog import depth
 from hurray_store.tiers import Blob, Buffer, Range, Reservation, StoredObject
+
+# Sequences of one lookup matched between two turns of the event loop.
+_SEQS_PER_STEP = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +239,9 @@ class ServedStore:
         matched: list[int] = []
         wanted: dict[bytes, None] = {}
         runs: list[Sequence[bytes]] = []
-        for have, hashes in seqs:
+        for i, (have, hashes) in enumerate(seqs):
+            if i and not i % _SEQS_PER_STEP:
+                await asyncio.sleep(0)  # a large lookup lets other requests in between
             mt = catalog.longest_prefix(hashes)
             matched.append(mt.num_pages)
             runs.append(mt.segment_ids)

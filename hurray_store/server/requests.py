@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from hurray_store import transport as tp
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from hurray_store.server.session import SessionHost
 
 log = logging.getLogger(__name__)
+_DECODE_ON_LOOP_BYTES = 256 << 10  # larger lookups are decoded in a worker thread
 
 
 class Requests:
@@ -112,7 +114,10 @@ class Requests:
         await self._reply(sid, Msg.X_DELETE_ACK, b"")
 
     async def _on_x_lookup(self, sid: int, payload: memoryview) -> None:
-        claim, wait_ms, seqs = _stream(lambda p: tp.decode_lookup(p, HASH_LEN), payload)
+        decode = partial(_stream, lambda p: tp.decode_lookup(p, HASH_LEN), payload)
+        # A large lookup is decoded in a worker thread: the loop serves others meanwhile.
+        big = payload.nbytes > _DECODE_ON_LOOP_BYTES
+        claim, wait_ms, seqs = await asyncio.to_thread(decode) if big else decode()
         matched, manifests = await self.server.desk.lookup(
             self, claim, wait_ms / 1000, seqs, self.client_max - 4096, self.tenant
         )

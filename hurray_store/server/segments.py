@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 PER_OBJECT_BYTES = 2048
 # Manifests larger than this are parsed in a worker thread.
 _PARSE_ON_LOOP_BYTES = 256 << 10
+# Sequences of one claiming lookup looked at between two turns of the event loop.
+_SEQS_PER_STEP = 64
 
 
 def manifest_limit(staged_bytes: int) -> int:
@@ -226,14 +228,14 @@ class SegmentDesk:
             if not claim:
                 return matched, manifests
             now = time.monotonic()
-            waits = {
-                c.fut
-                for (_, hs), m in zip(seqs, matched, strict=True)
-                for h in hs[m:]
-                if (c := self.claims.get((ns, h))) is not None
-                and c.owner is not session
-                and c.deadline > now
-            }
+            waits: set[asyncio.Future[None]] = set()
+            for i, ((_, hs), m) in enumerate(zip(seqs, matched, strict=True)):
+                if i and not i % _SEQS_PER_STEP:
+                    await asyncio.sleep(0)  # other requests in between
+                for h in hs[m:]:
+                    c = self.claims.get((ns, h))
+                    if c is not None and c.owner is not session and c.deadline > now:
+                        waits.add(c.fut)
             if not waits or now >= deadline:
                 break
             await asyncio.wait(waits, timeout=max(0.0, deadline - now))
@@ -243,6 +245,8 @@ class SegmentDesk:
         )
         todo: dict[tuple[str, bytes], None] = {}  # leading pages first
         for (_, hs), m in zip(seqs, matched, strict=True):
+            if len(todo) >= room:
+                break
             for h in hs[m:]:
                 if len(todo) >= room:
                     break

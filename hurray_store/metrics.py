@@ -8,6 +8,7 @@ its count and sum into the stats.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,6 +17,8 @@ from dataclasses import asdict, dataclass
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
 
 COUNTERS = (
     ("hits", "objects (or byte ranges of one object) found"),
@@ -26,6 +29,26 @@ COUNTERS = (
     ("verification_failures", "objects that failed a checksum, fingerprint or token check"),
     ("skipped_writes", "writes not made (tier down, disk full, too big)"),
 )
+
+
+# Why a group moved: every move the store makes is counted under one of these (by the
+# tier it left, or for promote and flush the tier it was copied into), logged at DEBUG,
+# and exported as hurray_store_moves_total / hurray_store_moved_bytes_total.
+MOVE_REASONS = {
+    "evict": "the tier's byte budget needed the room: its least recently used group left",
+    "demote": "evicted, and copied one tier down first (write-back)",
+    "budget_lowered": "evicted after the medium filled before its budget (the budget became "
+    "what the tier held)",
+    "promote": "read whole from a lower tier, and copied into this one",
+    "flush": "write-back: copied down into the first persistent tier on flush",
+    "quarantine": "failed verification: taken out of service (disk: quarantine/)",
+    "lost": "a read found it gone: expired, evicted by the service itself (Redis), deleted "
+    "by hand, truncated",
+    "other_process": "another process or store on the same medium removed it (the disk "
+    "journal, the S3 change log)",
+    "quota": "its tenant's quota needed the room (the cache server)",
+    "delete": "a caller deleted it",
+}
 
 
 @dataclass(slots=True)
@@ -55,7 +78,24 @@ class StoreMetrics:
             registry=self.registry,
             buckets=(1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
         )
+        self.moves: dict[tuple[str, str], list[int]] = {}  # (reason, tier) -> [groups, bytes]
         self.registry.register(_Collector(self))
+
+    def moved(self, reason: str, tier: str, group: object, nbytes: int) -> None:
+        """A group left ``tier``, or was copied into it, for ``reason`` (one of
+        ``MOVE_REASONS``): the one place every move of the store is recorded."""
+        assert reason in MOVE_REASONS, reason
+        c = self.moves.setdefault((reason, tier), [0, 0])
+        c[0] += 1
+        c[1] += nbytes
+        log.debug("moved: %s, tier %s, %s, %d bytes", reason, tier, group, nbytes)
+
+    def moves_snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Per reason, per tier: groups and bytes moved so far."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (reason, tier), (n, b) in sorted(self.moves.items()):
+            out.setdefault(reason, {})[tier] = {"groups": n, "bytes": b}
+        return out
 
     @contextmanager
     def timed(self, tier: str, op: str) -> Iterator[None]:
@@ -86,6 +126,16 @@ class _Collector(Collector):
             for tier, c in self.m.tiers.items():
                 fam.add_metric([tier], getattr(c, name))
             yield fam
+        by = ["reason", "tier"]
+        moves = CounterMetricFamily("hurray_store_moves", "groups moved, by reason", labels=by)
+        moved = CounterMetricFamily(
+            "hurray_store_moved_bytes", "bytes of the groups moved, by reason", labels=by
+        )
+        for (reason, tier), (n, b) in self.m.moves.items():
+            moves.add_metric([reason, tier], n)
+            moved.add_metric([reason, tier], b)
+        yield moves
+        yield moved
         gauges = self.m._gauges()
         for gname in ("objects", "bytes", "capacity_bytes"):
             g = GaugeMetricFamily(

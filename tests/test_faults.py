@@ -415,6 +415,7 @@ async def test_a_disk_that_fills_before_its_budget_evicts_and_keeps_storing(
         assert got is not None and bytes(got) == blob
         assert await store.get_object("obj/0") is None, "the oldest made room"
         assert store.stats()["tiers"]["disk"]["capacity_bytes"] < 1 << 20
+        assert store.stats()["moves"]["budget_lowered"]["disk"]["groups"] >= 1
 
 
 @pytest.mark.parametrize("medium", ["disk", "redis", "s3"])

@@ -140,6 +140,8 @@ def test_a_quota_evicts_the_tenants_own_groups_only(tmp_path: Path) -> None:
             everything = await ops.server_stats()
             assert everything is not None
             assert everything["tenants"]["bob"]["quota_evictions"] == 0
+            quota = everything["moves"]["quota"]
+            assert sum(q["groups"] for q in quota.values()) >= t["quota_evictions"], quota
             assert everything["tenants"]["alice"]["used_bytes"] == t["used_bytes"]
         finally:
             await ops.close()

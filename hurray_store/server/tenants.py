@@ -190,7 +190,7 @@ class Tenants:
         if victims:
             self.on_evict(tenant, len(victims))
         for g in victims:
-            await self.cascade.delete(delete_key_of(g))
+            await self.cascade.delete(delete_key_of(g), "quota")
 
     def written(self, tenant: Tenant, group: Group, nbytes: int) -> None:
         """The write ``admit`` charged for ended: the books take what the tiers hold."""

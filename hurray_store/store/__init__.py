@@ -208,7 +208,7 @@ class TieredStore:
         for i, t in enumerate(self.tiers):
             for added, key in t.changes():
                 if not added:
-                    self.cascade.lost(i, key)
+                    self.cascade.lost(i, key, "other_process")
                     continue
                 k = parse_key(key)
                 if (
@@ -409,7 +409,8 @@ class TieredStore:
     def stats(self) -> dict[str, Any]:
         """Per tier: objects, bytes, capacity, hits, misses, bytes read and written,
         evictions, verification failures, skipped writes, operation count and time;
-        and the index size."""
+        the index size; and per reason (``metrics.MOVE_REASONS``) and tier, the groups
+        and bytes that moved."""
         counters = self.metrics.snapshot()
         gauges = self._gauges()
         tiers = {
@@ -422,6 +423,7 @@ class TieredStore:
             "index_pages": len(index),
             "segments": len(index.segments()),
             "pending_write_bytes": self.cascade.pending_bytes,
+            "moves": self.metrics.moves_snapshot(),
         }
 
 

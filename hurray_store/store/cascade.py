@@ -242,19 +242,23 @@ class TierCascade:
         adm = self.policy.plan_write(tier, group, sizes, depth=depth)
         if not adm.accepted:
             return False
-        await self._evict(tier, adm.victims)
+        await self._evict(tier, adm.victims, "budget_lowered")
         return await t.put_group(objects)
 
-    async def _evict(self, tier: int, victims: Iterable[Victim]) -> None:
+    async def _evict(self, tier: int, victims: Iterable[Victim], reason: str = "evict") -> None:
         t = self.tiers[tier]
         for v in victims:
+            why = reason
             if v.demote_to is not None:
                 objs = await self._read_group(tier, v.sizes)
-                if objs is not None:
-                    await self._write(v.demote_to, v.group, objs, self.ledger.depth(v.group))
+                if objs is not None and await self._write(
+                    v.demote_to, v.group, objs, self.ledger.depth(v.group)
+                ):
+                    why = "demote"
             await t.delete_many(list(v.sizes))
             t.announce(removed=list(v.sizes)[:1])
             self.metrics.tiers[t.name].evictions += len(v.sizes)
+            self.metrics.moved(why, t.name, v.group, sum(v.sizes.values()))
             self._left(v.group)
 
     async def _read_group(self, tier: int, sizes: dict[str, int] | Any) -> list[GroupObject] | None:
@@ -267,12 +271,16 @@ class TierCascade:
             out.append(StoredObject(k, [host_view(got)]))
         return out
 
-    async def _copy_group(self, group: Group, src: int, targets: Sequence[int]) -> None:
+    async def _copy_group(
+        self, group: Group, src: int, targets: Sequence[int], reason: str
+    ) -> None:
         try:
             objs = await self._read_group(src, self.ledger.group_keys(src, group))
             if objs is not None:
+                nbytes = sum(o.nbytes for o in objs)
                 for i in targets:
-                    await self._write(i, group, objs, self.ledger.depth(group))
+                    if await self._write(i, group, objs, self.ledger.depth(group)):
+                        self.metrics.moved(reason, self.tiers[i].name, group, nbytes)
         finally:
             self._land(group)
 
@@ -282,7 +290,7 @@ class TierCascade:
         targets = self.policy.promote_targets(src, group)
         if targets:
             self._take_off(group)
-            self._spawn(self._copy_group(group, src, targets))
+            self._spawn(self._copy_group(group, src, targets, "promote"))
 
     async def flush(self) -> None:
         """Wait for write-through and promotions in flight; in write-back mode, move
@@ -291,7 +299,7 @@ class TierCascade:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         for group, src, dst in self.policy.flush_targets():
             self._take_off(group)
-            await self._copy_group(group, src, [dst])
+            await self._copy_group(group, src, [dst], "flush")
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -471,12 +479,14 @@ class TierCascade:
         if self.tiers[tier].available:
             self.lost(tier, key)
 
-    def lost(self, tier: int, key: str) -> None:
-        """``key`` is gone from ``tier`` (another process removed it, or a read found it
-        missing): its group leaves the books there, unless this store is writing it."""
+    def lost(self, tier: int, key: str, reason: str = "lost") -> None:
+        """``key`` is gone from ``tier`` (another process removed it: ``other_process``,
+        or a read found it missing): its group leaves the books there, unless this store
+        is writing it."""
         group = self.ledger.group_of(tier, key)
         if group is not None and not self.ledger.is_writing(tier, group):
-            self.ledger.forget(tier, group)
+            sizes = self.ledger.forget(tier, group)
+            self.metrics.moved(reason, self.tiers[tier].name, group, sum(sizes.values()))
             self._left(group)
 
     def report_bad(self, tier: int, group: Group, key: str, why: str) -> None:
@@ -488,6 +498,7 @@ class TierCascade:
             "tier %s: %s failed verification (%s); quarantined, treated as a miss", t.name, key, why
         )
         sizes = self.ledger.forget(tier, group)
+        self.metrics.moved("quarantine", t.name, group, sum(sizes.values()))
         self._spawn(self._quarantine(tier, key, [k for k in sizes if k != key]))
         self._left(group)
 
@@ -500,9 +511,10 @@ class TierCascade:
 
     # ------------------------------------------------------------------ the rest
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, key: str, reason: str = "delete") -> None:
         """Delete ``key`` everywhere, with its whole group (a tier never keeps part of
-        one). Write-throughs of it still in flight land first: they would put it back."""
+        one). Write-throughs of it still in flight land first: they would put it back.
+        ``reason``: ``delete`` (a caller's) or ``quota`` (a tenant's quota)."""
         for g in set(self.ledger.groups_of(key).values()):
             flight = self._flights.get(g)
             if flight is not None:
@@ -512,8 +524,10 @@ class TierCascade:
             if self.ledger.is_writing(i, group):
                 self._deleted_while_writing.add((i, group))  # undone when its write ends
                 continue
-            await self.tiers[i].delete_many(list(self.ledger.forget(i, group)) or [key])
+            sizes = self.ledger.forget(i, group)
+            await self.tiers[i].delete_many(list(sizes) or [key])
             self.tiers[i].announce(removed=[key])
+            self.metrics.moved(reason, self.tiers[i].name, group, sum(sizes.values()))
             self._left(group)
         for i in self.shared_tiers(skip=list(holders)):
             await self.tiers[i].delete(key)

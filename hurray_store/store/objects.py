@@ -112,7 +112,7 @@ class ObjectStore:
                 "object %s: not the bytes this store put (replaced elsewhere); a miss", name
             )
             for i in self.cascade.ledger.holders(key):
-                self.cascade.lost(i, key)
+                self.cascade.lost(i, key, "other_process")
             return None
         return got
 
@@ -230,10 +230,10 @@ class ObjectStore:
         if members:
             sizes[obj.group_record] = len(host_view(blob))  # type: ignore[arg-type]
         if old is not None:
-            self.cascade.lost(tier, obj.stored)
+            self.cascade.lost(tier, obj.stored, "other_process")
         for k in sizes:  # a key of another group the books know: that group is gone
             if (g := led.group_of(tier, k)) is not None and g != obj:
-                self.cascade.lost(tier, k)
+                self.cascade.lost(tier, k, "other_process")
         led.record(tier, obj, sizes)  # type: ignore[arg-type]
 
     async def rebuild(

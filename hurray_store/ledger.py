@@ -193,6 +193,21 @@ class Ledger:
 
     # ------------------------------------------------------------------ changes
 
+    def take_room(
+        self,
+        tier: int,
+        group: Group,
+        sizes: Mapping[str, int],
+        depth: int,
+        victims: Iterable[Group],
+    ) -> None:
+        """Apply an accepted ``policy.plan_write``: its victims leave the books and the
+        group's room is taken (WRITING; readers do not see it yet)."""
+        with self.lock:
+            for g in victims:
+                self._drop(tier, g)
+            self.begin_write(tier, group, sizes, depth)
+
     def begin_write(self, tier: int, group: Group, sizes: Mapping[str, int], depth: int) -> None:
         """The group's room is taken in ``tier``; readers do not see it yet."""
         with self.lock:

@@ -74,49 +74,44 @@ class Policy:
     def plan_write(
         self, tier: int, group: Group, sizes: Mapping[str, int], *, depth: int = 0
     ) -> Admission:
-        """Take room for ``group`` in ``tier`` (the ledger marks it WRITING) and choose
-        the victims: least recently used groups that are neither pinned nor being
-        written, until it fits. The victims are off the books when this returns (the
-        cascade deletes their bytes, demoting them first where ``demote_to`` says). A
-        group already there is replaced. The writer ends with ``ledger.complete_write``.
-        Other threads take pins: the choice and the books' change are one step under
-        the books' lock, so nothing is pinned in between.
+        """Whether ``group`` may be written to ``tier``, and its victims: least recently
+        used groups that are neither pinned nor being written, until it fits (a group
+        already there is replaced, its room counted free). Decides only: the books are
+        not touched. The cascade applies an accepted plan with ``ledger.take_room``
+        (the victims leave the books, the group is WRITING) in the same hold of the
+        books' lock, so nothing is pinned in between; it deletes the victims' bytes,
+        demoting them first where ``demote_to`` says, and ends the write with
+        ``ledger.complete_write``.
         """
-        with self.ledger.lock:
-            return self._plan_write(tier, group, sizes, depth)
-
-    def _plan_write(
-        self, tier: int, group: Group, sizes: Mapping[str, int], depth: int
-    ) -> Admission:
         led = self.ledger
-        cap = self.tiers[tier].capacity_bytes
-        need = sum(sizes.values())
-        if cap is not None and need > cap:
-            return Admission(False, reason=f"{need} bytes exceed the tier's whole budget of {cap}")
-        if led.is_writing(tier, group):
-            return Admission(False, reason="the group is being written to this tier already")
-        led.forget(tier, group)
-        chosen: list[Group] = []
-        if cap is not None and led.used_bytes(tier) + need > cap:
-            free = cap - led.used_bytes(tier)
-            for g, e in led.entries(tier):
-                if free >= need:
-                    break
-                if not e.ready or led.is_pinned(g):
-                    continue
-                chosen.append(g)
-                free += e.nbytes
-            if free < need:
+        with led.lock:
+            cap = self.tiers[tier].capacity_bytes
+            need = sum(sizes.values())
+            if cap is not None and need > cap:
                 return Admission(
-                    False,
-                    reason=f"{need} bytes do not fit: the rest of the {cap}-byte budget is pinned "
-                    "or being written",
+                    False, reason=f"{need} bytes exceed the tier's whole budget of {cap}"
                 )
-        victims = tuple(
-            Victim(g, led.forget(tier, g), self._demote_target(tier, g)) for g in chosen
-        )
-        led.begin_write(tier, group, sizes, depth)
-        return Admission(True, victims)
+            if led.is_writing(tier, group):
+                return Admission(False, reason="the group is being written to this tier already")
+            used = led.used_bytes(tier) - sum(led.group_keys(tier, group).values())
+            chosen: list[tuple[Group, Mapping[str, int]]] = []
+            if cap is not None and used + need > cap:
+                free = cap - used
+                for g, e in led.entries(tier):
+                    if free >= need:
+                        break
+                    if g == group or not e.ready or led.is_pinned(g):
+                        continue
+                    chosen.append((g, dict(e.sizes)))
+                    free += e.nbytes
+                if free < need:
+                    return Admission(
+                        False,
+                        reason=f"{need} bytes do not fit: the rest of the {cap}-byte budget is "
+                        "pinned or being written",
+                    )
+            victims = tuple(Victim(g, sz, self._demote_target(tier, g)) for g, sz in chosen)
+            return Admission(True, victims)
 
     def lower_budget(self, tier: int) -> int | None:
         """The tier's medium is full before its budget: make what it holds now (less

@@ -22,9 +22,18 @@ def make(tiers: list[TierInfo], **kw: object) -> Policy:
     return Policy(Ledger(tiers), **kw)  # type: ignore[arg-type]
 
 
+def take(p: Policy, tier: int, group: str, sizes: dict[str, int], depth: int = 0) -> Admission:
+    """Plan a write and apply the plan to the books, as the cascade does."""
+    with p.ledger.lock:
+        adm = p.plan_write(tier, group, sizes, depth=depth)
+        if adm.accepted:
+            p.ledger.take_room(tier, group, sizes, depth, [v.group for v in adm.victims])
+    return adm
+
+
 def admit(p: Policy, tier: int, group: str, sizes: dict[str, int], depth: int = 0) -> Admission:
-    """Plan a write and complete it (the bytes written)."""
-    adm = p.plan_write(tier, group, sizes, depth=depth)
+    """Plan a write, apply it and complete it (the bytes written)."""
+    adm = take(p, tier, group, sizes, depth)
     if adm.accepted:
         p.ledger.complete_write(tier, group, True)
     return adm
@@ -101,7 +110,7 @@ def test_pins_by_handle_hold_the_copy_found_and_follow_it_when_it_leaves() -> No
     led.unpin_one(pin)
     # "b" written again: its old entry is no copy any more; WRITING is none to pin.
     old = rb.entry
-    assert p.plan_write(0, "b", {"b/0": 50}).accepted
+    assert take(p, 0, "b", {"b/0": 50}).accepted
     assert old is not None and not old.ready
     assert led.pin_refs([rb]) == [] and rb.entry is old
     led.complete_write(0, "b", True)
@@ -210,23 +219,23 @@ def test_unbounded_tier_never_evicts() -> None:
 def test_a_group_being_written_is_unreadable_and_never_a_victim() -> None:
     p = make([MEM])
     led = p.ledger
-    assert p.plan_write(0, "w", {"w/0": 60, "w/m": 10}).accepted
+    assert take(p, 0, "w", {"w/0": 60, "w/m": 10}).accepted
     assert led.holders("w/m") == [] and led.group_holders("w") == [], (
         "not readable before its bytes exist"
     )
     assert led.used_bytes(0) == 70, "its room is taken at once"
-    adm = p.plan_write(0, "x", {"x/0": 40})
+    adm = take(p, 0, "x", {"x/0": 40})
     assert not adm.accepted and "being written" in adm.reason, (
         "the only candidate victim is being written"
     )
     led.complete_write(0, "w", True)
     assert led.holders("w/m") == [0] and led.group_holders("w") == [0]
-    assert [v.group for v in p.plan_write(0, "x", {"x/0": 40}).victims] == ["w"]
+    assert [v.group for v in take(p, 0, "x", {"x/0": 40}).victims] == ["w"]
 
 
 def test_a_failed_write_leaves_no_trace_in_the_books() -> None:
     p = make([MEM])
-    assert p.plan_write(0, "w", {"w/0": 60}).accepted
+    assert take(p, 0, "w", {"w/0": 60}).accepted
     p.ledger.complete_write(0, "w", False)
     assert (
         p.ledger.groups(0) == []
@@ -237,8 +246,8 @@ def test_a_failed_write_leaves_no_trace_in_the_books() -> None:
 
 def test_a_group_cannot_be_written_twice_into_one_tier_at_once() -> None:
     p = make([MEM])
-    assert p.plan_write(0, "w", {"w/0": 10}).accepted
-    assert not p.plan_write(0, "w", {"w/0": 10}).accepted
+    assert take(p, 0, "w", {"w/0": 10}).accepted
+    assert not take(p, 0, "w", {"w/0": 10}).accepted
 
 
 @pytest.mark.parametrize(
@@ -278,7 +287,7 @@ def test_verification_and_scans_follow_the_tier_kind() -> None:
 def test_flush_skips_groups_still_being_written() -> None:
     p = make([MEM, DISK], write_mode="back")
     admit(p, 0, "a", {"a/0": 10})
-    assert p.plan_write(0, "b", {"b/0": 10}).accepted
+    assert take(p, 0, "b", {"b/0": 10}).accepted
     assert p.flush_targets() == [("a", 0, 1)]
 
 
@@ -286,7 +295,7 @@ def test_pin_ready_pins_the_ready_prefix_only() -> None:
     p = make([MEM])
     evicted(p, 0, "a", 10)
     evicted(p, 0, "b", 10)
-    assert p.plan_write(0, "w", {"w/0": 10}).accepted  # WRITING: no get finds it yet
+    assert take(p, 0, "w", {"w/0": 10}).accepted  # WRITING: no get finds it yet
     assert p.ledger.pin_ready(["a/0", "b/0", "w/0", "a/0"]) == ["a", "b"]  # the pins
     assert p.ledger.is_pinned("a") and p.ledger.is_pinned("b")
     assert not p.ledger.is_pinned("w")
@@ -326,7 +335,7 @@ def test_pins_let_go_are_counted_off_by_the_next_pin_and_never_pile_up() -> None
         led.unpin(led.pin_ready(["a/0"]))
     assert len(led._released) <= ledger_module._RELEASED_KEPT  # not five thousand
     assert not led.is_pinned("a")
-    assert p.plan_write(0, "b", {"b/0": 95}).victims  # and "a" is a victim again
+    assert take(p, 0, "b", {"b/0": 95}).victims  # and "a" is a victim again
 
 
 def test_a_group_pinned_from_another_thread_is_never_a_victim() -> None:
@@ -356,7 +365,7 @@ def test_a_group_pinned_from_another_thread_is_never_a_victim() -> None:
     t.start()
     try:
         for n in range(20000):
-            adm = p.plan_write(0, f"g{n}", {f"g{n}/0": 30})
+            adm = take(p, 0, f"g{n}", {f"g{n}/0": 30})
             assert adm.accepted, adm.reason
             assert not {v.group for v in adm.victims} & held  # type: ignore[misc]
             led.complete_write(0, f"g{n}", True)
@@ -365,3 +374,14 @@ def test_a_group_pinned_from_another_thread_is_never_a_victim() -> None:
         t.join()
         sys.setswitchinterval(old)
     assert pinned_count[0] > 0  # the thread did pin, often
+
+
+def test_a_plan_alone_changes_nothing_in_the_books() -> None:
+    """``plan_write`` decides; the books change only when the plan is applied."""
+    p = make([TierInfo("mem", 100, False)])
+    evicted(p, 0, "a", 60)
+    adm = p.plan_write(0, "b", {"b/0": 60})
+    assert adm.accepted and [v.group for v in adm.victims] == ["a"]
+    assert p.ledger.groups(0) == ["a"] and p.ledger.used_bytes(0) == 60, "untouched"
+    p.ledger.take_room(0, "b", {"b/0": 60}, 0, ["a"])
+    assert p.ledger.groups(0) == ["b"] and p.ledger.is_writing(0, "b")

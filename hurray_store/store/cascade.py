@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from hurray_store.ledger import Group, Ledger
 from hurray_store.metrics import StoreMetrics
-from hurray_store.policy import Policy, Victim
+from hurray_store.policy import Admission, Policy, Victim
 from hurray_store.tiers import (
     Blob,
     NowRead,
@@ -190,7 +190,7 @@ class TierCascade:
         sizes = {o.key: o.nbytes for o in objects}
         while (earlier := self._writes.get((tier, group))) is not None:
             await earlier.wait()
-        adm = self.policy.plan_write(tier, group, sizes, depth=depth)
+        adm = self._take_room(tier, group, sizes, depth)
         if not adm.accepted:
             c.skipped_writes += 1
             log.info("tier %s: skipped %s: %s", t.name, group, adm.reason)
@@ -239,11 +239,20 @@ class TierCascade:
             "tier %s: the medium is full at %d bytes held; that is its budget now", t.name, budget
         )
         self.ledger.complete_write(tier, group, False)
-        adm = self.policy.plan_write(tier, group, sizes, depth=depth)
+        adm = self._take_room(tier, group, sizes, depth)
         if not adm.accepted:
             return False
         await self._evict(tier, adm.victims, "budget_lowered")
         return await t.put_group(objects)
+
+    def _take_room(self, tier: int, group: Group, sizes: dict[str, int], depth: int) -> Admission:
+        """The policy's plan for this write, applied to the books in the same hold of
+        their lock (no pin taken in between can make a victim of a pinned group)."""
+        with self.ledger.lock:
+            adm = self.policy.plan_write(tier, group, sizes, depth=depth)
+            if adm.accepted:
+                self.ledger.take_room(tier, group, sizes, depth, [v.group for v in adm.victims])
+        return adm
 
     async def _evict(self, tier: int, victims: Iterable[Victim], reason: str = "evict") -> None:
         t = self.tiers[tier]

@@ -1,8 +1,8 @@
 """Reusable host buffers.
 
-Memory touched for the first time costs a page fault per 4 KiB (about 2 us: a fresh
-64 MiB buffer fills at 1.3-2 GB/s where a resident one fills at 6-11 GB/s; see
-limits.md). The hot paths (gathering a segment for a put, reading pages for a
+Memory touched for the first time costs a page fault per 4 KiB, several times the copy
+of those bytes into memory already resident (docs/benchmarks.md: snapshot into fresh
+memory against a resident staging buffer). The hot paths (gathering a segment for a put, reading pages for a
 retrieve, assembling a Redis value) therefore borrow resident buffers from a pool and
 give them back, instead of allocating per call.
 """

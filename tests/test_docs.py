@@ -34,6 +34,23 @@ def test_no_document_speaks_of_issue_letters() -> None:
     assert [str(p) for p in texts if pattern.search(p.read_text())] == []
 
 
+def test_the_documents_are_users_documents_not_a_lab_notebook() -> None:
+    """No run letters ("run AP", "in runs A-T"), no "sitting", no paths out of the
+    repository: a document says what holds now; the history of the runs is in git."""
+    patterns = [
+        re.compile(r"\bruns? [A-Z]{1,2}\b(?!-\d)"),
+        re.compile(r"\bsitting\b"),
+        re.compile(r"\.\./|/work/|/root/|/tmp/pytest|\blimits\.md|\bpeers\.md"),
+    ]
+    found = [
+        f"{p.name}: {m.group(0)!r}"
+        for p in [*DOCS, *sorted((ROOT / "tools").glob("*.py")), ROOT / "hurray_store/buffers.py"]
+        for pat in patterns
+        if (m := pat.search(p.read_text()))
+    ]
+    assert found == []
+
+
 @pytest.mark.parametrize("path", [p for p in DOCS if python_blocks(p)], ids=lambda p: p.name)
 def test_python_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     shutil.copytree(ROOT / "configs", tmp_path / "configs")

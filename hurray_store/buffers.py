@@ -2,9 +2,9 @@
 
 Memory touched for the first time costs a page fault per 4 KiB, several times the copy
 of those bytes into memory already resident (docs/benchmarks.md: snapshot into fresh
-memory against a resident staging buffer). The hot paths (gathering a segment for a put, reading pages for a
-retrieve, assembling a Redis value) therefore borrow resident buffers from a pool and
-give them back, instead of allocating per call.
+memory against a resident staging buffer). The hot paths (gathering a segment for a
+put, reading pages for a retrieve, assembling a Redis value) therefore borrow resident
+buffers from a pool and give them back, instead of allocating per call.
 """
 
 from __future__ import annotations

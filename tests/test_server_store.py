@@ -9,10 +9,11 @@ import pytest
 from hurray_store import PagedKVPool
 from hurray_store import keys as keymod
 from hurray_store.config import ServerConfig, load_config
-from hurray_store.errors import ChecksumError, FormatError
+from hurray_store.errors import ChecksumError, FormatError, ProtocolError
 from hurray_store.keys import ObjectKey, SegmentKey, SegmentPart, parse_key
+from hurray_store.server.access import Op, ServedKey, authorize, served
 from hurray_store.server.backing import ServedStore
-from hurray_store.server.tenants import Tenants
+from hurray_store.server.tenants import Tenant, Tenants
 from hurray_store.store import TieredStore
 from tests import server_client as sc
 
@@ -112,19 +113,41 @@ async def test_served_keys() -> None:
     async with _cpu() as store:
         s = _served(store)
         me = s.tenants.all[0]
+
+        def key(k: str, op: Op = "read") -> ServedKey:
+            return served(me, op, k, s.namespaces)
+
         seg = SegmentKey("hurray", bytes.fromhex("00ff")).layer(3)
-        k = s.key(seg, me)
+        k = key(seg, "write")
         assert k.stored == seg and k.segment == SegmentPart(
             SegmentKey("hurray", bytes.fromhex("00ff")), 3
         ), "a segment key of this namespace is kept as it is"
-        assert (
-            s.key("my/tensor", me).stored == "hurray/o/my/tensor"
-            and s.key("my/tensor", me).segment is None
-        )
-        other = s.key(SegmentKey("elsewhere", bytes.fromhex("00ff")).layer(3), me)
+        assert key("my/tensor").stored == "hurray/o/my/tensor" and key("my/tensor").segment is None
+        other = key(SegmentKey("elsewhere", bytes.fromhex("00ff")).layer(3))
         assert other.stored.startswith("hurray/o/") and other.segment is None
         with pytest.raises(FormatError):
             await s.put_key(k, [b"x"], me)  # a segment object is only stored by its commit
+
+
+def test_every_access_is_decided_by_authorize() -> None:
+    alice = Tenant("alice", "alice", admin=False, quota=None)
+    ops = Tenant("ops", "ops", admin=True, quota=None)
+    spaces = {"alice": alice, "ops": ops}
+    manifest = SegmentKey("alice", b"\x01").manifest
+    layer = SegmentKey("alice", b"\x01").layer(0)
+    assert authorize(alice, "commit", manifest, spaces).allowed
+    for op_key in (layer, SegmentKey("ops", b"\x01").manifest, "plain"):
+        d = authorize(alice, "commit", op_key, spaces)
+        assert not d.allowed and "not a manifest key" in d.why, op_key
+    assert not authorize(alice, "stats", None, spaces).allowed
+    assert authorize(ops, "stats", None, spaces).allowed
+    theirs = "alice/o/x"
+    assert served(ops, "read", theirs, spaces).stored == theirs, "an admin reads in full"
+    assert served(ops, "delete", theirs, spaces).stored == theirs
+    assert served(ops, "write", theirs, spaces).stored == "ops/o/alice/o/x", "never writes"
+    assert served(alice, "read", "ops/o/x", spaces).stored == "alice/o/ops/o/x"
+    with pytest.raises(ProtocolError):
+        served(alice, "commit", layer, spaces)
 
 
 def test_stored_key_parsing() -> None:

@@ -1,10 +1,7 @@
 """ServedStore: what the cache server needs from a store, and nothing else.
 
-Clients name keys as the tiers store them, inside their tenant's namespace (see
-``tenants.py``): a client's segment keys in that namespace stay what they are (a restart
-finds them as segments); any other key a client names is kept as an object-level key of
-that namespace. ``key`` parses a client's key once; the rest takes the parsed value.
-Writes are charged to the tenant's quota.
+It takes keys as ``access.authorize`` made them of a client's (``ServedKey``: parsed
+once, inside the tenant's namespace). Writes are charged to the tenant's quota.
 
 - ``reserve`` / ``buffers``: where a put's bytes land (tier space, else a resident buffer).
 - ``put_key``: one object-level object. ``commit_segment``: a segment, verified first.
@@ -16,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from hurray_store.errors import ChecksumError, FormatError
 from hurray_store.format import Manifest
-from hurray_store.keys import ObjectKey, SegmentKey, SegmentPart, parse_key
+from hurray_store.keys import SegmentKey
 from hurray_store.ledger import Group
+from hurray_store.server.access import ServedKey
 from hurray_store.server.tenants import Tenant, Tenants, charge
 from hurray_store.store import TieredStore
 from hurray_store.store.catalog import depth
@@ -30,15 +27,6 @@ from hurray_store.tiers import Blob, Buffer, Range, Reservation, StoredObject
 
 # Sequences of one lookup matched between two turns of the event loop.
 _SEQS_PER_STEP = 64
-
-
-@dataclass(frozen=True, slots=True)
-class ServedKey:
-    """A client's key as this store keeps it."""
-
-    stored: str  # the key the tiers hold
-    segment: SegmentPart | None  # set for one of this store's segment objects
-    obj: ObjectKey | None = None  # set for an object-level key (a group of its own)
 
 
 class ServedStore:
@@ -57,23 +45,10 @@ class ServedStore:
     def tier_names(self) -> list[str]:
         return [t.name for t in self.store.tiers]
 
-    def key(self, client_key: str, tenant: Tenant, *, write: bool = False) -> ServedKey:
-        """``client_key`` inside the tenant's namespace. An admin's key naming another
-        tenant's namespace is taken as stored there (to read or delete; never to write)."""
-        k = parse_key(client_key)
-        ns = tenant.namespace
-        if k is not None and tenant.admin and not write:
-            other = k.segment.namespace if isinstance(k, SegmentPart) else None
-            if isinstance(k, ObjectKey):
-                other = k.namespace
-            if other is not None and other != ns and other in self.tenants.by_namespace:
-                if isinstance(k, SegmentPart):
-                    return ServedKey(client_key, k)
-                return ServedKey(client_key, None, k if isinstance(k, ObjectKey) else None)
-        if isinstance(k, SegmentPart) and k.segment.namespace == ns:
-            return ServedKey(client_key, k)
-        obj = ObjectKey(ns, client_key)
-        return ServedKey(obj.stored, None, obj)
+    @property
+    def namespaces(self) -> dict[str, Tenant]:
+        """The tenants by namespace (what ``access.authorize`` is given)."""
+        return self.tenants.by_namespace
 
     def reserve(self, nbytes: int) -> Reservation | None:
         """Space in the tier a new object of ``nbytes`` lands in, to receive it in
@@ -172,10 +147,6 @@ class ServedStore:
         ``Manifest.from_bytes(manifest)``, when the caller has it already.
         """
         try:
-            if seg.namespace != tenant.namespace:
-                raise FormatError(
-                    f"namespace {seg.namespace!r} is not the tenant's ({tenant.namespace!r})"
-                )
             m = parsed if parsed is not None else Manifest.from_bytes(manifest)
             if m.segment_id != seg.segment_id:
                 raise FormatError(

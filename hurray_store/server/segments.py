@@ -13,6 +13,7 @@ from hurray_store.config import ServerConfig
 from hurray_store.errors import FormatError
 from hurray_store.format import Manifest
 from hurray_store.keys import SegmentKey
+from hurray_store.server.access import authorize
 from hurray_store.server.backing import ServedStore
 from hurray_store.server.tenants import Tenant
 from hurray_store.store.space import ObjectSpace
@@ -274,13 +275,10 @@ class SegmentDesk:
     ) -> tuple[int, str] | None:
         """Store a segment of the tenant from its manifest and staged objects; None when
         stored, else (error code, why)."""
-        seg = self.store.key(manifest_key, tenant, write=True).segment
-        if seg is None or not seg.is_manifest:
-            return (
-                Err.REJECTED,
-                f"{manifest_key!r} is not a manifest key of this client's namespace "
-                f"({tenant.namespace!r})",
-            )
+        d = authorize(tenant, "commit", manifest_key, self.store.namespaces)
+        seg = d.key.segment if d.key is not None else None
+        if not d.allowed or seg is None:
+            return Err.REJECTED, d.why
         st = self.staged.pop(seg.segment, None)
         if st is None or not st.objects:
             return (

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from hurray_store import transport as tp
 from hurray_store.config import ServerConfig
 from hurray_store.errors import FormatError, ProtocolError
+from hurray_store.server.access import served
 from hurray_store.server.backing import ServedStore
 from hurray_store.server.metrics import ServerMetrics
 from hurray_store.server.requests import Requests
@@ -122,7 +123,7 @@ class PutInFlight:
     deadline: float = 0.0
 
 
-class Session(Requests):
+class Session:
     """One client connection."""
 
     def __init__(self, server: SessionHost, sock: socket.socket, peer: str) -> None:
@@ -143,15 +144,17 @@ class Session(Requests):
         self.heard = False  # its first header arrived
         self.peer_host = peer.rsplit(":", 1)[0]
 
-        # The requests that run as tasks of their own, each by its handler.
+        # The requests that run as tasks of their own, each by its handler (composed:
+        # they see this connection as a ``context.RequestContext``).
+        r = Requests(self)
         self.requests: dict[Msg, Callable[[int, memoryview], Awaitable[None]]] = {
-            Msg.TENSOR_REQUEST: self._on_tensor_request,
-            Msg.X_RANGES: self._on_x_ranges,
-            Msg.X_CONTAINS: self._on_x_contains,
-            Msg.X_DELETE: self._on_x_delete,
-            Msg.X_LOOKUP: self._on_x_lookup,
-            Msg.X_COMMIT: self._on_x_commit,
-            Msg.X_STATS: self._on_x_stats,
+            Msg.TENSOR_REQUEST: r.on_tensor_request,
+            Msg.X_RANGES: r.on_x_ranges,
+            Msg.X_CONTAINS: r.on_x_contains,
+            Msg.X_DELETE: r.on_x_delete,
+            Msg.X_LOOKUP: r.on_x_lookup,
+            Msg.X_COMMIT: r.on_x_commit,
+            Msg.X_STATS: r.on_x_stats,
         }
 
     @property
@@ -215,7 +218,7 @@ class Session(Requests):
             pass
         self.close()
 
-    async def _error(self, stream: int, code: int, message: str) -> None:
+    async def error(self, stream: int, code: int, message: str) -> None:
         """ERROR on one stream; the connection stays."""
         assert self.ch is not None
         self.server.metrics.errors.labels(f"0x{code:02x}").inc()
@@ -357,7 +360,7 @@ class Session(Requests):
         )
         self.puts[sid] = put
         if n > self.cfg.max_object_bytes:
-            await self._error(
+            await self.error(
                 sid,
                 Err.MESSAGE_TOO_LARGE,
                 f"an object of {n} bytes; this server takes at most {self.cfg.max_object_bytes}",
@@ -371,7 +374,7 @@ class Session(Requests):
         # The frames' deadline runs from now: the wait for room is not the client's delay.
         put.deadline = time.monotonic() + transfer_timeout_s(self.cfg.request_timeout_s, n)
         if not got:
-            await self._error(
+            await self.error(
                 sid,
                 Err.BUSY,
                 f"no room for {cost} more bytes of puts in flight within "
@@ -414,7 +417,7 @@ class Session(Requests):
             put.landing = None
             landing.release()
             landing = None
-            await self._error(
+            await self.error(
                 sid, Err.BUSY, f"no room for {k} more bytes of puts in flight; the put is dropped"
             )
         if landing is None:
@@ -433,7 +436,7 @@ class Session(Requests):
         the put's stream, and False."""
         why = await self.server.store.tenants.stage_room(self.tenant, n)
         if why:
-            await self._error(sid, Err.NOT_STORED, why)
+            await self.error(sid, Err.NOT_STORED, why)
         return not why
 
     def _put_end(self, sid: int, n: int) -> None:
@@ -454,11 +457,11 @@ class Session(Requests):
 
     async def _put_store(self, sid: int, key: str, landing: Landing) -> None:
         store = self.server.store
-        k = store.key(key, self.tenant, write=True)
+        k = served(self.tenant, "write", key, store.namespaces)
         seg = k.segment
         if seg is not None and seg.is_manifest:
             landing.release()
-            await self._error(
+            await self.error(
                 sid, Err.REJECTED, "a segment's manifest commits it: send it with X_COMMIT"
             )
             return
@@ -471,14 +474,14 @@ class Session(Requests):
                     k, [landing.view], self.tenant, landing.release, landing.res
                 )
             except FormatError as e:
-                await self._error(sid, Err.NOT_STORED, str(e))
+                await self.error(sid, Err.NOT_STORED, str(e))
                 return
         assert self.ch is not None
         if ok:
             async with self.ch.send_lock:
                 await self.ch.send(Msg.TENSOR_PUT_ACK, sid)
         else:
-            await self._error(sid, Err.NOT_STORED, "no tier of the server took the object")
+            await self.error(sid, Err.NOT_STORED, "no tier of the server took the object")
 
     # ------------------------------------------------------------------ requests
 
@@ -497,7 +500,7 @@ class Session(Requests):
                 if e.fatal:
                     await self._fatal(sid, e.code, str(e))
                 else:
-                    await self._error(sid, e.code, str(e))
+                    await self.error(sid, e.code, str(e))
             except TimeoutError as e:  # an answer stuck half-sent: the stream is unusable
                 let_go(e)
                 log.info(
@@ -515,7 +518,7 @@ class Session(Requests):
                 log.exception("client %s: %s failed", self.peer, name)
                 let_go(e)
                 with contextlib.suppress(Exception):
-                    await self._error(
+                    await self.error(
                         sid, Err.INTERNAL, f"{name} failed on the server: {e.__class__.__name__}"
                     )
             finally:

@@ -2,7 +2,8 @@
 bytes it may hold.
 
 A client is known by the token it sends in its CLIENT_HELLO, and served as that token's
-tenant. A tenant reads and writes one namespace only: every key it names is taken inside
+tenant. What it may do to which key is decided in one place, ``access.authorize``. A
+tenant reads and writes one namespace only: every key it names is taken inside
 its namespace, so another tenant's segments and objects are out of its reach (it can
 neither read, replace nor delete them). An admin tenant may also name other tenants'
 keys in full (``<namespace>/...``) to read or delete them.

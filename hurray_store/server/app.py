@@ -41,10 +41,11 @@ from typing import Any
 
 from hurray_store.config import ServerConfig, StoreConfig
 from hurray_store.server.backing import ServedStore
+from hurray_store.server.guards import HelloFailures
 from hurray_store.server.http import HealthEndpoint
 from hurray_store.server.metrics import ServerMetrics
 from hurray_store.server.segments import PutBudget, SegmentDesk
-from hurray_store.server.session import HelloFailures, Session
+from hurray_store.server.session import Session
 from hurray_store.server.tenants import Tenants
 from hurray_store.store import TieredStore
 

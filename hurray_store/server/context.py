@@ -5,7 +5,7 @@ it and not on each other."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hurray_store import transport as tp
 from hurray_store.config import ServerConfig
@@ -26,4 +26,10 @@ class RequestContext(Protocol):
 
     async def error(self, stream: int, code: int, message: str) -> None:
         """ERROR on one stream; the connection stays."""
+        ...
+
+
+class PutContext(RequestContext, Protocol):
+    def track(self, coro: Any, name: str, sid: int) -> None:
+        """Run ``coro`` as one of the connection's requests (errors answered on ``sid``)."""
         ...

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from hurray_store import transport as tp
-from tests.conftest import free_port, wait_listening
+from hurray_store.testing.services import free_port, wait_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 

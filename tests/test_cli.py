@@ -131,7 +131,7 @@ def test_serve_on_a_taken_port_says_so(tmp_path: Path) -> None:
 
 
 def test_stats_with_no_server(capsys) -> None:
-    from tests.conftest import free_port
+    from hurray_store.testing.services import free_port
 
     assert main(["stats", "--url", f"hurray://127.0.0.1:{free_port()}"]) == 1
     assert "no answer" in capsys.readouterr().err

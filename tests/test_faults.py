@@ -18,7 +18,7 @@ import pytest
 from hurray_store import PagedKVPool
 from hurray_store.format import Manifest
 from hurray_store.store import open_store
-from tests.conftest import RedisProc, SeaweedProc
+from hurray_store.testing.services import RedisProc, SeaweedProc
 from tests.store_helpers import assert_pages_equal, random_pool, shared_batch, spec
 
 PREFIX = list(range(500, 516))
@@ -307,7 +307,7 @@ async def test_restart_finds_every_committed_segment(
 async def test_redis_down_at_open_is_a_warning_not_a_failure(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from tests.conftest import free_port
+    from hurray_store.testing.services import free_port
 
     sp = spec()
     src = random_pool(sp)

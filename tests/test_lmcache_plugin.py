@@ -947,7 +947,7 @@ def test_the_documented_lmcache_server_command_runs_with_the_adapter(tmp_path: P
     import time
     import urllib.request
 
-    from tests.conftest import free_port
+    from hurray_store.testing.services import free_port
 
     doc = (Path(__file__).parent.parent / "docs" / "lmcache.md").read_text()
     start = doc.index("```sh\n", doc.index("## The multiprocess server")) + len("```sh\n")

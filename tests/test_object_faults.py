@@ -17,8 +17,8 @@ import redis
 from hurray_store import PagedKVPool
 from hurray_store.config import load_config
 from hurray_store.store import open_store
+from hurray_store.testing.services import SeaweedProc
 from hurray_store.tiers.s3 import S3Tier, object_fault
-from tests.conftest import SeaweedProc
 from tests.store_helpers import assert_pages_equal, random_pool, shared_batch, spec
 
 

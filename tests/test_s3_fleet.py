@@ -19,9 +19,9 @@ import pytest
 
 from hurray_store import PagedKVPool
 from hurray_store.store import TieredStore, open_store
+from hurray_store.testing.services import SeaweedProc
 from hurray_store.tiers.changelog import ChangeFeed, parse
 from hurray_store.tiers.s3 import S3Tier
-from tests.conftest import SeaweedProc
 from tests.store_helpers import assert_pages_equal, random_pool, shared_batch, spec
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -244,7 +244,7 @@ def test_the_server_killed_mid_get_is_misses_and_no_exception(tmp_path: Path, se
 def test_a_store_that_is_down_is_misses_and_failed_sets_never_an_exception(
     tmp_path: Path,
 ) -> None:
-    from tests.conftest import free_port
+    from hurray_store.testing.services import free_port
 
     cfg = tmp_path / "down.yaml"
     cfg.write_text(

@@ -18,8 +18,8 @@ from xxhash import xxh3_64_intdigest as xxh3
 from hurray_store import PagedKVPool, PoolExhaustedError
 from hurray_store.keys import ObjectKey
 from hurray_store.store import open_store
+from hurray_store.testing.services import RedisProc, SeaweedProc
 from hurray_store.tiers import Sealed
-from tests.conftest import RedisProc, SeaweedProc
 from tests.store_helpers import Batch, assert_pages_equal, random_pool, shared_batch, spec
 
 PREFIX = list(range(1000, 1018))  # 4 full pages + 2 tokens

@@ -43,8 +43,8 @@ from hurray_store.adapters.transformers import run_model
 from hurray_store.config import load_config
 from hurray_store.identity import checkpoint_id, model_identity
 from hurray_store.store import TieredStore
+from hurray_store.testing.services import RedisProc
 from hurray_store.tiny_model import build_tiny_model
-from tests.conftest import RedisProc
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -392,7 +392,7 @@ def test_the_readme_server_command_reuses_the_cache_across_a_restart(
     import time
     import urllib.request
 
-    from tests.conftest import free_port
+    from hurray_store.testing.services import free_port
 
     cmd = _readme_block("## Use with vLLM", "sh").replace("\\\n", " ")
     port = free_port()

@@ -28,7 +28,7 @@ from hurray_store import KVSpec
 from hurray_store.adapters.store_thread import StoreThread
 from hurray_store.adapters.vllm_layout import LAYOUTS
 from hurray_store.adapters.vllm_transfer import BlockTransfers, Transfer
-from tests.conftest import RedisProc
+from hurray_store.testing.services import RedisProc
 from tests.test_vllm_layout import _views
 
 BS, H, D, L = 16, 2, 8, 3

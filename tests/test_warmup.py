@@ -17,9 +17,9 @@ import torch
 from hurray_store import PagedKVPool, tokenizer
 from hurray_store.cli import main
 from hurray_store.store import open_store
+from hurray_store.testing.services import RedisProc
 from hurray_store.tiny_model import build_tiny_model
 from hurray_store.warmup import pool_pages, read_prompts
-from tests.conftest import RedisProc
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -44,7 +44,6 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.*
 from _bench import free_port, gbps, table, timeit, wait_port  # noqa: E402
 
 from hurray_store import KVSpec, PagedKVPool  # noqa: E402
@@ -496,7 +495,7 @@ def main() -> None:
         subprocess.run(["redis-cli", "-p", str(port), "flushall"], capture_output=True)
         # s3, against SeaweedFS's S3 gateway on loopback (its data under work/)
         if not a.no_s3:
-            from tests.conftest import SeaweedProc
+            from hurray_store.testing.services import SeaweedProc
 
             weed = SeaweedProc(work / "seaweed").start()
             try:

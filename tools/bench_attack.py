@@ -167,20 +167,25 @@ def attacks(port: int, stop: Any) -> list[threading.Thread]:
             c.s.recv(1 << 20)
         c.close()
 
-    def flood() -> None:
+    def puts_of(key: Callable[[int], str], n: int, count: bool = False) -> None:
+        """``n`` puts of 1 MiB under ``key(i)``, one at a time (each ACK or ERROR read)."""
         c = Raw(port)
         data = os.urandom(1 << 20)
-        for i in range(100_000):
+        for i in range(n):
             if stop.is_set():
                 break
             sid = 3 + 2 * (i % 1000)
-            c.send(tp.Msg.TENSOR_PUT, sid, tp.encode_put(f"flood/{os.getpid()}/{i}", len(data)))
+            c.send(tp.Msg.TENSOR_PUT, sid, tp.encode_put(key(i), len(data)))
             c.send(tp.Msg.TENSOR_DATA, sid, tp.DATA_OFFSET.pack(0) + data)
             c.send(tp.Msg.TENSOR_DATA_END, sid)
-            c.s.recv(4096)  # its ACK (or ERROR): one put at a time
-            with FLOODED.get_lock():
-                FLOODED.value += len(data)
+            c.s.recv(4096)
+            if count:
+                with FLOODED.get_lock():
+                    FLOODED.value += len(data)
         c.close()
+
+    def flood() -> None:
+        puts_of(lambda i: f"flood/{os.getpid()}/{i}", 100_000, count=True)
 
     def abandoned() -> None:
         conns = []
@@ -208,19 +213,8 @@ def attacks(port: int, stop: Any) -> list[threading.Thread]:
             c.s.recv(1 << 20)
         c.close()
 
-    def staging() -> None:
-        c = Raw(port)
-        data = os.urandom(1 << 20)
-        for i in range(2000):
-            if stop.is_set():
-                break
-            sid = 3 + 2 * (i % 1000)
-            key = f"attacker/s/{{{os.getpid() * 10**6 + i:032x}}}/0"
-            c.send(tp.Msg.TENSOR_PUT, sid, tp.encode_put(key, len(data)))
-            c.send(tp.Msg.TENSOR_DATA, sid, tp.DATA_OFFSET.pack(0) + data)
-            c.send(tp.Msg.TENSOR_DATA_END, sid)
-            c.s.recv(4096)
-        c.close()
+    def staging() -> None:  # segment layer objects, never committed
+        puts_of(lambda i: f"attacker/s/{{{os.getpid() * 10**6 + i:032x}}}/0", 2000)
 
     def commits() -> None:
         c = Raw(port)

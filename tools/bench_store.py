@@ -44,37 +44,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _bench import free_port, gbps, table, timeit, wait_port  # noqa: E402
+from _bench import gbps, table, timeit  # noqa: E402
 
 from hurray_store import KVSpec, PagedKVPool  # noqa: E402
 from hurray_store.store import TieredStore, open_store  # noqa: E402
+from hurray_store.testing.services import RedisProc  # noqa: E402
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 
 # ---------------------------------------------------------------------- setup
-
-
-def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port(55000)
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    wait_port(port, proc, "redis-server")
-    return proc, port
 
 
 def make_batch(
@@ -437,7 +416,8 @@ def main() -> None:
     pool, toks, tables, distinct = make_batch(spec, a.seqs, a.tokens)
     nbytes = distinct * spec.page_bytes * 2 * a.layers
     work = Path(tempfile.mkdtemp(prefix="bench-store-"))
-    redis_proc, port = start_redis(work)
+    redis = RedisProc(work / "redis").start()
+    port = redis.port
     rows: list[list[object]] = []
 
     def row(
@@ -552,7 +532,7 @@ def main() -> None:
         amp = asyncio.run(read_amplification(spec, work))
         restart = asyncio.run(restart_scan(work, a.restart_objects)) if a.restart_objects else []
     finally:
-        redis_proc.kill()
+        redis.stop()
         shutil.rmtree(work, ignore_errors=True)
 
     print(

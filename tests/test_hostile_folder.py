@@ -156,7 +156,7 @@ async def test_a_journal_line_of_24_mib_is_read_once(tmp_path: Path, newline: bo
         with open(_journal(tmp_path), "ab") as f:
             f.write(b"x" * (24 << 20) + (b"\n" if newline else b""))
         assert da.changes() == []
-        assert da._seen == _journal(tmp_path).stat().st_size, "read once, to its end"
+        assert da.journal.seen == _journal(tmp_path).stat().st_size, "read once, to its end"
         assert da.bad_journal_lines == 1
         db.announce(added=["k/after"])  # its newline first ends a line left without one
         assert da.changes() == [(True, "k/after")]

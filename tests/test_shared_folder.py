@@ -166,6 +166,6 @@ async def test_a_store_skips_reading_back_only_its_own_lines_with_none_unread_be
         assert da.changes() == [(True, "k/from-b")]
         assert da.changes() == []
         da.announce(added=["k/more-a"])  # right after all it read: counted read
-        assert da._seen == journal.stat().st_size
+        assert da.journal.seen == journal.stat().st_size
         assert da.changes() == []
         assert db.changes() == [(True, "k/from-a"), (False, "k/gone-a"), (True, "k/more-a")]

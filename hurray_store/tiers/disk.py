@@ -44,7 +44,6 @@ import errno
 import fcntl
 import functools
 import itertools
-import json
 import logging
 import os
 import stat
@@ -74,6 +73,7 @@ from hurray_store.tiers.base import (
     shared_run,
     wants_sums,
 )
+from hurray_store.tiers.journal import Journal
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -273,14 +273,6 @@ def _is_object(path: Path) -> bool:
         return False
 
 
-# The journal is read in pieces of this many bytes, and a line longer than this is not
-# a store's (a key's file name is at most MAX_NAME_BYTES; its line, JSON-escaped, a
-# few times that): skipped unparsed, so a line of 256 MiB costs one pass, not one a call.
-_JOURNAL_PIECE = 1 << 20
-_JOURNAL_LINE = 4096
-_BAD_LINE_EVERY_S = 60.0  # a warning about bad journal lines at most this often
-
-
 # The longest an open waits for a shared lock on the folder (a store holds it
 # exclusively only while it opens).
 LOCK_WAIT_S = 30.0
@@ -356,11 +348,7 @@ class DiskTier(Tier):
         self._lock_checked_at = 0.0
         self._lock_moved = False
         self._journal_path = self.root / "journal"
-        self._seen = 0  # bytes of the journal read
-        self._skipping = False  # in the middle of an overlong journal line
-        self.bad_journal_lines = 0
-        self._bad_line_at = -_BAD_LINE_EVERY_S
-        self._me = os.urandom(6).hex()  # this store's lines, skipped when read back
+        self.journal = Journal(self.name, self._journal_path)  # what this store read of it
 
     def _off(
         self, fn: Callable[..., T], pool: ThreadPoolExecutor | None = None
@@ -414,7 +402,7 @@ class DiskTier(Tier):
         self._lock_ino = os.fstat(fd).st_ino
         self._journal_ino = os.fstat(jfd).st_ino
         self._lock_checked_at = time.monotonic()
-        self._seen = os.fstat(jfd).st_size  # before the restart scan: nothing is missed
+        self.journal.restart(os.fstat(jfd).st_size)  # before the restart scan: none missed
         if not self.alone:
             log.info("disk tier %s: %s is open in another process too", self.name, self.root)
 
@@ -470,7 +458,7 @@ class DiskTier(Tier):
                 self._lock_fd, self._lock_ino = fd, os.fstat(fd).st_ino
             else:
                 self._journal_fd, self._journal_ino = fd, os.fstat(fd).st_ino
-                self._seen, self._skipping = 0, False
+                self.journal.restart()
             self.alone = False
 
     async def close(self) -> None:
@@ -486,28 +474,12 @@ class DiskTier(Tier):
     # ------------------------------------------------------------------ other processes
 
     def announce(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:
-        if self._journal_fd is None or not (added or removed):
-            return
-        lines = [json.dumps([self._me, "+", k]) for k in added]
-        lines += [json.dumps([self._me, "-", k]) for k in removed]
-        # A newline first: a line left without one (a writer killed mid-write, or a
-        # hostile one) ends there, so these lines are not glued to it and lost.
-        data = ("\n" + "\n".join(lines) + "\n").encode()
-        try:
-            n = os.write(self._journal_fd, data)
-            # An append leaves the offset at the end of what it wrote. Right after all
-            # that was read, nothing unread lies before these lines: count them read,
-            # so the next operation does not read this store's own lines back.
-            end = os.lseek(self._journal_fd, 0, os.SEEK_CUR)
-            if n == len(data) and end - n == self._seen and not self._skipping:
-                self._seen = end
-        except OSError as e:
-            log.warning("disk tier %s: journal write failed: %s", self.name, e)
+        if self._journal_fd is not None and (added or removed):
+            self.journal.append(self._journal_fd, added, removed)
 
     def changes(self) -> list[tuple[bool, str]]:
-        """The other stores' lines not read before: (added?, key) each. Read in pieces
-        of ``_JOURNAL_PIECE``; a line that is not a store's (too long, too deep, not
-        JSON, another shape) is skipped with a warning and the lines after it are read."""
+        """The other stores' lines not read before: (added?, key) each (a line that is
+        not a store's is skipped with a warning, and the lines after it are read)."""
         news, moved = self._journal_news()
         if not news:
             return []  # one stat: nothing new (or no journal there)
@@ -517,79 +489,14 @@ class DiskTier(Tier):
             fd = _open_object(self._journal_path)
         except OSError:
             return []
-        out: list[tuple[bool, str]] = []
         try:
-            size = os.fstat(fd).st_size
-            if size < self._seen:  # emptied by hand: read it again from the start
-                self._seen, self._skipping = 0, False
-            while self._seen < size:
-                want = min(_JOURNAL_PIECE, size - self._seen)
-                data = os.pread(fd, want, self._seen)
-                last = len(data) < _JOURNAL_PIECE  # read up to the end
-                if not data:
-                    break
-                start = 0
-                if self._skipping:  # the rest of an overlong line: up to its newline
-                    nl = data.find(b"\n")
-                    if nl < 0:
-                        self._seen += len(data)
-                        continue
-                    start, self._skipping = nl + 1, False
-                end = data.rfind(b"\n") + 1
-                if end > start:
-                    for line in data[start : end - 1].split(b"\n"):
-                        self._parse(line, out)
-                else:
-                    end = start
-                self._seen += end
-                if len(data) - end > _JOURNAL_LINE:  # no store writes a line this long
-                    self._bad_line()
-                    self._skipping = True
-                    self._seen += len(data) - end
-                elif last:
-                    break  # a line being appended now is read next time
-        except OSError as e:
-            log.warning("disk tier %s: journal read failed: %s", self.name, e)
+            return self.journal.read(fd)
         finally:
             os.close(fd)
-        return out
 
-    def _parse(self, line: bytes, out: list[tuple[bool, str]]) -> None:
-        if not line:
-            return  # the newline a store writes before its lines
-        if len(line) > _JOURNAL_LINE or not line.startswith(b'["'):
-            self._bad_line()
-            return
-        try:
-            got = json.loads(line)
-        except (ValueError, RecursionError):
-            self._bad_line()
-            return
-        if not (
-            isinstance(got, list)
-            and len(got) == 3
-            and all(isinstance(x, str) for x in got)
-            and got[1] in ("+", "-")
-        ):
-            self._bad_line()
-            return
-        who, op, key = got
-        if who != self._me:
-            out.append((op == "+", key))
-
-    def _bad_line(self) -> None:
-        """Count a journal line no store wrote; warn at most once a minute."""
-        self.bad_journal_lines += 1
-        now = time.monotonic()
-        if now - self._bad_line_at >= _BAD_LINE_EVERY_S:
-            self._bad_line_at = now
-            log.warning(
-                "disk tier %s: %d lines of %s are not a store's (too long, too deep or not "
-                "JSON) and were skipped: something else writes to the folder",
-                self.name,
-                self.bad_journal_lines,
-                self._journal_path,
-            )
+    @property
+    def bad_journal_lines(self) -> int:
+        return self.journal.bad_lines
 
     def _check_lock(self) -> None:
         """At most once every LOCK_CHECK_S, whether the lock file at its path is still
@@ -613,7 +520,7 @@ class DiskTier(Tier):
         except OSError:
             return False, False
         moved = self._lock_moved or st.st_ino != self._journal_ino
-        return moved or st.st_size != self._seen, moved
+        return moved or st.st_size != self.journal.seen, moved
 
     def has_changes(self) -> bool:
         # One ``stat`` of the journal's path (another size, or another file there); the

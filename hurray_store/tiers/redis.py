@@ -42,6 +42,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import BusyLoadingError, ClusterDownError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.retry import Retry
 
 from hurray_store.batches import batches
@@ -128,7 +129,7 @@ class RedisTier(ServiceTier):
             # socket timeout would fail a 100 MB SET that is merely slow.
             "socket_timeout": None,
             "socket_connect_timeout": cfg.timeout_s,
-            "retry": Retry(NoBackoff(), 0),
+            "retry": AsyncRetry(NoBackoff(), 0),  # the asyncio clients' own kind
             "max_connections": cfg.max_connections,
             "socket_read_size": 1 << 20,
         }
@@ -164,7 +165,8 @@ class RedisTier(ServiceTier):
         self.write_threads = min(cfg.write_threads or _VECTORED_THREADS, cfg.max_connections)
         if not self.is_cluster:
             self._sync = redis.Redis.from_url(
-                cfg.url, **{**common, "socket_timeout": cfg.timeout_s}
+                cfg.url,
+                **{**common, "socket_timeout": cfg.timeout_s, "retry": Retry(NoBackoff(), 0)},
             )
             self._threads = ThreadPoolExecutor(
                 min(_VECTORED_THREADS, cfg.max_connections), thread_name_prefix="redis-io"

@@ -3,10 +3,13 @@ contract, and a store that runs on it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hurray_store import PagedKVPool
-from hurray_store.config import StoreConfig
+from hurray_store.config import StoreConfig, load_config
+from hurray_store.errors import ConfigError
 from hurray_store.store import TieredStore
 from hurray_store.testing.contract import TierContract
 from hurray_store.tiers import Tier, open_tier
@@ -35,3 +38,32 @@ async def test_a_store_runs_on_the_example_tier() -> None:
         assert got.num_tokens == [24]
         assert_pages_equal(src, b.tables, dst, got.block_tables, got.num_tokens)
         assert store.stats()["tiers"]["dict"]["objects"] == 3
+
+
+async def test_a_config_names_the_example_tier_by_module_path(tmp_path: Path) -> None:
+    """``type: module:Class`` in a config: the tier's own config class reads the rest of
+    the entry, and a store runs on it."""
+    cfg = load_config(
+        {"tiers": [{"type": "tests.example_tier:DictTier", "capacity_bytes": 1 << 20}]}, env={}
+    )
+    assert cfg.tiers == (DictTierConfig(name="dict", capacity_bytes=1 << 20),)
+    async with TieredStore(cfg) as store:
+        assert await store.put_object("o", b"x" * 100)
+        assert store.stats()["tiers"]["dict"]["objects"] == 1
+
+
+@pytest.mark.parametrize(
+    "kind, says",
+    [
+        ("tests.no_such_module:DictTier", "cannot load the tier"),
+        ("tests.example_tier:NoSuchTier", "cannot load the tier"),
+        ("tests.example_tier:DictTierConfig", "is not a tier"),
+        ("os.path:join", "is not a tier"),
+    ],
+    ids=["no-module", "no-class", "a-config-not-a-tier", "not-a-class"],
+)
+def test_a_tier_named_by_module_path_that_is_not_one_is_a_config_error(
+    kind: str, says: str
+) -> None:
+    with pytest.raises(ConfigError, match=says):
+        load_config({"tiers": [{"type": kind}]}, env={})

@@ -3,6 +3,7 @@ name the dotted key."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import types
@@ -241,6 +242,29 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
+def _outside_tier(spec: str, label: str) -> type:
+    """The config class of a tier named ``module:Class`` (a ``Tier`` subclass of another
+    package, with its ``config_cls``), registered so that stores open it."""
+    from hurray_store.tiers import Tier, register  # the tiers build on the config, not back
+
+    module, _, name = spec.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{label}.type: cannot load the tier {spec!r}: {e}") from None
+    config_cls = getattr(cls, "config_cls", None)
+    if not (isinstance(cls, type) and issubclass(cls, Tier)) or not hasattr(
+        config_cls, "__dataclass_fields__"
+    ):
+        raise ConfigError(
+            f"{label}.type: {spec!r} is not a tier (a hurray_store.tiers.Tier subclass "
+            "with a config_cls dataclass)"
+        )
+    register(cls)
+    assert isinstance(config_cls, type)
+    return config_cls
+
+
 def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"{where}: expected a non-empty list of tiers")
@@ -251,12 +275,19 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
             raise ConfigError(f"{where}.{i}: expected a mapping with a type")
         kind = item.get("type")
         label = f"{where}.{item.get('name') or kind or i}"
-        if kind not in TIER_CONFIGS:
-            raise ConfigError(f"{label}.type: expected one of {sorted(TIER_CONFIGS)}, got {kind!r}")
+        if isinstance(kind, str) and ":" in kind:
+            config_cls: Any = _outside_tier(kind, label)
+        elif kind in TIER_CONFIGS:
+            config_cls = TIER_CONFIGS[kind]
+        else:
+            raise ConfigError(
+                f"{label}.type: expected one of {sorted(TIER_CONFIGS)} or module:Class "
+                f"(a tier of another package), got {kind!r}"
+            )
         body = {k: v for k, v in item.items() if k != "type"}
-        cfg = _build(TIER_CONFIGS[kind], body, label)
+        cfg = _build(config_cls, body, label)
         if not cfg.name:
-            cfg = _replace(cfg, name=kind)
+            cfg = _replace(cfg, name=config_cls.kind)
         if cfg.name in names:
             raise ConfigError(
                 f"{label}.name: two tiers are named {cfg.name!r}; give each a distinct name"
@@ -357,26 +388,26 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover - schema bug
 
 
-_TLS_FILES = ("tls_ca_file", "tls_cert_file", "tls_key_file")
-
-
 def _resolve_paths(cfg: StoreConfig, base: Path) -> StoreConfig:
-    """Relative paths in tiers resolve against ``base`` (the config file's folder); the
-    TLS files a Redis tier names must exist."""
+    """Relative paths in tiers resolve against ``base`` (the config file's folder): the
+    fields each tier's config class declares in ``path_fields``, and in ``file_fields``
+    (which must exist: a Redis tier's TLS files)."""
     tiers: list[TierConfig] = []
     for t in cfg.tiers:
-        if isinstance(t, DiskTierConfig):
-            t = _replace(t, path=str((base / t.path).resolve()))
-        if isinstance(t, RedisTierConfig):
-            files = {k: getattr(t, k) for k in _TLS_FILES if getattr(t, k)}
-            files = {k: str((base / v).resolve()) for k, v in files.items()}
-            for k, v in files.items():
-                if not Path(v).is_file():
-                    raise ConfigError(f"tiers.{t.name}.{k}: no such file: {v}")
-            if bool(t.tls_cert_file) != bool(t.tls_key_file):
-                raise ConfigError(
-                    f"tiers.{t.name}: tls_cert_file and tls_key_file go together; one is missing"
-                )
-            t = _replace(t, **files)
+        # Each config class declares its path fields (resolved) and file fields
+        # (resolved, and they must exist); an empty one is left as it is.
+        paths = {k: getattr(t, k) for k in getattr(t, "path_fields", ()) if getattr(t, k)}
+        files = {k: getattr(t, k) for k in getattr(t, "file_fields", ()) if getattr(t, k)}
+        files = {k: str((base / v).resolve()) for k, v in files.items()}
+        for k, v in files.items():
+            if not Path(v).is_file():
+                raise ConfigError(f"tiers.{t.name}.{k}: no such file: {v}")
+        resolved = {k: str((base / v).resolve()) for k, v in paths.items()} | files
+        if resolved:
+            t = _replace(t, **resolved)
+        if isinstance(t, RedisTierConfig) and bool(t.tls_cert_file) != bool(t.tls_key_file):
+            raise ConfigError(
+                f"tiers.{t.name}: tls_cert_file and tls_key_file go together; one is missing"
+            )
         tiers.append(t)
     return _replace(cfg, tiers=tuple(tiers))

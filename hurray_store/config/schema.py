@@ -54,6 +54,8 @@ class DiskTierConfig:
     """One file per object under ``path``, written atomically."""
 
     kind: ClassVar[str] = "disk"
+    # Fields holding a path, resolved against the config file's folder by the loader.
+    path_fields: ClassVar[tuple[str, ...]] = ("path",)
 
     path: str = _doc("root folder; relative paths resolve against the config file's folder")
     capacity_bytes: int = _doc("byte budget of the files; LRU eviction beyond it")
@@ -74,6 +76,8 @@ class RedisTierConfig:
     """Redis or Redis Cluster through redis-py's asyncio clients."""
 
     kind: ClassVar[str] = "redis"
+    # Files that must exist, resolved against the config file's folder (when set).
+    file_fields: ClassVar[tuple[str, ...]] = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 
     url: str = _doc(
         "redis://[:password@]host:port/db, rediss:// for TLS, or "

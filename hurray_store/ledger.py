@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 Group = Hashable
 # Pins let go that wait to be counted off before a pin counts them (a write's eviction
 # counts them first, whatever their number): a lookup right after another then does
-# not count off the other's unpins, which took 0.3 us each here, all cache misses.
+# not pay for counting off the other's unpins, each one a cache miss.
 _RELEASED_KEPT = 1024
 
 

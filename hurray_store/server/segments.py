@@ -21,9 +21,9 @@ from hurray_store.transport import Err
 
 log = logging.getLogger(__name__)
 # What the server keeps per object in flight besides its bytes (its landing, the put's
-# state, the staged entry; about 1.4 KiB measured with 20,000 empty staged objects, see
-# tests/test_server_hostile.py): counted against max_inflight_put_bytes and the tenant's
-# quota, so many empty puts are not free.
+# state, the staged entry), with a margin: tests/test_server_hostile.py checks that an
+# empty staged object costs no more. Counted against max_inflight_put_bytes and the
+# tenant's quota, so many empty puts are not free.
 PER_OBJECT_BYTES = 2048
 # Manifests larger than this are parsed in a worker thread.
 _PARSE_ON_LOOP_BYTES = 256 << 10

@@ -34,10 +34,9 @@ from hurray_store.store.cascade import TierCascade
 
 log = logging.getLogger(__name__)
 # What the server keeps per stored object besides its bytes (its entries in each tier,
-# the ledger and the catalog, the disk tier's writes under way): 6.7-11 KiB more RSS per
-# 1-byte object measured on a cpu + disk server past its first 10,000 objects
-# (tests/test_server_hostile.py checks it). A tenant's books charge it, so tiny objects
-# are not free.
+# the ledger and the catalog, the disk tier's writes under way), with a margin:
+# tests/test_server_hostile.py checks that a 1-byte object costs no more. A tenant's
+# books charge it, so tiny objects are not free.
 STORED_OBJECT_BYTES = 16 << 10
 
 

@@ -207,9 +207,9 @@ class _RangeReads:
             if not _pread_into(self.fds[j], r.buffers[i], r.ranges[i][0]):
                 self.ok[j] = False  # the file is shorter than the ranges say
             elif self.each is not None:
-                # Right after its read, in the CPU's cache: one whole range (a chunk's
-                # pool, 512 KiB) measured faster than hashing as it is read in pieces
-                # (steps of 64-256 KiB cost more calls than the cache saved).
+                # Right after its read, while in the CPU's cache: one whole range (a
+                # chunk's pool) at once, since smaller read steps cost more calls than
+                # the cache saves.
                 self.each(j, i, checksum(r.buffers[i]) if self.sums else 0)
 
 

@@ -40,14 +40,11 @@ OUTAGE = (
 
 
 # A read off the loop asks for its ranges in pieces of at most this size: a single Redis
-# answered GETs of 8 MiB values at 1.0 GB/s here, and the same bytes in pieces of 256 KiB
-# to 2 MiB at 2.2-2.7 GB/s (4 connections).
+# serves large values faster as several GETRANGEs of a few MiB than as one GET.
 _NOW_PIECE = 2 << 20
-# A received piece is hashed at once, up to this many bytes a receive. A receive here
-# returns ~1.3 MB at a time from a 2 MiB reply, and those bytes are hashed at about the
-# speed of memory (9 GB/s) after it; received and hashed 256 KiB at a time they hash at
-# 16-20 GB/s (GETs of 32 x 2 MiB from 4 threads: 0.96-1.01x the unhashed reads'
-# throughput, against 0.87-0.93x hashing each value after it is in).
+# A received piece is hashed at once, up to this many bytes a receive: bytes hashed
+# while they are still in the CPU's cache cost a fraction of hashing a whole value
+# after it is in (tools/bench_lmcache.py's Redis rows measure the difference).
 _HASH_STEP = 256 << 10
 
 

@@ -90,7 +90,11 @@ class TieredStore:
         self.ledger = Ledger(
             [
                 TierInfo(
-                    t.name, getattr(c, "capacity_bytes", None), t.persistent, t.trusted, t.shared
+                    t.name,
+                    getattr(c, "capacity_bytes", None),
+                    t.caps.persistent,
+                    t.caps.trusted,
+                    t.caps.shared,
                 )
                 for t, c in zip(tiers, config.tiers, strict=True)
             ]
@@ -122,7 +126,7 @@ class TieredStore:
             max_segment_bytes=config.max_segment_bytes,
         )
         self.reader = SegmentReader(self.cascade, self.catalog, self.buffers, self.quantization)
-        self._journaled = [t for t in tiers if t.journaled]  # for ``unheard``
+        self._journaled = [t for t in tiers if t.caps.journaled]  # for ``unheard``
         self._opened = False
 
     @property

@@ -61,7 +61,7 @@ class TierCascade:
         self.tiers = list(tiers)
         # A tier is shared or not by its kind, and the tiers are fixed: asked per
         # ``contains`` from engines' threads, so worked out once.
-        self._shared = any(t.shared for t in self.tiers)
+        self._shared = any(t.caps.shared for t in self.tiers)
         self.policy = policy
         self.ledger: Ledger = policy.ledger
         self.metrics = metrics
@@ -354,7 +354,7 @@ class TierCascade:
                 continue
             if (
                 op == "get"
-                and self.tiers[i].persistent
+                and self.tiers[i].caps.persistent
                 and nbytes(got) != self.ledger.size_in(i, key)
             ):
                 # Another process replaced it with an object of another size: not what
@@ -378,7 +378,7 @@ class TierCascade:
 
     def shared_tiers(self, skip: Sequence[int] = ()) -> list[int]:
         """Shared tiers a call would reach now."""
-        return [i for i, t in enumerate(self.tiers) if t.shared and t.ready and i not in skip]
+        return [i for i, t in enumerate(self.tiers) if t.caps.shared and t.ready and i not in skip]
 
     async def get(self, key: str) -> Blob | None:
         got: Blob | None = await self.read(key, "get", lambda t, k: t.get(k), blob_nbytes)
@@ -430,7 +430,7 @@ class TierCascade:
                 # The books are the loop's: read them, never change them, from here. A
                 # change under way shows as a KeyError or RuntimeError: the loop reads.
                 holders = self.ledger.holders(key)
-                if holders and self.tiers[holders[0]].reads_now:
+                if holders and self.tiers[holders[0]].caps.reads_now:
                     size = self.ledger.size_in(holders[0], key)
                     if size is not None:
                         by_tier.setdefault(holders[0], []).append((j, size))

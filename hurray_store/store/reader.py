@@ -220,7 +220,7 @@ class RetrieveRun:
         m = job.read.manifest
         key = m.layers[job.lay_pos].key
         whole = c.policy.read_whole(
-            tier, job.seg, every_page=job.read.every_page, on_device=t.on_device
+            tier, job.seg, every_page=job.read.every_page, on_device=t.caps.on_device
         )
         with c.metrics.timed(t.name, "get_ranges"):
             if whole:
@@ -228,7 +228,7 @@ class RetrieveRun:
                 return _Got(tier, None if blob is None else [blob], True)
             ranges = run_ranges(m, job.lay_pos, job.read.runs)
             into = None
-            if not t.trusted:
+            if not t.caps.trusted:
                 into = self.reader.buffers.acquire(sum(ln for _, ln in ranges))
                 job.borrowed.append(into)
             return _Got(tier, await t.get_ranges(key, ranges, into), False)

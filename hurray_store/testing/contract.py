@@ -164,7 +164,7 @@ class TierContract:
         got = await asyncio.to_thread(
             tier.read_into_now, reads, lambda j, i, s: seen.append((j, i, s))
         )
-        if not tier.reads_now:
+        if not tier.caps.reads_now:
             assert got == [False] * 5 and not seen
             return
         # Read: the big object (in 3 ranges) and the small one. Declined: an absent key,

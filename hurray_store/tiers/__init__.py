@@ -6,6 +6,7 @@ from hurray_store.config import TierConfig
 from hurray_store.tiers.base import (
     Blob,
     Buffer,
+    Capabilities,
     GroupObject,
     NowRead,
     Range,
@@ -58,6 +59,7 @@ __all__ = [
     "TIER_TYPES",
     "Blob",
     "Buffer",
+    "Capabilities",
     "GroupObject",
     "NowRead",
     "RangeIn",

@@ -283,27 +283,39 @@ class StoredObject(GroupObject):
         return self.data
 
 
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a tier offers beyond the contract's methods, in one place (all off by
+    default, which is always safe)."""
+
+    # Its objects outlive the process: the store scans it at open (restart).
+    persistent: bool = False
+    # Its blobs are device tensors (a gpu tier).
+    on_device: bool = False
+    # In-process memory that only this process writes: pages read from it are not
+    # re-verified (as the engine's own pool is not); everything else is, per page.
+    trusted: bool = False
+    # Other processes write to it (a cache server): the store does not scan it at open
+    # but asks it per request (``SharedTier.lookup_prefix``, ``sizes``) for what they added.
+    shared: bool = False
+    # ``read_into_now`` works: reads from any thread, with no pin (objects are replaced
+    # whole, never written in place, so an open file is one whole object).
+    reads_now: bool = False
+    # Several processes may open its medium at once (a disk folder, an S3 prefix), and
+    # ``changes`` says what the others did (``has_changes`` whether there is any).
+    journaled: bool = False
+
+
 class Tier(ABC):
-    """Base of every tier. Subclasses set ``kind`` and ``persistent`` and take their
-    config dataclass and the store's namespace as constructor arguments."""
+    """Base of every tier. Subclasses set ``config_cls`` (its ``kind`` is the tier's)
+    and ``caps``, and take their config dataclass and the store's namespace as
+    constructor arguments."""
 
     config_cls: ClassVar[Any]  # the config entry it opens from; its ``kind`` is the tier's
     kind: ClassVar[str]
-    persistent: ClassVar[bool] = False
-    on_device: ClassVar[bool] = False
-    # In-process memory that only this process writes: pages read from it are not
-    # re-verified (as the engine's own pool is not); everything else is, per page.
-    trusted: ClassVar[bool] = False
-    # Other processes write to it (a cache server): the store does not scan it at open
-    # but asks it per request (``SharedTier.lookup_prefix``, ``sizes``) for what they added.
-    shared: ClassVar[bool] = False
-    # ``read_into_now`` works: reads from any thread, with no pin (objects are replaced
-    # whole, never written in place, so an open file is one whole object). A tier may
-    # set it per instance (a single Redis does, a cluster does not).
-    reads_now: bool = False
-    # Several processes may open its medium at once (a disk folder), and ``changes``
-    # says what the others did (``has_changes`` whether there is anything to say).
-    journaled: ClassVar[bool] = False
+    # What it offers; an instance may narrow it (a single Redis reads off the loop, a
+    # cluster does not).
+    caps: Capabilities = Capabilities()
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)

@@ -62,6 +62,7 @@ from hurray_store.format import checksum
 from hurray_store.tiers.base import (
     Blob,
     Buffer,
+    Capabilities,
     GroupObject,
     NowRead,
     Range,
@@ -309,9 +310,8 @@ def _object_path(objects: Path, key: str) -> Path:
 
 class DiskTier(Tier):
     config_cls = DiskTierConfig
-    persistent = True
-    journaled = True
-    reads_now = True  # every write is a temp file renamed over the key: never in place
+    # reads_now: every write is a temp file renamed over the key, never in place.
+    caps = Capabilities(persistent=True, journaled=True, reads_now=True)
 
     def __init__(self, cfg: DiskTierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)

@@ -14,7 +14,7 @@ import torch
 
 from hurray_store.buffers import Arena
 from hurray_store.config import CpuTierConfig, GpuTierConfig
-from hurray_store.tiers.base import Blob, Buffer, Range, ReadInto, Reservation, Tier
+from hurray_store.tiers.base import Blob, Buffer, Capabilities, Range, ReadInto, Reservation, Tier
 
 
 def _ranges_of(obj: Blob, ranges: Sequence[Range]) -> list[Blob] | None:
@@ -30,7 +30,7 @@ class CpuTier(Tier):
     that does not fit the arena (fragmentation) lives in an ordinary bytes object."""
 
     config_cls = CpuTierConfig
-    trusted = True
+    caps = Capabilities(trusted=True)
 
     def __init__(self, cfg: CpuTierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)
@@ -122,8 +122,7 @@ class CpuTier(Tier):
 
 class GpuTier(Tier):
     config_cls = GpuTierConfig
-    on_device = True
-    trusted = True
+    caps = Capabilities(on_device=True, trusted=True)
 
     def __init__(self, cfg: GpuTierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)

@@ -32,6 +32,7 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -50,6 +51,7 @@ from hurray_store.errors import ConfigError
 from hurray_store.tiers.base import (
     Blob,
     Buffer,
+    Capabilities,
     GroupObject,
     NowRead,
     Outage,
@@ -98,7 +100,7 @@ def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
 
 class RedisTier(ServiceTier):
     config_cls = RedisTierConfig
-    persistent = True
+    caps = Capabilities(persistent=True)
 
     def __init__(self, cfg: RedisTierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)
@@ -112,7 +114,7 @@ class RedisTier(ServiceTier):
         self.is_cluster = cfg.cluster or scheme.endswith("+cluster")
         # A SET replaces a value whole and a GET returns one version of it: any thread
         # may read (read_into_now), on a single Redis.
-        self.reads_now = not self.is_cluster
+        self.caps = replace(self.caps, reads_now=not self.is_cluster)
         common: dict[str, Any] = {
             # Whole operations are timed by _guard (longer for more bytes): a fixed
             # socket timeout would fail a 100 MB SET that is merely slow.

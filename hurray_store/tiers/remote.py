@@ -42,6 +42,7 @@ from hurray_store.keys import SegmentPart, parse_key
 from hurray_store.tiers.base import (
     Blob,
     Buffer,
+    Capabilities,
     GroupObject,
     Outage,
     Range,
@@ -188,8 +189,7 @@ class _Conn:
 
 class RemoteTier(ServiceTier):
     config_cls = RemoteTierConfig
-    persistent = True
-    shared = True
+    caps = Capabilities(persistent=True, shared=True)
 
     def __init__(self, cfg: RemoteTierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)

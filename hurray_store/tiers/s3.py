@@ -61,6 +61,7 @@ from hurray_store.config import S3TierConfig, parse_s3_url
 from hurray_store.tiers.base import (
     Blob,
     Buffer,
+    Capabilities,
     GroupObject,
     Outage,
     Range,
@@ -78,8 +79,8 @@ _LOG_PAGE = 10_000  # change log entries one listing takes at most
 
 class S3Tier(ServiceTier):
     config_cls = S3TierConfig
-    persistent = True
-    journaled = True  # other stores on the prefix: heard through the change log
+    # Other stores on the prefix: heard through the change log.
+    caps = Capabilities(persistent=True, journaled=True)
 
     def __init__(self, cfg: S3TierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)

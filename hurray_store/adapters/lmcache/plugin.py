@@ -45,14 +45,11 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
+from hurray_store.adapters.lmcache.layout import ChunkLayout
 from hurray_store.adapters.store_thread import StoreThread, held_prefix, pin_held_prefix
 from hurray_store.errors import FormatError
-from hurray_store.format import Slot, checksum, plan_layer
-from hurray_store.format.wire import blob_descriptor
+from hurray_store.format import checksum
 from hurray_store.records import (
-    chunk_record_bytes,
-    chunk_record_of,
-    layout_fingerprint,
     parse_chunk_record,
 )
 from hurray_store.store import KeyRef, Pin, TieredStore
@@ -124,21 +121,20 @@ class HurrayStoragePlugin(StoragePluginInterface):
                 f"storage plugin {name!r}: set "
                 f'extra_config["storage_plugin.{name}.config"] to a hurray_store YAML'
             )
-        self.page_size = int(extra.get(f"storage_plugin.{name}.page_size", 16))
-        num_layers, _, self.chunk_size, self.num_kv_heads, self.head_size = (
-            int(x) for x in metadata.kv_shape
-        )
-        self.num_layers = num_layers
-        self.dtype = metadata.kv_dtype
-        self.fingerprint = layout_fingerprint(
+        page_size = int(extra.get(f"storage_plugin.{name}.page_size", 16))
+        num_layers, _, chunk_size, num_kv_heads, head_size = (int(x) for x in metadata.kv_shape)
+        self.layout = ChunkLayout(
             num_layers,
-            self.num_kv_heads,
-            self.head_size,
-            self.chunk_size,
-            self.dtype,
+            num_kv_heads,
+            head_size,
+            chunk_size,
+            metadata.kv_dtype,
             bool(getattr(metadata, "use_mla", False)),
-            self.page_size,
+            page_size,
         )
+        self.page_size, self.chunk_size, self.num_layers = page_size, chunk_size, num_layers
+        self.num_kv_heads, self.head_size, self.dtype = num_kv_heads, head_size, metadata.kv_dtype
+        self.fingerprint = self.layout.fingerprint
         self._key_prefix = f"lmc/{self.fingerprint[:8].hex()}/"
         self._runner = StoreThread(path, "hurray-store-plugin")
         self.store: TieredStore = self._runner.store
@@ -164,13 +160,6 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._chunks_cap = _CHUNKS_KEPT
         self._drops = 0
         self._closed = False
-        self._plans: dict[tuple[int, int], Any] = {}  # (layer, pages) -> LayerPlan
-        self._record_bytes = chunk_record_bytes(num_layers)
-        self._record_descriptor = blob_descriptor(self._record_bytes)
-        self._pages: dict[int, int] | None = None  # chunk object size -> its pages
-        self._layouts: dict[int, tuple[list[tuple[int, int]], int]] = {}  # by page count
-        self._reads: dict[int, list[tuple[int, int]]] = {}  # a get's ranges, by page count
-        self._record_of = chunk_record_of(num_layers)
 
     @staticmethod
     def _plugin_name(extra: dict[str, Any]) -> str:
@@ -224,131 +213,6 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     # ------------------------------------------------------------------ put
 
-    def _encode(self, obj: MemoryObj) -> Sealed:
-        """The chunk object: views of LMCache's buffer, the descriptors, one padded copy
-        of a partial last page per pool, and the record, sealed with the checksums of
-        the chunk's token bytes. Runs on LMCache's thread, which keeps a reference to
-        the buffer until the put completes. A pool of whole pages is hashed where the
-        object is written (a disk tier: on its writer thread, just before the write),
-        a pool with a partial last page here; each byte once."""
-        shape = obj.get_shape()
-        width = self.num_kv_heads * self.head_size
-        if (
-            len(shape) != 4
-            or shape[0] != 2
-            or shape[1] != self.num_layers
-            or shape[3] != width
-            or obj.get_dtype() != self.dtype
-        ):
-            raise ValueError(
-                f"expected a KV_2LTD chunk [2, {self.num_layers}, tokens, {width}] of "
-                f"{self.dtype}, got {tuple(shape)} of {obj.get_dtype()}"
-            )
-        n = int(shape[2])
-        P = self.page_size
-        pages = -(-n // P)
-        full = n // P * P
-        # Each layer's key (or value) tokens are one run of the chunk's bytes: views of
-        # one byte view of the whole chunk, sliced (no tensor made per layer). LMCache's
-        # ``byte_array`` is made from the buffer's address with no torch operation: each
-        # of those lets go of the GIL, and with the store's threads busy a slice or view
-        # of a tensor waited 0.1-3 ms here to get it back, against about 1 us for this.
-        whole = memoryview(obj.byte_array).cast("B")
-        nb, full_b = self._token_bytes(n), self._token_bytes(full)
-        if len(whole) != 2 * self.num_layers * nb:
-            raise ValueError(f"a chunk of {n} tokens in {len(whole)} bytes")
-        buffers: list[Any] = []
-        slots: list[int | None] = []
-        sums = [0] * (2 * self.num_layers)  # per layer its key's and its value's
-        offsets, size = self._layers_of(pages)
-        for li in range(self.num_layers):
-            pools: dict[str, tuple[list[Any], list[int | None]]] = {}
-            for r, role in enumerate(("key", "value")):
-                at = (r * self.num_layers + li) * nb
-                tok = whole[at : at + nb]
-                if full == n:  # hashed as it is written
-                    pools[role] = ([tok], [2 * li + r])
-                    continue
-                parts = [tok[:full_b]] if full else []
-                last = bytearray(self._token_bytes(P))  # the one copy, zero padded
-                last[: nb - full_b] = tok[full_b:]
-                parts.append(memoryview(last))
-                pools[role] = (parts, [None] * len(parts))
-                sums[2 * li + r] = checksum(tok)  # the token bytes, not the padding
-            for part in self._plan(li, pages).parts:
-                if isinstance(part, Slot):
-                    buffers += pools[part.role][0]
-                    slots += pools[part.role][1]
-                else:
-                    buffers.append(part)
-                    slots.append(None)
-        buffers.append(self._record_descriptor)
-        slots.append(None)
-
-        def seal(sums: list[int]) -> list[bytes]:
-            return [self._record_of(self.fingerprint, n, size, offsets, sums)]
-
-        return Sealed(buffers, slots, sums, seal, self._record_bytes, checksum)
-
-    def _plan(self, layer: int, pages: int) -> Any:
-        """The descriptors of a layer of ``pages`` pages (one sequence), made once."""
-        plan = self._plans.get((layer, pages))
-        if plan is None:
-            plan = self._plans[(layer, pages)] = plan_layer(
-                layer,
-                torch.arange(pages),
-                torch.tensor([0, pages]),
-                num_pages=pages,
-                page_size=self.page_size,
-                heads=self.num_kv_heads,
-                dim=self.head_size,
-                dtype=self.dtype,
-            )
-        return plan
-
-    def _layers_of(self, pages: int) -> tuple[list[tuple[int, int]], int]:
-        """Where each layer's key and value pools start in a chunk object of ``pages``
-        pages, and the object's size (made once per page count; not to be changed)."""
-        got = self._layouts.get(pages)
-        if got is None:
-            pools, pos = [], 0
-            for li in range(self.num_layers):
-                plan = self._plan(li, pages)
-                pools.append((pos + plan.key_pool_offset, pos + plan.value_pool_offset))
-                pos += plan.nbytes
-            got = self._layouts[pages] = (
-                pools,
-                pos + len(self._record_descriptor) + self._record_bytes,
-            )
-        return got
-
-    def _ranges_of(self, pages: int) -> list[tuple[int, int]]:
-        """What a get of a chunk object of ``pages`` pages reads: each layer's key and
-        value tokens, then the record (made once per page count; not to be changed)."""
-        got = self._reads.get(pages)
-        if got is None:
-            pools, size = self._layers_of(pages)
-            nb = self._token_bytes(min(pages * self.page_size, self.chunk_size))
-            got = self._reads[pages] = [
-                *((off, nb) for pair in pools for off in pair),
-                (size - self._record_bytes, self._record_bytes),
-            ]
-        return got
-
-    def _pages_of(self, size: int) -> int | None:
-        """The page count of a chunk object of ``size`` bytes (None: no such object)."""
-        by_size = self._pages
-        if by_size is None:  # made whole, then published: get workers read it at once
-            by_size = {
-                self._layers_of(pages)[1]: pages
-                for pages in range(1, -(-self.chunk_size // self.page_size) + 1)
-            }
-            self._pages = by_size
-        return by_size.get(size)
-
-    def _token_bytes(self, n: int) -> int:
-        return n * self.num_kv_heads * self.head_size * self.dtype.itemsize
-
     async def _put(self, c: _Chunk, chunk: Sealed) -> None:
         # One object per chunk, its record last: written whole or not at all.
         if not await self.store.put_object(c.name, chunk, self_checked=True):
@@ -378,7 +242,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
                     continue
                 obj.ref_count_up()  # LMCache drops its reference once we return
                 try:
-                    chunk = self._encode(obj)
+                    chunk = self.layout.encode(obj)
                 except Exception:
                     obj.ref_count_down()
                     raise
@@ -590,11 +454,11 @@ class HurrayStoragePlugin(StoragePluginInterface):
             size = self._call(self.store.object_size(k))
         if size is None:
             return None
-        pages = self._pages_of(size)
+        pages = self.layout.pages_of(size)
         if pages is None:
             self._drop(key, k, f"{size} bytes is the size of no chunk object of this layout")
             return None
-        pools, _ = self._layers_of(pages)
+        pools, _ = self.layout.layers_of(pages)
         # The page count gives the token count but for a partial last page: read that
         # many tokens, and the record beside them.
         n = min(pages * self.page_size, self.chunk_size)
@@ -613,7 +477,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     def _pool_views(self, obj: MemoryObj) -> list[memoryview]:
         """Byte views of a chunk's token rows, per layer its keys then its values."""
-        # [2, layers, tokens, width]: one view, with no torch operation (see _encode)
+        # [2, layers, tokens, width]: one view, with no torch operation (see ChunkLayout.encode)
         whole, L = memoryview(obj.byte_array).cast("B"), self.num_layers
         nb = len(whole) // (2 * L)
         return [whole[(r * L + li) * nb : (r * L + li + 1) * nb] for li in range(L) for r in (0, 1)]
@@ -746,8 +610,8 @@ class _ChunkGet:
         self.key, self.slot, self.name, self.size = key, slot, name, size
         self.pages, self.pools, self.n = pages, pools, n
         self.out: MemoryObj | None = out
-        self.rec = bytearray(plugin._record_bytes)
-        self.ranges = plugin._ranges_of(pages)  # the object's size is the layout's
+        self.rec = bytearray(plugin.layout.record_bytes)
+        self.ranges = plugin.layout.ranges_of(pages)  # the object's size is the layout's
         self.dst = plugin._pool_views(out)
         self.into = [*self.dst, memoryview(self.rec)]
         self.sums: list[int | None] = [None] * len(self.dst)
@@ -765,14 +629,14 @@ class _ChunkGet:
         # record and comparing field by field); any other record is parsed, and the
         # reason it differs logged.
         sums = self.sums
-        if None not in sums and self.rec == p._record_of(
+        if None not in sums and self.rec == p.layout.record_of(
             p.fingerprint, self.n, self.size, self.pools, sums
         ):
             out, self.out = self.out, None
             return out
         try:
             got, rec_size, layers = parse_chunk_record(
-                self.rec, p.fingerprint, p.num_layers, p.chunk_size, p._token_bytes
+                self.rec, p.fingerprint, p.num_layers, p.chunk_size, p.layout.token_bytes
             )
             if (
                 rec_size != self.size

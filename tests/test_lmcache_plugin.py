@@ -30,7 +30,7 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
 
 from hurray_store.adapters.lmcache import HurrayStoragePlugin  # noqa: E402
-from hurray_store.adapters.lmcache import plugin as plugin_module  # noqa: E402
+from hurray_store.adapters.lmcache import chunks as chunks_module  # noqa: E402
 
 LAYERS, HEADS, DIM = 3, 2, 16
 
@@ -149,7 +149,7 @@ def test_put_get_bit_exact_and_restart(opened: Any) -> None:
     # Its first pinned lookup makes its entries for them, each with the handle its pin
     # was taken by, already on the copy (the next lookup looks nothing up).
     assert p2.batched_contains([key(i) for i in (1, 2, 3, 4)], pin=True) == 4
-    copies = [p2._chunk(key(i)).ref.entry for i in (1, 2, 3, 4)]
+    copies = [p2.chunks.entry(key(i)).ref.entry for i in (1, 2, 3, 4)]
     assert all(e is not None and e.ready and e.pins == 1 for e in copies)
     assert all(p2.unpin(key(i)) for i in (1, 2, 3, 4))
 
@@ -244,7 +244,7 @@ def test_keys_of_one_chunk_hash_keep_their_own_names_and_pins(opened: Any) -> No
     assert [pinned(u) for u in users] == [True, True, False]
     # The first key's entry leaves (it held the hash's place): the others are found.
     assert p.remove(_tagged("alice")) and not p.contains(_tagged("alice"))
-    assert p._chunks.get(9) is None and pinned("bob")
+    assert p.chunks.by_hash.get(9) is None and pinned("bob")
     got = p.get_blocking(_tagged("bob"))
     assert got is not None and torch.equal(got.tensor, objs[1].tensor)
     got.ref_count_down()
@@ -252,7 +252,7 @@ def test_keys_of_one_chunk_hash_keep_their_own_names_and_pins(opened: Any) -> No
     # Put again, the first key takes the free place; the other two stay where they were.
     p.batched_submit_put_task([_tagged("alice")], [objs[0]])
     p.flush()
-    assert p._chunks[9].key == _tagged("alice") and p.contains(_tagged("alice"), pin=True)
+    assert p.chunks.by_hash[9].key == _tagged("alice") and p.contains(_tagged("alice"), pin=True)
     assert pinned("alice") and p.unpin(_tagged("alice")) and not pinned("alice")
     assert all(p.contains(_tagged(u)) for u in users)
     for o in objs:
@@ -312,7 +312,7 @@ def test_a_pinned_lookup_pins_the_hit_prefix_and_each_unpin_lets_one_pin_go(
     p.batched_submit_put_task([key(1), key(2), key(4)], [chunk(b, 64, i) for i in (1, 2, 4)])
     p.flush()
     # A put leaves the chunk's handle on its copy: the first lookup looks nothing up.
-    copies = [p._chunk(key(h)).ref.entry for h in (1, 2, 4)]
+    copies = [p.chunks.entry(key(h)).ref.entry for h in (1, 2, 4)]
     assert all(e is not None and e.ready for e in copies)
     # What LMCache's engine asks on vLLM's lookup: the hits up to the first miss, pinned.
     assert p.batched_contains([key(1), key(2), key(3), key(4)], pin=True) == 2
@@ -328,7 +328,7 @@ def test_a_pinned_lookup_pins_the_hit_prefix_and_each_unpin_lets_one_pin_go(
     p.batched_submit_put_task([key(4)], [chunk(b, 64, 4)])
     assert _pinned(p, [4]) == [] and p.contains(key(4))
     assert p.contains(key(4), pin=True) and _pinned(p, [4]) == [4]  # the new copy
-    assert p._chunk(key(4)).ref.entry is not copies[2] and p.unpin(key(4))
+    assert p.chunks.entry(key(4)).ref.entry is not copies[2] and p.unpin(key(4))
     assert _pinned(p, [4]) == []
     assert not p.pin(key(3))  # absent: nothing pinned
     assert _pinned(p, [3]) == []
@@ -336,7 +336,7 @@ def test_a_pinned_lookup_pins_the_hit_prefix_and_each_unpin_lets_one_pin_go(
     # first only), nothing pinned.
     new = [key(h) for h in range(100, 164)]
     assert p.batched_contains(new, pin=True) == 0
-    assert all(p._find(k) is None for k in new)
+    assert all(p.chunks.find(k) is None for k in new)
 
 
 async def test_async_lookup_with_pin_pins_the_hit_prefix(opened: Any) -> None:
@@ -348,7 +348,7 @@ async def test_async_lookup_with_pin_pins_the_hit_prefix(opened: Any) -> None:
     # Taken here through the chunks' handles, as a lookup on LMCache's thread takes them:
     # each pin the books' entry of the copy a get finds.
     for h in (1, 2):
-        c = p._find(key(h))
+        c = p.chunks.find(key(h))
         assert c is not None and list(c) == [c.ref.entry] and c.ref.entry.pins == 1
     assert _pinned(p, [1, 2, 4]) == [1, 2]
     assert p.unpin(key(1)) and p.unpin(key(2))
@@ -360,19 +360,19 @@ def test_pins_hold_while_the_plugin_forgets_chunk_names(
 ) -> None:
     """The plugin keeps the names of the chunks it saw lately with its pins on them;
     when there are too many it forgets the unpinned ones, never a pin."""
-    monkeypatch.setattr(plugin_module, "_CHUNKS_KEPT", 4)
+    monkeypatch.setattr(chunks_module, "KEPT", 4)
     b = opened()
     p = plugin_of(b)
     p.batched_submit_put_task([key(1), key(2)], [chunk(b, 64, i) for i in (1, 2)])
     p.flush()
     assert p.batched_contains([key(1), key(2)], pin=True) == 2
     assert p.pin(key(1))
-    drops = p._drops
+    drops = p.chunks.drops
     more = range(10, 30)
     p.batched_submit_put_task([key(h) for h in more], [chunk(b, 32, h) for h in more])
     p.flush()
     # names forgotten, more than once
-    assert p._drops > drops and len(p._chunks) + len(p._others) < 22
+    assert p.chunks.drops > drops and len(p.chunks) < 22
     assert _pinned(p, [1, 2]) == [1, 2]
     assert p.unpin(key(1)) and p.unpin(key(1)) and not p.unpin(key(1))
     assert p.unpin(key(2)) and not p.unpin(key(2))
@@ -385,7 +385,7 @@ def test_lookups_unpins_and_removes_on_several_threads_leave_no_pin_behind(
 ) -> None:
     """Engines' threads pin, let go and remove the same chunks at once while the plugin
     forgets names: every pin taken is let go once, none is lost on the way."""
-    monkeypatch.setattr(plugin_module, "_CHUNKS_KEPT", 8)
+    monkeypatch.setattr(chunks_module, "KEPT", 8)
     b = opened()
     p = plugin_of(b)
     hashes = range(1, 13)
@@ -416,7 +416,7 @@ def test_lookups_unpins_and_removes_on_several_threads_leave_no_pin_behind(
             assert all(f.result() > 0 for f in lookers)
     finally:
         sys.setswitchinterval(old)
-    assert all(len(c) == 0 for c in [*p._chunks.values(), *p._others.values()])  # no pins
+    assert all(len(c) == 0 for c in p.chunks.entries())  # no pins
     assert _pinned(p, list(hashes)) == []
 
 

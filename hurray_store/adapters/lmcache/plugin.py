@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -45,6 +44,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
+from hurray_store.adapters.lmcache.chunks import Chunk, ChunkRegistry, chunk_name
 from hurray_store.adapters.lmcache.layout import ChunkLayout
 from hurray_store.adapters.store_thread import StoreThread, held_prefix, pin_held_prefix
 from hurray_store.errors import FormatError
@@ -58,41 +58,6 @@ from hurray_store.tiers import RangeIn, Sealed
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _GETS_IN_FLIGHT = 2  # chunks read at once on the store's loop (more was slower here)
-_HASH_MASK = 2**64 - 1  # LMCache's chunk hashes are Python ints, possibly negative
-# Chunks whose names and pins are kept (``HurrayStoragePlugin._chunks``) before the
-# unpinned ones are dropped. A name takes 0.6 us to make here, 0.1 to find again; a
-# chunk is named on its put, each lookup, get and unpin.
-_CHUNKS_KEPT = 8192
-
-
-def _chunk_name(prefix: str, key: CacheEngineKey) -> str:
-    """The store's name of LMCache's chunk ``key``, under the layout's ``prefix``. A key
-    with tags (LMCache's ``lmcache.tag.*`` request configs, which keep one tenant's
-    chunks apart from another's: its keys differ by them) names its tags' xxh3-64 too,
-    of fixed length whatever the tags."""
-    name = (
-        f"{prefix}{key.model_name}@{key.world_size}@{key.worker_id}"
-        f"@{key.chunk_hash & _HASH_MASK:016x}@{str(key.dtype).removeprefix('torch.')}"
-    )
-    if tags := getattr(key, "tags", None):
-        name += f"@t{checksum(repr(tags).encode()):016x}"
-    return name + "/c"
-
-
-class _Chunk(deque[Pin]):
-    """A chunk LMCache named lately: LMCache's key, its name in the store, the store's
-    handle on it (``TieredStore.object_ref``), and, as its items, the store's pins this
-    engine holds on it (one object less to reach than a list of them in a slot). A
-    deque, not a list: a list emptied by its last ``pop`` gives its storage back and
-    takes it again on the next pin, a ``malloc`` and a ``free`` a pin; the 32 unpins
-    of a lookup right after a store took 19-23 us with a list here, 9-12 with a
-    deque."""
-
-    __slots__ = ("key", "name", "ref")
-
-    def __init__(self, key: CacheEngineKey, name: str, ref: KeyRef) -> None:
-        super().__init__()
-        self.key, self.name, self.ref = key, name, ref
 
 
 class HurrayStoragePlugin(StoragePluginInterface):
@@ -141,24 +106,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._unpin_one = self.store.unpin_one
         self._pending: dict[CacheEngineKey, Future[None]] = {}
         self._lock = threading.Lock()
-        # LMCache's chunks this engine has named lately (put or pinned): each one's name in the
-        # store, the store's handle on it, which a lookup pins by (it keeps the books' entry of the
-        # copy a get finds, so a pin looks nothing up while that copy stays), and the store's pins
-        # this engine holds on it (LMCache may pin a chunk twice, for two lookups of one prefix, and
-        # lets each go once). One lookup by LMCache's key finds them all. They are found by the
-        # key's chunk hash, an int: LMCache's key hashes in Python (``__hash__`` builds a tuple of
-        # its fields, 0.4-0.6 us a call here, as much as the rest of a pin), and the key an unpin
-        # names is the very object its lookup named, so the entry's own key matches it by identity,
-        # with no comparison. A key whose chunk hash is taken by another key (the same tokens under
-        # other tags) goes in ``_others``, by the whole key. ``unpin`` takes no lock: it pops a pin
-        # from a chunk's deque. Chunks are added, and pins too, only under ``_chunks_lock``, and
-        # chunks leave under it: a removed one, and the unpinned ones when there are too many
-        # (``_drops`` counts the times any left).
-        self._chunks: dict[int, _Chunk] = {}
-        self._others: dict[CacheEngineKey, _Chunk] = {}
-        self._chunks_lock = threading.Lock()
-        self._chunks_cap = _CHUNKS_KEPT
-        self._drops = 0
+        # The chunks this engine named lately, and its pins on them (``chunks.py``).
+        self.chunks = ChunkRegistry(self._key_prefix, self.store.object_ref)
         self._closed = False
 
     @staticmethod
@@ -182,38 +131,11 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     def _chunk_key(self, key: CacheEngineKey) -> str:
         """The store's name of LMCache's chunk ``key``."""
-        c = self._find(key)
-        return c.name if c is not None else _chunk_name(self._key_prefix, key)
-
-    def _find(self, key: CacheEngineKey) -> _Chunk | None:
-        """``key``'s entry in ``_chunks`` or ``_others``; None: none (any thread)."""
-        c = self._chunks.get(key.chunk_hash)
-        if c is None or (c.key is not key and c.key != key):
-            # a key of another's chunk hash, its entry made while that one's was here
-            c = self._others.get(key) if self._others else None
-        return c
-
-    def _chunk(self, key: CacheEngineKey, ref: KeyRef | None = None) -> _Chunk:
-        """``key``'s entry, made if new (under ``_chunks_lock``), with ``ref`` as its
-        handle where that is one (a lookup's, already pointing at the copy it pinned)."""
-        if (c := self._find(key)) is not None:
-            return c
-        if len(self._chunks) + len(self._others) >= self._chunks_cap:
-            # New dicts, not deletions in place: an unpin reading the old ones finds
-            # the same entries. The pinned ones stay.
-            self._chunks = {h: c for h, c in self._chunks.items() if c}
-            self._others = {k: c for k, c in self._others.items() if c}
-            self._chunks_cap = max(_CHUNKS_KEPT, 2 * (len(self._chunks) + len(self._others)))
-            self._drops += 1
-        name = _chunk_name(self._key_prefix, key)
-        c = _Chunk(key, name, ref if ref is not None else self.store.object_ref(name))
-        if self._chunks.setdefault(key.chunk_hash, c) is not c:
-            self._others[key] = c  # its chunk hash is another key's
-        return c
+        return self.chunks.name(key)
 
     # ------------------------------------------------------------------ put
 
-    async def _put(self, c: _Chunk, chunk: Sealed) -> None:
+    async def _put(self, c: Chunk, chunk: Sealed) -> None:
         # One object per chunk, its record last: written whole or not at all.
         if not await self.store.put_object(c.name, chunk, self_checked=True):
             raise OSError("stored in no tier")
@@ -235,8 +157,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self._hear_others()
         puts: list[tuple[Coroutine[Any, Any, None], Future[None]]] = []
         try:
-            with self._chunks_lock:
-                chunks = [self._chunk(k) for k in keys]
+            with self.chunks.lock:
+                chunks = [self.chunks.entry(k) for k in keys]
             for key, c, obj in zip(keys, chunks, objs, strict=True):
                 if self._held(c.name) or self.exists_in_put_tasks(key):
                     continue
@@ -340,8 +262,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
         name on the store's loop with a shared tier): a new prompt's lookup names its
         first chunk only (64 names made took 130-150 us here, where
         LMCache's disk backend answers the same miss in 0.5-0.7)."""
-        found: list[_Chunk | KeyRef | None] = []
-        drops = self._drops  # before the names' ``get``: entries leaving after, seen
+        found: list[Chunk | KeyRef | None] = []
+        drops = self.chunks.drops  # before the names' ``get``: entries leaving after, seen
         pins: Sequence[Pin]
         if self.store.shared:  # asked on the store's loop, by name
             pins = self._runner.pin_prefix(self._names(keys, found))
@@ -353,21 +275,19 @@ class HurrayStoragePlugin(StoragePluginInterface):
     def _names(
         self,
         keys: Sequence[CacheEngineKey],
-        found: list[_Chunk | KeyRef | None],
+        found: list[Chunk | KeyRef | None],
         refs: bool = False,
     ) -> Iterator[Any]:
         """The store's name of each of ``keys`` (with ``refs``, its handle), made as
-        the store asks for it (any thread), each key's entry in ``_chunks`` added to
+        the store asks for it (any thread), each key's entry in ``chunks`` added to
         ``found`` (where it has none, the handle made for it, or None)."""
-        get, others, prefix = self._chunks.get, self._others, self._key_prefix
+        find, prefix = self.chunks.find, self._key_prefix
         for k in keys:
-            if (c := get(k.chunk_hash)) is None or (c.key is not k and c.key != k):
-                c = others.get(k) if others else None  # as ``_find``, inline
-            if c is not None:
+            if (c := find(k)) is not None:
                 found.append(c)
                 yield c.ref if refs else c.name
             else:
-                name = _chunk_name(prefix, k)
+                name = chunk_name(prefix, k)
                 ref = self.store.object_ref(name) if refs else None
                 found.append(ref)
                 yield ref if ref is not None else name
@@ -375,19 +295,19 @@ class HurrayStoragePlugin(StoragePluginInterface):
     def _hold(
         self,
         keys: Sequence[CacheEngineKey],
-        found: Sequence[_Chunk | KeyRef | None],
+        found: Sequence[Chunk | KeyRef | None],
         drops: int,
         pins: Sequence[Pin],
     ) -> None:
         """The store pinned the chunks of ``keys``, from the first, for this engine: one
         pin more each, in its entry of ``found`` (made where there was none, with the
-        handle the pin was taken by) while ``_drops`` is still ``drops``; else in the
+        handle the pin was taken by) while ``chunks.drops`` is still ``drops``; else in the
         entry found or made again."""
-        with self._chunks_lock:
+        with self.chunks.lock:
             for k, c, pin in zip(keys, found, pins, strict=False):
-                # ``_drops`` again each time: making an entry may drop others
-                if c.__class__ is not _Chunk or self._drops != drops:
-                    c = self._chunk(k, c if isinstance(c, KeyRef) else None)
+                # ``drops`` again each time: making an entry may drop others
+                if c.__class__ is not Chunk or self.chunks.drops != drops:
+                    c = self.chunks.entry(k, c if isinstance(c, KeyRef) else None)
                 c.append(pin)
 
     def _get_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
@@ -509,8 +429,8 @@ class HurrayStoragePlugin(StoragePluginInterface):
         if not pin:
             names = map(self._chunk_key, keys)  # lazy, as with ``pin``
             return await asyncio.wrap_future(self._runner.submit(held_prefix(self.store, names)))
-        found: list[_Chunk | KeyRef | None] = []
-        drops, lazy = self._drops, self._names(keys, found)  # made on the store's loop
+        found: list[Chunk | KeyRef | None] = []
+        drops, lazy = self.chunks.drops, self._names(keys, found)  # made on the store's loop
         pins = await asyncio.wrap_future(self._runner.submit(pin_held_prefix(self.store, lazy)))
         self._hold(keys, found, drops, pins)
         return len(pins)
@@ -540,12 +460,10 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     def unpin(self, key: CacheEngineKey) -> bool:
         """Let one pin of a chunk go, here on the caller's thread (LMCache lets a
-        lookup's chunks go one call per chunk), with no lock (see ``_chunks``)."""
-        c = self._chunks.get(key.chunk_hash)
-        if c is None or (c.key is not key and c.key != key):
-            c = self._others.get(key) if self._others else None  # as ``_find``, inline
-            if c is None:
-                return False
+        lookup's chunks go one call per chunk), with no lock (see ``chunks.py``)."""
+        c = self.chunks.find(key)
+        if c is None:
+            return False
         try:
             self._unpin_one(c.pop())
         except IndexError:
@@ -555,17 +473,12 @@ class HurrayStoragePlugin(StoragePluginInterface):
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
         """Delete a chunk; a pinned one only with ``force``, its pins let go with it
         (else a chunk put again under the key would stay pinned)."""
-        with self._chunks_lock:
-            c = self._find(key)
+        with self.chunks.lock:
+            c = self.chunks.find(key)
             if c is not None and c and not force:
                 return False
-            if c is not None:
-                if self._chunks.get(key.chunk_hash) is c:
-                    del self._chunks[key.chunk_hash]
-                else:
-                    del self._others[key]
-                self._drops += 1
-        name = c.name if c is not None else _chunk_name(self._key_prefix, key)
+            self.chunks.remove(key)
+        name = c.name if c is not None else chunk_name(self._key_prefix, key)
         while c is not None:  # pin by pin: an unpin may be popping from the same list
             try:
                 self._unpin_one(c.pop())

@@ -376,13 +376,13 @@ class HurrayStoragePlugin(StoragePluginInterface):
             return None
         pages = self.layout.pages_of(size)
         if pages is None:
-            self._drop(key, k, f"{size} bytes is the size of no chunk object of this layout")
+            self.drop_chunk(key, k, f"{size} bytes is the size of no chunk object of this layout")
             return None
         pools, _ = self.layout.layers_of(pages)
         # The page count gives the token count but for a partial last page: read that
         # many tokens, and the record beside them.
         n = min(pages * self.page_size, self.chunk_size)
-        out = self._allocate(key, n)
+        out = self.allocate_chunk(key, n)
         if out is None:
             return None
         try:
@@ -391,18 +391,20 @@ class HurrayStoragePlugin(StoragePluginInterface):
             out.ref_count_down()
             raise
 
-    def _drop(self, key: CacheEngineKey, name: str, why: str) -> None:
+    def drop_chunk(self, key: CacheEngineKey, name: str, why: str) -> None:
+        """A chunk object that failed verification: deleted, a miss (a get's seam)."""
         log.warning("hurray plugin: %s failed verification (%s); a miss", key, why)
         self._call(self.store.delete_object(name))
 
-    def _pool_views(self, obj: MemoryObj) -> list[memoryview]:
+    def pool_views(self, obj: MemoryObj) -> list[memoryview]:
         """Byte views of a chunk's token rows, per layer its keys then its values."""
         # [2, layers, tokens, width]: one view, with no torch operation (see ChunkLayout.encode)
         whole, L = memoryview(obj.byte_array).cast("B"), self.num_layers
         nb = len(whole) // (2 * L)
         return [whole[(r * L + li) * nb : (r * L + li + 1) * nb] for li in range(L) for r in (0, 1)]
 
-    def _allocate(self, key: CacheEngineKey, tokens: int) -> MemoryObj | None:
+    def allocate_chunk(self, key: CacheEngineKey, tokens: int) -> MemoryObj | None:
+        """LMCache's buffer for a chunk of ``tokens`` (a get's seam); None when full."""
         out = self.local_cpu_backend.allocate(
             torch.Size([2, self.num_layers, tokens, self.num_kv_heads * self.head_size]),
             self.dtype,
@@ -525,7 +527,7 @@ class _ChunkGet:
         self.out: MemoryObj | None = out
         self.rec = bytearray(plugin.layout.record_bytes)
         self.ranges = plugin.layout.ranges_of(pages)  # the object's size is the layout's
-        self.dst = plugin._pool_views(out)
+        self.dst = plugin.pool_views(out)
         self.into = [*self.dst, memoryview(self.rec)]
         self.sums: list[int | None] = [None] * len(self.dst)
 
@@ -559,14 +561,14 @@ class _ChunkGet:
             if got != self.n:
                 if not (self.pages - 1) * p.page_size < got < self.n:
                     raise FormatError(f"{got} tokens in a chunk object of {self.pages} pages")
-                part = p._allocate(self.key, got)
+                part = p.allocate_chunk(self.key, got)
                 if part is None:
                     return None
                 assert self.out is not None
                 part.tensor.copy_(self.out.tensor[:, :, :got])
                 self.release()
                 self.out = part
-                self.sums = [checksum(d) for d in p._pool_views(part)]  # its tokens only
+                self.sums = [checksum(d) for d in p.pool_views(part)]  # its tokens only
             for li, lay in enumerate(layers):
                 if (
                     self.sums[2 * li] != lay.key_tokens_checksum
@@ -574,7 +576,7 @@ class _ChunkGet:
                 ):
                     raise FormatError(f"layer {li}: its bytes differ from the record")
         except FormatError as e:
-            p._drop(self.key, self.name, str(e))
+            p.drop_chunk(self.key, self.name, str(e))
             return None
         out, self.out = self.out, None
         return out

@@ -39,9 +39,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import table  # noqa: E402
-from bench_store import LMCacheBackend, chunk_round, start_redis  # noqa: E402
+from bench_store import LMCacheBackend, chunk_round  # noqa: E402
 
 from hurray_store import KVSpec  # noqa: E402
+from hurray_store.testing.services import RedisProc  # noqa: E402
 
 # Per medium: LMCache's own backend (the reference), the plugin with the tier's default
 # writer threads, and with another count: on disk as many as Python's default pool
@@ -166,7 +167,8 @@ def main() -> None:
     env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "OMP_WAIT_POLICY": "passive"}
     got: dict[str, list[dict[str, float]]] = {name: [] for name in CASES}
     work = Path(tempfile.mkdtemp(prefix="bench-engine-redis-"))
-    redis_proc, port = start_redis(work)
+    redis = RedisProc(work / "redis").start()
+    port = redis.port
     try:
         for _ in range(a.turns):
             for name, case in CASES.items():
@@ -179,8 +181,7 @@ def main() -> None:
                     raise SystemExit(f"{name} failed: {p.stderr[-2000:]}")
                 got[name] += json.loads(p.stdout.strip().splitlines()[-1])
     finally:
-        redis_proc.terminate()
-        redis_proc.wait()
+        redis.stop()
         shutil.rmtree(work, ignore_errors=True)
 
     def med(name: str, k: str, scale: float) -> tuple[float, float, float]:

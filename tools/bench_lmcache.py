@@ -40,9 +40,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _bench import gbps, table  # noqa: E402
-from bench_store import LMCacheBackend, chunk_round, dir_bytes, start_redis  # noqa: E402
+from bench_store import LMCacheBackend, chunk_round, dir_bytes  # noqa: E402
 
 from hurray_store import KVSpec  # noqa: E402
+from hurray_store.testing.services import RedisProc  # noqa: E402
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
@@ -524,7 +525,8 @@ def main() -> None:
     # release candidate's own backends and adapters).
     print(f"LMCache {importlib.metadata.version('lmcache')} as the reference", flush=True)
     work = Path(tempfile.mkdtemp(prefix="bench-lmcache-"))
-    redis_proc, port = start_redis(work)
+    redis = RedisProc(work / "redis").start()
+    port = redis.port
     rows: list[list[object]] = []
     results: dict[str, dict[str, list[float]]] = {}  # backend -> op -> GB/s per round
     floor: dict[str, float] = {}
@@ -686,7 +688,7 @@ def main() -> None:
             ),
         )
     finally:
-        redis_proc.kill()
+        redis.stop()
         shutil.rmtree(work, ignore_errors=True)
     if a.omp_passive:
         print("\nevery backend and adapter ran with OMP_WAIT_POLICY=passive")

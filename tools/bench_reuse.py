@@ -24,12 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _bench import table  # noqa: E402
-from bench_store import start_redis  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hurray_store import PagedKVPool  # noqa: E402
 from hurray_store.adapters.transformers import spec_for_model  # noqa: E402
 from hurray_store.store import open_store  # noqa: E402
+from hurray_store.testing.services import RedisProc  # noqa: E402
 from hurray_store.tiny_model import build_tiny_model  # noqa: E402
 from hurray_store.tokenizer import VOCAB_SIZE  # noqa: E402
 from hurray_store.warmup import read_prompts, replay, warmup  # noqa: E402
@@ -52,7 +52,8 @@ def main() -> None:
     requests, _ = read_prompts(ROOT / "configs/sample_replay.jsonl", vocab_size=VOCAB_SIZE)
     longest = max(len(p) for p in corpus + requests)
     work = Path(tempfile.mkdtemp(prefix="bench-reuse-"))
-    redis_proc, port = start_redis(work)
+    redis = RedisProc(work / "redis").start()
+    port = redis.port
     configs = {
         "cpu": [{"type": "cpu", "capacity_bytes": 1 << 30}],
         "disk": [{"type": "disk", "path": str(work / "disk"), "capacity_bytes": 1 << 32}],
@@ -93,7 +94,7 @@ def main() -> None:
                 ]
             )
     finally:
-        redis_proc.kill()
+        redis.stop()
         shutil.rmtree(work, ignore_errors=True)
     print(
         f"\ntiny Llama ({spec.num_layers} layers, {spec.num_kv_heads} kv heads x "

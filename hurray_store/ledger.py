@@ -139,6 +139,11 @@ class Ledger:
         e = self._books[tier].groups.get(group)
         return dict(e.sizes) if e else {}
 
+    def group_bytes(self, tier: int, group: Group) -> int:
+        """The bytes the books give ``group`` in ``tier`` (0: not there)."""
+        e = self._books[tier].groups.get(group)
+        return e.nbytes if e else 0
+
     def size_in(self, tier: int, key: str) -> int | None:
         """The size the books give ``key`` in ``tier`` (None: not there)."""
         b = self._books[tier]

@@ -93,7 +93,7 @@ class Policy:
                 )
             if led.is_writing(tier, group):
                 return Admission(False, reason="the group is being written to this tier already")
-            used = led.used_bytes(tier) - sum(led.group_keys(tier, group).values())
+            used = led.used_bytes(tier) - led.group_bytes(tier, group)
             chosen: list[tuple[Group, Mapping[str, int]]] = []
             if cap is not None and used + need > cap:
                 free = cap - used
@@ -102,7 +102,7 @@ class Policy:
                         break
                     if g == group or not e.ready or led.is_pinned(g):
                         continue
-                    chosen.append((g, dict(e.sizes)))
+                    chosen.append((g, e.sizes))
                     free += e.nbytes
                 if free < need:
                     return Admission(

@@ -25,8 +25,8 @@ from hurray_store.store import TieredStore
 from hurray_store.store.catalog import depth
 from hurray_store.tiers import Blob, Buffer, Range, Reservation, StoredObject
 
-# Sequences of one lookup matched between two turns of the event loop.
-_SEQS_PER_STEP = 64
+# Sequences of one lookup matched (or claim-checked) between two turns of the event loop.
+SEQS_PER_STEP = 64
 
 
 class ServedStore:
@@ -211,7 +211,7 @@ class ServedStore:
         wanted: dict[bytes, None] = {}
         runs: list[Sequence[bytes]] = []
         for i, (have, hashes) in enumerate(seqs):
-            if i and not i % _SEQS_PER_STEP:
+            if i and not i % SEQS_PER_STEP:
                 await asyncio.sleep(0)  # a large lookup lets other requests in between
             mt = catalog.longest_prefix(hashes)
             matched.append(mt.num_pages)

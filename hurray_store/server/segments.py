@@ -8,18 +8,20 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from hurray_store.config import ServerConfig
 from hurray_store.errors import FormatError
 from hurray_store.format import Manifest
 from hurray_store.keys import SegmentKey
 from hurray_store.server.access import authorize
-from hurray_store.server.backing import ServedStore
+from hurray_store.server.backing import SEQS_PER_STEP, ServedStore
 from hurray_store.server.tenants import Tenant
 from hurray_store.store.space import ObjectSpace
 from hurray_store.transport import Err
 
 log = logging.getLogger(__name__)
+K = TypeVar("K")
 # What the server keeps per object in flight besides its bytes (its landing, the put's
 # state, the staged entry), with a margin: tests/test_server_hostile.py checks that an
 # empty staged object costs no more. Counted against max_inflight_put_bytes and the
@@ -27,8 +29,15 @@ log = logging.getLogger(__name__)
 PER_OBJECT_BYTES = 2048
 # Manifests larger than this are parsed in a worker thread.
 _PARSE_ON_LOOP_BYTES = 256 << 10
-# Sequences of one claiming lookup looked at between two turns of the event loop.
-_SEQS_PER_STEP = 64
+
+
+def _count_down(counts: dict[K, int], key: K) -> None:
+    """One fewer for ``key``; gone at zero (the counts hold live claims only)."""
+    n = counts[key] - 1
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
 
 
 def manifest_limit(staged_bytes: int) -> int:
@@ -181,16 +190,8 @@ class SegmentDesk:
         if c is None:
             return
         c.left -= 1
-        n = self.claimed_by_owner[c.owner] - 1
-        if n:
-            self.claimed_by_owner[c.owner] = n
-        else:
-            del self.claimed_by_owner[c.owner]
-        n = self.claimed_by_namespace[c.namespace] - 1
-        if n:
-            self.claimed_by_namespace[c.namespace] = n
-        else:
-            del self.claimed_by_namespace[c.namespace]
+        _count_down(self.claimed_by_owner, c.owner)
+        _count_down(self.claimed_by_namespace, c.namespace)
         if c.left <= 0:
             c.pages = []
             sets = self._claims_of.get(c.owner)
@@ -231,7 +232,7 @@ class SegmentDesk:
             now = time.monotonic()
             waits: set[asyncio.Future[None]] = set()
             for i, ((_, hs), m) in enumerate(zip(seqs, matched, strict=True)):
-                if i and not i % _SEQS_PER_STEP:
+                if i and not i % SEQS_PER_STEP:
                     await asyncio.sleep(0)  # other requests in between
                 for h in hs[m:]:
                     c = self.claims.get((ns, h))

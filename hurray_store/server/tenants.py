@@ -121,8 +121,10 @@ class Tenants:
         for i in range(len(self.cascade.tiers)):
             for g, e in led.entries(i):
                 t = self.by_namespace.get(namespace_of(g) or "")
-                cost = charge(e.nbytes, len(led.group_keys(i, g)))
-                if t is not None and e.ready and t.groups.get(g, -1) < cost:
+                if t is None or not e.ready:
+                    continue
+                cost = charge(e.nbytes, len(e.sizes))
+                if t.groups.get(g, -1) < cost:
                     t.used += cost - t.groups.get(g, 0)
                     t.groups[g] = cost
 

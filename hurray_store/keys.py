@@ -148,7 +148,7 @@ class SegmentPart:
 
 def object_stored(namespace: str, name: str) -> str:
     """The stored key of object ``name`` in ``namespace`` (``ObjectKey.stored``), made
-    without the key's dataclass, for the books' lookups from engines' threads."""
+    without the key's dataclass, for the ledger's lookups from engines' threads."""
     return f"{namespace}/o/{name}"
 
 

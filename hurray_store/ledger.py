@@ -1,4 +1,4 @@
-"""The books: which tier holds which group, how big, how recent, pinned (no I/O).
+"""The ledger: which tier holds which group, how big, how recent, pinned (no I/O).
 
 A group (a segment's layer objects and manifest, or an object-level group) enters and
 leaves a tier as one. In a tier it is in one of two states, as vLLM's offloading
@@ -14,16 +14,16 @@ READY      every byte is where a get finds it (the group's last object, its
 ``begin_write`` records a group as WRITING; ``complete_write`` makes it READY or drops
 it. ``record`` notes a READY group found in a tier (restart scan, discovery).
 
-Group ids are opaque hashable values to the books (``keys.SegmentKey``,
+Group ids are opaque hashable values to the ledger (``keys.SegmentKey``,
 ``keys.ObjectKey``); keys are the stored strings the tiers know.
 
-The store's loop is the only writer of the books. Other threads read them (``holders``)
+The store's loop is the only writer of the ledger. Other threads read them (``holders``)
 and take and let go pins (``pin_ready``, ``pin_refs``, ``pin``, ``unpin``): every change of what a
 tier holds, and every pin, is made under ``lock`` (a pin let go is counted off under it
 when the pins are next read), which the policy holds too while it
-chooses its victims and takes them off the books, so a group another thread finds
+chooses its victims and takes them off the ledger, so a group another thread finds
 READY and pins under the lock is never a victim after that, and one chosen as a victim
-is off the books before any thread can pin it.
+is off the ledger before any thread can pin it.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class TierInfo:
 @dataclass(slots=True, eq=False)
 class Entry:
     """A group in one tier. ``ready`` turns false for good when it leaves the tier's
-    books. ``pins``: pins taken on this tier's copy (``pin_refs``); while it is in the
-    books, they pin the group as ``pin`` does (``is_pinned``). ``moved``: a key of it
+    ledger. ``pins``: pins taken on this tier's copy (``pin_refs``); while it is in the
+    ledger, they pin the group as ``pin`` does (``is_pinned``). ``moved``: a key of it
     has since been written in another group of the tier, so a handle holding this
     entry (``KeyRef``) may be stale: it looks its key up again."""
 
@@ -66,7 +66,7 @@ class Entry:
 
 
 class KeyRef:
-    """A caller's handle on one key for ``Ledger.pin_refs``: the key and the books'
+    """A caller's handle on one key for ``Ledger.pin_refs``: the key and the ledger's
     entry it was last found READY in. A caller that pins the same keys again and again
     (an engine's lookups) keeps one per key: while that entry is still READY, a pin
     is made on it with no key looked up or group hashed (a few cache misses fewer a
@@ -80,7 +80,7 @@ class KeyRef:
 
 
 @dataclass(slots=True)
-class _TierBooks:
+class _TierEntries:
     info: TierInfo
     used: int = 0
     groups: OrderedDict[Group, Entry] = field(default_factory=OrderedDict)  # LRU first
@@ -90,7 +90,7 @@ class _TierBooks:
 class Ledger:
     def __init__(self, tiers: Sequence[TierInfo]) -> None:
         self.tiers = list(tiers)
-        self._books = [_TierBooks(t) for t in self.tiers]
+        self._tiers = [_TierEntries(t) for t in self.tiers]
         self._pins: dict[Group, int] = {}
         # Pins let go and not yet counted off: ``unpin`` only appends here (a deque's
         # append is atomic), and whoever reads the pins counts them off first, under
@@ -105,7 +105,7 @@ class Ledger:
     def holders(self, key: str) -> list[int]:
         """Tiers where a get of ``key`` finds it now (READY), fastest first."""
         out = []
-        for i, b in enumerate(self._books):
+        for i, b in enumerate(self._tiers):
             g = b.key_group.get(key)
             # ``get`` twice: from another thread, the group may leave in between.
             if g is not None and (e := b.groups.get(g)) is not None and e.ready:
@@ -116,49 +116,49 @@ class Ledger:
         """Tiers holding ``group`` READY, fastest first."""
         return [
             i
-            for i, b in enumerate(self._books)
+            for i, b in enumerate(self._tiers)
             if (e := b.groups.get(group)) is not None and e.ready
         ]
 
     def groups_of(self, key: str) -> dict[int, Group]:
-        """Per tier whose books know ``key`` (READY or WRITING), the group it is in."""
-        return {i: g for i, b in enumerate(self._books) if (g := b.key_group.get(key)) is not None}
+        """Per tier whose ledger knows ``key`` (READY or WRITING), the group it is in."""
+        return {i: g for i, b in enumerate(self._tiers) if (g := b.key_group.get(key)) is not None}
 
     def first_group(self, key: str) -> Group | None:
-        """The group of ``key`` in the fastest tier whose books know it (READY or
+        """The group of ``key`` in the fastest tier whose ledger knows it (READY or
         WRITING)."""
-        for b in self._books:
+        for b in self._tiers:
             if (g := b.key_group.get(key)) is not None:
                 return g
         return None
 
     def group_of(self, tier: int, key: str) -> Group | None:
-        return self._books[tier].key_group.get(key)
+        return self._tiers[tier].key_group.get(key)
 
     def group_keys(self, tier: int, group: Group) -> dict[str, int]:
-        e = self._books[tier].groups.get(group)
+        e = self._tiers[tier].groups.get(group)
         return dict(e.sizes) if e else {}
 
     def group_bytes(self, tier: int, group: Group) -> int:
-        """The bytes the books give ``group`` in ``tier`` (0: not there)."""
-        e = self._books[tier].groups.get(group)
+        """The bytes the ledger gives ``group`` in ``tier`` (0: not there)."""
+        e = self._tiers[tier].groups.get(group)
         return e.nbytes if e else 0
 
     def size_in(self, tier: int, key: str) -> int | None:
-        """The size the books give ``key`` in ``tier`` (None: not there)."""
-        b = self._books[tier]
+        """The size the ledger gives ``key`` in ``tier`` (None: not there)."""
+        b = self._tiers[tier]
         g = b.key_group.get(key)
         return None if g is None else b.groups[g].sizes[key]
 
     def key_size(self, key: str) -> int | None:
         """The size of ``key`` in the fastest tier holding it READY."""
         for i in self.holders(key):
-            b = self._books[i]
+            b = self._tiers[i]
             return b.groups[b.key_group[key]].sizes[key]
         return None
 
     def depth(self, group: Group) -> int:
-        for b in self._books:
+        for b in self._tiers:
             e = b.groups.get(group)
             if e is not None:
                 return e.depth
@@ -168,25 +168,25 @@ class Ledger:
 
     def groups(self, tier: int) -> list[Group]:
         """Groups of a tier, WRITING ones included, least recently used first."""
-        return list(self._books[tier].groups)
+        return list(self._tiers[tier].groups)
 
     def entries(self, tier: int) -> Iterator[tuple[Group, Entry]]:
         """``(group, entry)`` of a tier, least recently used first."""
-        return iter(self._books[tier].groups.items())
+        return iter(self._tiers[tier].groups.items())
 
     def held(self, tier: int, group: Group) -> bool:
         """The group is in the tier, READY or WRITING."""
-        return group in self._books[tier].groups
+        return group in self._tiers[tier].groups
 
     def is_writing(self, tier: int, group: Group) -> bool:
-        e = self._books[tier].groups.get(group)
+        e = self._tiers[tier].groups.get(group)
         return e is not None and not e.ready
 
     def used_bytes(self, tier: int) -> int:
-        return self._books[tier].used
+        return self._tiers[tier].used
 
     def num_objects(self, tier: int) -> int:
-        return len(self._books[tier].key_group)
+        return len(self._tiers[tier].key_group)
 
     def is_pinned(self, group: Group) -> bool:
         """Pinned as a group, or in some tier (``pin_refs``)."""
@@ -194,7 +194,7 @@ class Ledger:
             self._count_released()
         if self._pins.get(group, 0) > 0:
             return True
-        return any((e := b.groups.get(group)) is not None and e.pins > 0 for b in self._books)
+        return any((e := b.groups.get(group)) is not None and e.pins > 0 for b in self._tiers)
 
     # ------------------------------------------------------------------ changes
 
@@ -206,7 +206,7 @@ class Ledger:
         depth: int,
         victims: Iterable[Group],
     ) -> None:
-        """Apply an accepted ``policy.plan_write``: its victims leave the books and the
+        """Apply an accepted ``policy.plan_write``: its victims leave the ledger and the
         group's room is taken (WRITING; readers do not see it yet)."""
         with self.lock:
             for g in victims:
@@ -222,7 +222,7 @@ class Ledger:
     def complete_write(self, tier: int, group: Group, ok: bool) -> None:
         """The write ``begin_write`` announced ended: READY, or gone when it failed."""
         with self.lock:
-            e = self._books[tier].groups.get(group)
+            e = self._tiers[tier].groups.get(group)
             if e is None:
                 return
             if ok:
@@ -246,7 +246,7 @@ class Ledger:
         """Mark groups used now, in every tier holding them. Groups touched together
         age together; the deeper ones are placed as the older, so they go first."""
         gs = list(dict.fromkeys(groups))
-        for b in self._books:
+        for b in self._tiers:
             held = [g for g in gs if g in b.groups]
             held.sort(key=lambda g: -b.groups[g].depth)
             for g in held:
@@ -284,10 +284,10 @@ class Ledger:
         pinned, to ``unpin`` later. The check and the pin are one step under ``lock``: no
         victim is chosen between. ``keys`` is taken one at a time, none past the first
         miss (a lazy caller makes no more)."""
-        books, groups = self._books, []
+        tiers, groups = self._tiers, []
         with self.lock:
             for k in keys:  # each key's group in the fastest tier holding it READY
-                for b in books:
+                for b in tiers:
                     if (g := b.key_group.get(k)) is not None and b.groups[g].ready:
                         groups.append(g)
                         break
@@ -299,10 +299,10 @@ class Ledger:
     def pin_refs(self, refs: Iterable[KeyRef]) -> list[Entry]:
         """``pin_ready`` by handles: from any thread, pin the copy a get finds now of each of
         ``refs``' keys, from the first, up to the first that has none; the entries
-        pinned, to ``unpin`` later. A ref whose entry left the books, is not READY
+        pinned, to ``unpin`` later. A ref whose entry left the ledger, is not READY
         or had a key move to another group (``Entry.moved``) is looked up again by
         its key (the fastest tier holding it READY) and keeps the entry found. Such
-        a pin holds the group as ``pin`` does while that entry is in the books; a
+        a pin holds the group as ``pin`` does while that entry is in the ledger; a
         group written again has a new entry, which it does not hold (as a ``pin``
         does not hold the new bytes, see ``TieredStore.unpin``)."""
         out: list[Entry] = []
@@ -326,7 +326,7 @@ class Ledger:
 
     def _ready_entry(self, key: str) -> Entry | None:
         """The entry of ``key``'s group in the fastest tier holding it READY."""
-        for b in self._books:
+        for b in self._tiers:
             if (g := b.key_group.get(key)) is not None and (e := b.groups[g]).ready:
                 return e
         return None
@@ -334,7 +334,7 @@ class Ledger:
     def _add(
         self, tier: int, group: Group, sizes: dict[str, int], depth: int, *, ready: bool
     ) -> None:
-        b = self._books[tier]
+        b = self._tiers[tier]
         e = Entry(sizes, depth, sum(sizes.values()), ready)
         b.groups[group] = e
         b.used += e.nbytes
@@ -345,7 +345,7 @@ class Ledger:
             b.key_group[k] = group
 
     def _drop(self, tier: int, group: Group) -> Entry | None:
-        b = self._books[tier]
+        b = self._tiers[tier]
         e = b.groups.pop(group, None)
         if e is not None:
             e.ready = False  # for the handles still holding it (``KeyRef``)

@@ -2,7 +2,7 @@
 
 - ``gather_pages`` / ``scatter_pages``: pool pages to a page tensor and back. The
   snapshot and restore of ``paging`` and the store's objects use these two.
-- ``gather_layer``: a layer's pages gathered straight into the slots of a planned layer
+- ``gather_layer``: a layer's pages gathered straight into their places in a planned layer
   object, each page hashed while it is warm in cache; returns the checksums the
   manifest records.
 - ``verify_and_scatter``: stored pages verified against those checksums, then copied
@@ -27,7 +27,8 @@ from hurray_store.format import (
     view_tensor,
 )
 from hurray_store.spec import KVSpec
-from hurray_store.tiers.base import Blob, blob_nbytes, host_view
+from hurray_store.tiers.helpers import blob_nbytes, host_view
+from hurray_store.tiers.types import Blob
 
 CHUNK_BYTES = (
     1 << 22
@@ -70,7 +71,7 @@ def gather_layer(
     kv: torch.Tensor, idx: torch.Tensor, plan: LayerPlan, out: memoryview
 ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """Gather pages ``idx`` of one layer (``kv``: ``[2, num_blocks, P, H, D]``) into the
-    slots of ``out``, an object planned by ``plan`` whose fixed parts are written.
+    places in ``out``, an object planned by ``plan`` whose fixed parts are written.
     Returns the object checksum and the page checksums per role."""
     n = int(idx.numel())
     pb, sb = plan.page_bytes, plan.scale_bytes

@@ -1,7 +1,7 @@
 """Every placement, write-through, promotion, eviction and verification decision (no I/O).
 
 The store asks, the policy answers with plain values, the store carries them out. The
-books it decides over (which tier holds which group, sizes, recency, pins, WRITING or
+ledger it decides over (which tier holds which group, sizes, recency, pins, WRITING or
 READY) are the ``Ledger``'s. Eviction works on groups: a segment's layer objects and its
 manifest form one group and leave a tier together, so a tier never holds half a
 segment; an object put through the object level is a group of one.
@@ -76,10 +76,10 @@ class Policy:
     ) -> Admission:
         """Whether ``group`` may be written to ``tier``, and its victims: least recently
         used groups that are neither pinned nor being written, until it fits (a group
-        already there is replaced, its room counted free). Decides only: the books are
+        already there is replaced, its room counted free). Decides only: the ledger is
         not touched. The cascade applies an accepted plan with ``ledger.take_room``
-        (the victims leave the books, the group is WRITING) in the same hold of the
-        books' lock, so nothing is pinned in between; it deletes the victims' bytes,
+        (the victims leave the ledger, the group is WRITING) in the same hold of the
+        ledger's lock, so nothing is pinned in between; it deletes the victims' bytes,
         demoting them first where ``demote_to`` says, and ends the write with
         ``ledger.complete_write``.
         """
@@ -162,7 +162,7 @@ class Policy:
         return not self.tiers[tier].trusted
 
     def scan_at_open(self, tier: int) -> bool:
-        """Rebuild the books from the tier at open: persistent tiers only this store
+        """Rebuild the ledger from the tier at open: persistent tiers only this store
         writes. A shared tier is asked per request, as other engines keep adding to it."""
         t = self.tiers[tier]
         return t.persistent and not t.shared

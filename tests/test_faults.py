@@ -424,7 +424,7 @@ async def test_an_object_lost_behind_the_stores_back_is_healed_on_read(
 ) -> None:
     """A layer object removed by someone else (Redis eviction, another process's cleanup
     of a shared folder): the retrieve that finds it gone delivers what is left, and the
-    segment leaves the index and the books, so lookup stops promising it."""
+    segment leaves the index and the ledger, so lookup stops promising it."""
     import redis as redis_py
 
     sp = spec(num_layers=2)
@@ -462,7 +462,7 @@ async def test_an_object_lost_behind_the_stores_back_is_healed_on_read(
         assert dst.num_free == 16, "no page of the pool is left claimed"
         assert await store.lookup(sp, b.tokens) == [0], "lookup no longer promises it"
         assert store.stats()["segments"] == 0
-        assert store.ledger.used_bytes(0) == 0, "the books no longer count its other objects"
+        assert store.ledger.used_bytes(0) == 0, "the ledger no longer count its other objects"
 
 
 async def test_a_redis_cluster_master_failover_loses_no_acknowledged_segment(

@@ -17,7 +17,7 @@ import pytest
 
 from hurray_store import PagedKVPool
 from hurray_store.store import TieredStore
-from hurray_store.tiers import disk as disk_mod
+from hurray_store.tiers import folder as folder_mod
 from hurray_store.tiers.base import NowRead
 from hurray_store.tiers.disk import DiskTier
 from tests import folder_client as fc
@@ -86,7 +86,7 @@ async def test_an_odd_file_in_place_of_an_object_is_a_miss(tmp_path: Path, kind:
         for key in ("hurray/o/x", "raw"):
             _replace(d.path_of(key), ODD[kind])
         assert await _within(store.get_object("x")) is None
-        assert not store.has_object("x"), "it left the books"
+        assert not store.has_object("x"), "it left the ledger"
         assert await _within(d.get("raw")) is None
         assert await _within(d.get_ranges("raw", [(0, 10)])) is None
         assert not await _within(d.contains("raw"))
@@ -121,7 +121,7 @@ async def test_a_fifo_in_place_of_layer_objects_is_a_miss_for_retrieve_and_looku
             _replace(p, _fifo)
         got = await _within(store.retrieve(PagedKVPool(sp, 16), b.tokens))
         assert got.num_tokens == [0]
-        assert await _within(store.lookup(sp, b.tokens)) == [0], "it left the books"
+        assert await _within(store.lookup(sp, b.tokens)) == [0], "it left the ledger"
 
 
 def _journal(tmp_path: Path) -> Path:
@@ -138,18 +138,18 @@ async def test_a_journal_line_nested_2000_deep_is_skipped_and_the_lines_after_it
         da, db = _disk(a), _disk(b)
         with open(_journal(tmp_path), "ab") as f:
             f.write(b"[" * 2000 + b"\n" + b'["' + b"[" * 2000 + b"\n")
-        db.announce(added=["k/after"])
+        db.log_changes(added=["k/after"])
         assert da.changes() == [(True, "k/after")]
         assert da.bad_journal_lines == 2
         assert await a.put_object("y", b"y" * 10), "the writer's own put works"
-        assert await b.get_object("y") == b"y" * 10, "and the other store hears it"
+        assert await b.get_object("y") == b"y" * 10, "and the other store reads it"
 
 
 @pytest.mark.parametrize("newline", [True, False], ids=["with_newline", "without_newline"])
 async def test_a_journal_line_of_24_mib_is_read_once(tmp_path: Path, newline: bool) -> None:
     """A line far longer than any store writes, with or without its newline, is skipped
     in one pass: later calls do not read it again (it used to be re-read by every call,
-    0.45 s and +255 MiB a call at 256 MiB), and the lines after it are heard."""
+    0.45 s and +255 MiB a call at 256 MiB), and the lines after it are read."""
     cfg = fc.config(str(tmp_path), 1 << 30)
     async with TieredStore(cfg) as a, TieredStore(cfg) as b:
         da, db = _disk(a), _disk(b)
@@ -158,7 +158,7 @@ async def test_a_journal_line_of_24_mib_is_read_once(tmp_path: Path, newline: bo
         assert da.changes() == []
         assert da.journal.seen == _journal(tmp_path).stat().st_size, "read once, to its end"
         assert da.bad_journal_lines == 1
-        db.announce(added=["k/after"])  # its newline first ends a line left without one
+        db.log_changes(added=["k/after"])  # its newline first ends a line left without one
         assert da.changes() == [(True, "k/after")]
         assert not da.has_changes()
 
@@ -179,7 +179,7 @@ async def test_a_lock_held_exclusively_by_another_program_is_waited_for_a_bounde
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every open used to wait forever; now it waits LOCK_WAIT_S and says why."""
-    monkeypatch.setattr(disk_mod, "LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(folder_mod, "LOCK_WAIT_S", 0.5)
     cfg = fc.config(str(tmp_path), 1 << 30)
     async with TieredStore(cfg):
         pass  # makes the folder
@@ -205,7 +205,7 @@ async def test_a_lock_file_deleted_or_replaced_never_makes_a_newcomer_alone(
     believe it was alone, empty the journal and sweep the first store's in-flight
     objects (lookup 224, retrieve 0). The journal and objects folder are still held, so
     it is not alone; and the first store takes the new lock file."""
-    monkeypatch.setattr(disk_mod, "LOCK_CHECK_S", 0.0)
+    monkeypatch.setattr(folder_mod, "LOCK_CHECK_S", 0.0)
     cfg = fc.config(str(tmp_path), 1 << 30)
     sp = spec(num_layers=2)
     src = random_pool(sp)
@@ -230,7 +230,7 @@ async def test_a_lock_file_deleted_or_replaced_never_makes_a_newcomer_alone(
             assert got.num_tokens == [24]
             # The first store's next operation checks the lock file's path.
             assert await first.lookup(sp, b.tokens) == [24]
-            assert os.fstat(d1._lock_fd).st_ino == lock.stat().st_ino  # type: ignore[arg-type]
+            assert os.fstat(d1.folder.lock_fd).st_ino == lock.stat().st_ino  # type: ignore[arg-type]
             assert not d1.alone
 
 
@@ -244,7 +244,7 @@ async def test_a_journal_replaced_by_hand_is_held_again_and_read_from_its_start(
         _journal(tmp_path).write_bytes(b"")
         assert db.has_changes(), "another file at the path"
         assert db.changes() == []
-        assert os.fstat(db._journal_fd).st_ino == _journal(tmp_path).stat().st_ino  # type: ignore[arg-type]
+        assert os.fstat(db.folder.journal_fd).st_ino == _journal(tmp_path).stat().st_ino  # type: ignore[arg-type]
         assert await b.put_object("w", b"w" * 10)  # announced in the new journal
-        assert await a.get_object("w") == b"w" * 10, "the other store hears it there"
-        assert os.fstat(da._journal_fd).st_ino == _journal(tmp_path).stat().st_ino  # type: ignore[arg-type]
+        assert await a.get_object("w") == b"w" * 10, "the other store reads it there"
+        assert os.fstat(da.folder.journal_fd).st_ino == _journal(tmp_path).stat().st_ino  # type: ignore[arg-type]

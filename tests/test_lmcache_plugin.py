@@ -230,12 +230,12 @@ def test_keys_of_one_chunk_hash_keep_their_own_names_and_pins(opened: Any) -> No
     objs = [chunk(b, 64, s) for s in (1, 2, 3)]
     p.batched_submit_put_task([_tagged(u) for u in users], objs)
     p.flush()
-    assert len({p._chunk_key(_tagged(u)) for u in users}) == 3
+    assert len({p.chunks.name(_tagged(u)) for u in users}) == 3
     led = p.store.cascade.ledger
 
     def pinned(user: str | None) -> bool:
         p.flush()
-        return led.is_pinned(p.store.objects.key(p._chunk_key(_tagged(user))))
+        return led.is_pinned(p.store.objects.key(p.chunks.name(_tagged(user))))
 
     # Fresh key objects each time, as LMCache's engine makes them on every lookup.
     assert all(p.batched_contains([_tagged(u)], pin=True) == 1 for u in users)
@@ -297,11 +297,11 @@ async def test_async_contains_and_get_stop_at_the_first_miss(opened: Any) -> Non
 
 
 def _pinned(p: HurrayStoragePlugin, hashes: Sequence[int]) -> list[int]:
-    """Which of the chunks ``key(h)`` the store's books hold pinned, once the store's
+    """Which of the chunks ``key(h)`` the store's ledger holds pinned, once the store's
     loop has taken every pin and unpin handed to it (``flush`` waits for it)."""
     p.flush()
     led = p.store.cascade.ledger
-    return [h for h in hashes if led.is_pinned(p.store.objects.key(p._chunk_key(key(h))))]
+    return [h for h in hashes if led.is_pinned(p.store.objects.key(p.chunks.name(key(h))))]
 
 
 def test_a_pinned_lookup_pins_the_hit_prefix_and_each_unpin_lets_one_pin_go(
@@ -346,7 +346,7 @@ async def test_async_lookup_with_pin_pins_the_hit_prefix(opened: Any) -> None:
     p.flush()
     assert await p.batched_async_contains("req", [key(1), key(2), key(3), key(4)], pin=True) == 2
     # Taken here through the chunks' handles, as a lookup on LMCache's thread takes them:
-    # each pin the books' entry of the copy a get finds.
+    # each pin the ledger's entry of the copy a get finds.
     for h in (1, 2):
         c = p.chunks.find(key(h))
         assert c is not None and list(c) == [c.ref.entry] and c.ref.entry.pins == 1
@@ -812,9 +812,9 @@ def test_two_engines_share_chunks_through_a_cache_server(opened: Any, tmp_path: 
 
 def test_a_lookup_hears_what_another_process_on_the_disk_folder_did(opened: Any) -> None:
     """Two stores on one disk folder, as two engines' processes on one host: a lookup
-    on LMCache's thread hears what the other committed and removed before it reads the
-    books, with no operation of its own store in between (the store's operations on its
-    loop hear the others first; a lookup reads the books off the loop)."""
+    on LMCache's thread reads what the other committed and removed before it reads the
+    ledger, with no operation of its own store in between (the store's operations on its
+    loop read the others' changes first; a lookup reads the ledger off the loop)."""
     a, b = opened(), opened()
     pa, pb = plugin_of(a), plugin_of(b)
     objs = [chunk(a, 64, h) for h in (1, 2)]
@@ -846,7 +846,7 @@ def test_a_lookup_hears_what_another_process_on_the_disk_folder_did(opened: Any)
     assert not pb.contains(key(2))
     assert pb.batched_contains([key(1), key(2)], pin=True) == 1 and pb.unpin(key(1))
     assert pb.get_blocking(key(2)) is None
-    # Removed by the other after this store heard of it: a put writes it again, not
+    # Removed by the other after this store read of it: a put writes it again, not
     # skipped as held.
     assert pa.remove(key(3))
     pb.batched_submit_put_task([key(3)], [chunk(b, 64, 3)])
@@ -896,7 +896,7 @@ def test_l2_adapter_stores_again_what_another_process_on_the_folder_removed(
     tmp_path: Path,
 ) -> None:
     """Two adapters on one disk folder at once (two servers' processes): a store task
-    hears first what the other did, so a key the other removed is written again, not
+    reads first what the other did, so a key the other removed is written again, not
     skipped as held, and a lookup then finds it."""
     from lmcache.v1.distributed.api import ObjectKey
 
@@ -917,7 +917,7 @@ def test_l2_adapter_stores_again_what_another_process_on_the_folder_removed(
 
     try:
         store(a, 7)
-        store(b, 7)  # held already: heard from the other
+        store(b, 7)  # held already: read from the other's changes
         a.delete(k)
         store(b, 7)
         t = b.submit_lookup_and_lock_task(k, {})

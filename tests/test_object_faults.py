@@ -73,8 +73,8 @@ async def test_one_bad_object_is_a_miss_and_the_tier_stays_up(
     service: str, fault: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     """A layer object of one segment damaged behind the store's back while the store
-    holds it in its books: retrieving that prompt delivers nothing wrong, its segment
-    leaves the books, the tier stays available, and another prompt is served every time
+    holds it in its ledger: retrieving that prompt delivers nothing wrong, its segment
+    leaves the ledger, the tier stays available, and another prompt is served every time
     (the S3 tier used to take a 416 for an outage and miss everything for its backoff,
     over and over)."""
     if service == "s3":
@@ -99,7 +99,7 @@ async def test_one_bad_object_is_a_miss_and_the_tier_stays_up(
         assert got.num_tokens[0] < 24, "the damaged layer's pages are not delivered"
         assert_pages_equal(src, bad.tables, dst, got.block_tables, got.num_tokens)
         assert store.stats()["tiers"][service]["available"], "one object's fault is no outage"
-        assert await store.lookup(sp, bad.tokens) == [0], "its segment left the books"
+        assert await store.lookup(sp, bad.tokens) == [0], "its segment left the ledger"
         for _ in range(20):
             dst = PagedKVPool(sp, 64)
             got = await store.retrieve(dst, good.tokens)

@@ -23,7 +23,7 @@ def make(tiers: list[TierInfo], **kw: object) -> Policy:
 
 
 def take(p: Policy, tier: int, group: str, sizes: dict[str, int], depth: int = 0) -> Admission:
-    """Plan a write and apply the plan to the books, as the cascade does."""
+    """Plan a write and apply the plan to the ledger, as the cascade does."""
     with p.ledger.lock:
         adm = p.plan_write(tier, group, sizes, depth=depth)
         if adm.accepted:
@@ -86,7 +86,7 @@ def test_pinned_groups_survive_and_a_fully_pinned_tier_refuses() -> None:
 
 def test_pins_by_handle_hold_the_copy_found_and_follow_it_when_it_leaves() -> None:
     """``pin_refs`` pins the copy a get finds (the fastest READY one) through a kept
-    handle: pinned, its group is never a victim; a handle whose copy left the books, or
+    handle: pinned, its group is never a victim; a handle whose copy left the ledger, or
     is being written again, finds the key anew or stops the prefix there."""
     p = make([MEM, DISK])
     led = p.ledger
@@ -339,12 +339,12 @@ def test_pins_let_go_are_counted_off_by_the_next_pin_and_never_pile_up() -> None
 
 
 def test_a_group_pinned_from_another_thread_is_never_a_victim() -> None:
-    """Engines' threads pin from the books while the store's loop evicts: a group is
-    either pinned before the policy chooses (then it stays) or off the books before
+    """Engines' threads pin from the ledger while the store's loop evicts: a group is
+    either pinned before the policy chooses (then it stays) or off the ledger before
     the pin is tried (then the pin misses), never chosen after a pin succeeded."""
     p = make([MEM])
     led = p.ledger
-    held: set[str] = set()  # groups this thread holds a pin on: a subset of the books' pins
+    held: set[str] = set()  # groups this thread holds a pin on: a subset of the ledger's pins
     stop = threading.Event()
     pinned_count = [0]
 
@@ -377,7 +377,7 @@ def test_a_group_pinned_from_another_thread_is_never_a_victim() -> None:
 
 
 def test_a_plan_alone_changes_nothing_in_the_books() -> None:
-    """``plan_write`` decides; the books change only when the plan is applied."""
+    """``plan_write`` decides; the ledger changes only when the plan is applied."""
     p = make([TierInfo("mem", 100, False)])
     evicted(p, 0, "a", 60)
     adm = p.plan_write(0, "b", {"b/0": 60})

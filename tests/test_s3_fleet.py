@@ -1,6 +1,6 @@
 """Several stores on one S3 prefix, as several processes on one disk folder: nothing
 another store may still be uploading is swept, a manifest is committed only after its
-layers are confirmed, and each store hears the others' commits and deletes through the
+layers are confirmed, and each store reads the others' commits and deletes through the
 change log. Real stores (some in writer processes of their own) on a real SeaweedFS."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ async def _until(cond: Any, timeout_s: float = 10.0) -> None:
     """Wait (polling the stores' calls) until ``await cond()`` is true."""
     deadline = time.monotonic() + timeout_s
     while not await cond():
-        assert time.monotonic() < deadline, "not heard in time"
+        assert time.monotonic() < deadline, "not read in time"
         await asyncio.sleep(0.05)
 
 
@@ -72,17 +72,17 @@ def test_change_log_names_round_trip_and_bad_names_are_skipped() -> None:
         ("aaaa", False, "ns/o/x"),
     ]
     for n in names:
-        a.hear(n)
-        b.hear(n)
-        b.hear(n)  # a listing returns it again: heard once
-    assert a.take() == [], "a store does not hear itself"
+        a.add(n)
+        b.add(n)
+        b.add(n)  # a listing returns it again: added once
+    assert a.take() == [], "a store does not read its own entries"
     assert b.take() == [(True, "ns/s/{00ff}/m"), (False, "ns/o/x")]
     for bad in ["junk", "123-a-1-a-00", "1700000000000-w-1-x-6161", "1700000000000-w-1-a-zz"]:
-        b.hear(bad)
+        b.add(bad)
     assert b.bad == 4 and b.take() == []
     assert b.offset() == f"{1_700_000_000_000 - 60_000:013d}", "a minute before the newest"
     clock[0] += 120
-    b.hear(a.names(added=["k"])[0])
+    b.add(a.names(added=["k"])[0])
     b.forget_old()
     assert len(b.seen) == 1, "names older than the window are forgotten"
 
@@ -137,10 +137,10 @@ async def test_three_stores_on_one_prefix_each_serve_all_three_prompts(
         for s in stores:
             for b in batches:
 
-                async def heard(s: TieredStore = s, b: Any = b) -> bool:
+                async def seen(s: TieredStore = s, b: Any = b) -> bool:
                     return (await s.lookup(sp, b.tokens)) == [24]
 
-                await _until(heard)
+                await _until(seen)
                 assert await _delivers(s, sp, src, b) == 24
 
 
@@ -198,7 +198,7 @@ async def test_a_store_opening_while_another_uploads_sweeps_nothing_of_it(
     s3_server: SeaweedProc, tmp_path: Path
 ) -> None:
     """A writer process has put its layer objects and is slow to put the manifest; a
-    store opens meanwhile: it keeps those objects (they are young), then hears the commit
+    store opens meanwhile: it keeps those objects (they are young), then reads the commit
     and delivers every page (it used to delete them, and the writer then committed a
     manifest without layers: lookup 24, retrieve 0)."""
     sp = spec(num_layers=2)
@@ -214,10 +214,10 @@ async def test_a_store_opening_while_another_uploads_sweeps_nothing_of_it(
             assert len(_objects(s3_server, f"upload-{tmp_path.name}")) == 2, "layers kept"
             assert proc.wait(timeout=60) == 0
 
-            async def heard() -> bool:
+            async def seen() -> bool:
                 return (await store.lookup(sp, b.tokens)) == [24]
 
-            await _until(heard)
+            await _until(seen)
             assert await _delivers(store, sp, src, b) == 24
     finally:
         proc.kill()

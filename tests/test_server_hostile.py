@@ -135,7 +135,7 @@ def test_claim_floods_are_capped_per_connection_and_tenant(tmp_path: Path) -> No
 
 def test_staging_past_the_quota_is_dropped_and_counted(tmp_path: Path) -> None:
     """A tenant's staged segment objects count against its quota from the first byte:
-    it cannot stage more than its quota (NOT_STORED), its books show what it stages,
+    it cannot stage more than its quota (NOT_STORED), its counts show what it stages,
     and another tenant's put is served meanwhile."""
     quota = 256 << 10
     srv = ServerProc(tmp_path / "srv", tenants=[{**ALICE, "quota_bytes": quota}, BOB]).start()
@@ -184,7 +184,7 @@ def test_a_commit_is_checked_against_its_staged_objects_before_it_is_parsed(
 def test_the_books_charge_what_an_object_really_costs(tmp_path: Path) -> None:
     """Empty staged objects and 1-byte stored objects (each written to the disk tier
     too): past the first 10,000 of each (the server's buffers and threads warming up),
-    its memory grows by no more per object than the put budget and the tenant books
+    its memory grows by no more per object than the put budget and the tenant counts
     charge."""
     srv = ServerProc(tmp_path / "srv", max_object_bytes=4096).start()
     warm, n = 10_000, 20_000

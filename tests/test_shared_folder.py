@@ -111,7 +111,7 @@ async def test_a_store_that_is_not_alone_keeps_young_uncommitted_objects(tmp_pat
 
 async def test_what_one_process_commits_and_evicts_the_other_hears(tmp_path: Path) -> None:
     """Two stores on one folder: a segment one commits, the other retrieves; an object
-    one deletes leaves the other's books; an object one replaces with another size is
+    one deletes leaves the other's ledger; an object one replaces with another size is
     never read at the old size by the other."""
     from tests.store_helpers import random_pool, shared_batch, spec
 
@@ -142,7 +142,7 @@ async def test_an_object_replaced_unannounced_with_the_same_size_is_a_miss(tmp_p
         assert isinstance(disk, DiskTier)
         disk.path_of("hurray/o/x").write_bytes(b"b" * 100)
         assert await store.get_object("x") is None
-        assert not store.has_object("x"), "it left the books"
+        assert not store.has_object("x"), "it left the ledger"
         disk.path_of("hurray/o/x").write_bytes(b"c" * 7)
         assert await store.put_object("y", b"y" * 10)
         disk.path_of("hurray/o/y").write_bytes(b"c" * 7)
@@ -154,18 +154,18 @@ async def test_a_store_skips_reading_back_only_its_own_lines_with_none_unread_be
 ) -> None:
     """A store counts the journal lines it appends as read, so the next operation does
     not read them back, but only when nothing unread lies before them: another store's
-    line written just before its own is still heard."""
+    line written just before its own is still read."""
     cfg = fc.config(str(tmp_path), 1 << 30)
     async with TieredStore(cfg) as a, TieredStore(cfg) as b:
         da, db = a.tiers[0], b.tiers[0]
         assert isinstance(da, DiskTier) and isinstance(db, DiskTier)
         journal = tmp_path / "journal"
-        db.announce(added=["k/from-b"])
-        da.announce(added=["k/from-a"])
-        da.announce(removed=["k/gone-a"])
+        db.log_changes(added=["k/from-b"])
+        da.log_changes(added=["k/from-a"])
+        da.log_changes(removed=["k/gone-a"])
         assert da.changes() == [(True, "k/from-b")]
         assert da.changes() == []
-        da.announce(added=["k/more-a"])  # right after all it read: counted read
+        da.log_changes(added=["k/more-a"])  # right after all it read: counted read
         assert da.journal.seen == journal.stat().st_size
         assert da.changes() == []
         assert db.changes() == [(True, "k/from-a"), (False, "k/gone-a"), (True, "k/more-a")]

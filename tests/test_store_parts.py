@@ -1,4 +1,4 @@
-"""The store's parts on their own: the books never claim bytes that are not there yet
+"""The store's parts on their own: the ledger never claim bytes that are not there yet
 (a tier whose writes are held open until the test lets them go), the pure planning as
 exact tables, and the one page gather/scatter path."""
 
@@ -62,7 +62,7 @@ async def test_an_object_group_is_not_contained_until_a_get_finds_it(tmp_path: P
     )
     await disk.entered.wait()  # the group's first write is under way, held open
     for key in ("c/0", "c/r"):
-        assert not store.has_object(key), "the books claim nothing before the bytes exist"
+        assert not store.has_object(key), "the ledger claims nothing before the bytes exist"
         assert not await store.contains_object(key)
         assert await store.get_object(key) is None
     disk.gate.set()
@@ -400,7 +400,7 @@ async def test_reads_off_the_loop_come_from_disk_and_reach_the_books_at_the_next
     tmp_path: Path,
 ) -> None:
     """``read_objects_into_now`` reads a disk tier's objects from an engine's thread; the
-    hits, and the recency that eviction goes by, reach the books at the store's next
+    hits, and the recency that eviction goes by, reach the ledger at the store's next
     operation. An object the fastest tier keeps in memory, or one gone from the disk
     behind the store's back, is left to ``read_object_into`` on the loop."""
     disk = {"type": "disk", "path": str(tmp_path / "d"), "capacity_bytes": 2500}
@@ -416,12 +416,12 @@ async def test_reads_off_the_loop_come_from_disk_and_reach_the_books_at_the_next
     assert got == [True, False]
     assert b"".join(bytes(b) for b in bufs) == blobs["a"]
     assert store.stats()["tiers"]["disk"]["hits"] == 0  # not told yet
-    # The next put hears of the read first: "a" was used after "b", so "b" makes room.
+    # The next put learns of the read first: "a" was used after "b", so "b" makes room.
     assert await store.put_object("c", blobs["c"])
     assert store.stats()["tiers"]["disk"]["hits"] == 1
     assert store.has_object("a") and not store.has_object("b") and store.has_object("c")
     # Gone from the disk behind the store's back: not read off the loop; on the loop a
-    # miss, and the books heal.
+    # miss, and the ledger heals.
     next((tmp_path / "d" / "objects").rglob("*%2Fc")).unlink()
     one = [memoryview(bytearray(10))]
     assert await asyncio.to_thread(store.read_objects_into_now, [("c", [(0, 10)], one)]) == [False]

@@ -1,7 +1,7 @@
 """Tenants of the cache server, against a real `hurray-store serve`: a token is bound to
 a namespace; no tenant can read, replace or delete another's KV; an admin token can; a
 tenant's quota deletes its own least recently used groups and never another's; the
-books survive a restart."""
+counts survive a restart."""
 
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def test_a_quota_evicts_the_tenants_own_groups_only(tmp_path: Path) -> None:
         remote = _remote(srv, tenants[0])
         try:
             own = await remote.server_stats()
-            assert own is not None and set(own) == {"tenant"}, "a tenant sees its own books only"
+            assert own is not None and set(own) == {"tenant"}, "a tenant sees its own counts only"
             t = own["tenant"]
             assert t["name"] == "alice" and 0 < t["used_bytes"] <= 320 << 10
             assert t["quota_evictions"] > 0
@@ -153,7 +153,7 @@ def test_a_quota_evicts_the_tenants_own_groups_only(tmp_path: Path) -> None:
             f'hurray_store_server_tenant_bytes{{tenant="alice"}} {float(t["used_bytes"])}' in text
         )
         assert 'hurray_store_server_tenant_quota_evictions_total{tenant="alice"}' in text
-        # The books survive a restart: the disk tier's scan charges each tenant again.
+        # The counts survive a restart: the disk tier's scan charges each tenant again.
         assert srv.stop() == 0
         srv.start()
         ops = _remote(srv, TENANTS[2])

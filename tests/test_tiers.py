@@ -210,7 +210,8 @@ def test_a_gathered_write_goes_out_before_the_next_buffer_is_taken() -> None:
     # each list of views to writev as soon as it is full, so no buffer is hashed a list
     # ahead of its write (its bytes would have left the CPU's cache by then). A full
     # list ends on a multiple of 1 MiB in the file, the buffer there cut in two.
-    from hurray_store.tiers.disk import _GATHER, _pieces
+    from hurray_store.tiers.files import GATHER as _GATHER
+    from hurray_store.tiers.files import pieces as _pieces
 
     sizes = [133, 512 << 10, 64, 8] * 5 + [3 << 20, 10, 20]  # a chunk's pools, then more
     taken: list[int] = []
@@ -508,7 +509,7 @@ class TestRedisTier(RedisBase):
 
         assert await asyncio.to_thread(read) == (True, data)
         redis_fresh.stop()
-        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.base"):
+        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.outage"):
             for _ in range(3):  # the first finds the outage; the rest do not try
                 assert (await asyncio.to_thread(read))[0] is False
                 assert await t.get("k") is None  # the loop's read: a miss, no new timeout
@@ -615,7 +616,7 @@ class TestRedisTlsTier(RedisBase):
                 tls_ca_file=str(other / "ca.pem"),
             )
         )
-        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.base"):
+        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.outage"):
             await t.open()
             for _ in range(3):
                 assert await t.put("k", [b"v"]) is False
@@ -887,7 +888,7 @@ class TestS3Tier(MediumContract):
         self, s3_server: SeaweedProc, caplog: pytest.LogCaptureFixture
     ) -> None:
         t = _s3_tier(s3_server, "creds", secret_access_key="wrong", backoff_initial_s=0.01)
-        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.base"):
+        with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.outage"):
             await t.open()
             assert await t.put("k", [b"v"]) is False
             assert await t.get("k") is None and not await t.contains("k")

@@ -23,7 +23,7 @@ the transformers adapter follow), the salt, the KV geometry (layers, heads, head
 page size, dtype) and the ranks (TP, PP, attention CP). The host pool's layout is not in
 it: a page object is the same whichever layout wrote it.
 
-What SGLang relies on: ``batch_exists`` counts the leading run the books (or a shared
+What SGLang relies on: ``batch_exists`` counts the leading run the ledger (or a shared
 tier) hold; a get checks every page in a staging buffer before it copies it into the
 host pool, and a page that is missing, corrupt or another page's object is False, with
 every page after it; a failed check drops the object. The store down, slow or full is

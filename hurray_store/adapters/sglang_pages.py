@@ -152,7 +152,7 @@ class PageCodec:
             self._template[-1] += self.record_descriptor
         else:
             self._template.append(self.record_descriptor)
-        self._slots = [t if isinstance(t, int) else None for t in self._template]
+        self._sum_at = [t if isinstance(t, int) else None for t in self._template]
         # Where the pools sit, as strides over the object's bytes (role, layer), when the
         # layers' descriptors are all of one length (they are, up to layer 2**7 here):
         # a read page is then copied out in one strided copy.
@@ -216,7 +216,7 @@ class PageCodec:
             return [record_of(fingerprint, n, size, pools, sums)]
 
         return Sealed(
-            parts, self._slots, [0] * (2 * self.layers), seal, self.record_bytes, checksum
+            parts, self._sum_at, [0] * (2 * self.layers), seal, self.record_bytes, checksum
         )
 
     def check(

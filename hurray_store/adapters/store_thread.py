@@ -17,7 +17,7 @@ T = TypeVar("T")
 
 class StoreThread:
     """A store on an event loop of its own thread: LMCache calls from its threads;
-    every store call runs on this loop but the books' reads and pins, and the reads
+    every store call runs on this loop but the ledger's reads and pins, and the reads
     of ``read_objects_into_now``, which run on the caller's thread."""
 
     def __init__(self, config: Any, name: str) -> None:
@@ -57,10 +57,10 @@ class StoreThread:
 
     def pin_prefix(self, keys: Iterable[str]) -> list[Pin]:
         """Pin the longest run of ``keys`` from the first that a get will find; the
-        pins, to give back to ``store.unpin``. From the books, on the calling thread
+        pins, to give back to ``store.unpin``. From the ledger, on the calling thread
         (their lock keeps any victim from being chosen between the check and the pin).
-        A shared tier (a cache server) is asked about what the books lack, on the
-        store's loop, and what it holds is pinned in the books too. ``keys`` may be
+        A shared tier (a cache server) is asked about what the ledger lacks, on the
+        store's loop, and what it holds is pinned in the ledger too. ``keys`` may be
         lazy: with no shared tier, none is taken past the first miss."""
         if self.store.shared:
             return self.call(pin_held_prefix(self.store, list(keys)))
@@ -86,8 +86,8 @@ def _settle(fut: Future[T], task: asyncio.Task[T]) -> None:
 
 async def held_prefix(store: TieredStore, keys: Iterable[str]) -> int:
     """On the store's loop: how many of ``keys``, from the first, a get will find. What
-    other processes sharing a tier did is heard first; then the books. A shared tier (a
-    cache server) is asked, all at once, about the keys from the first the books lack.
+    other processes sharing a tier did is read first; then the ledger. A shared tier (a
+    cache server) is asked, all at once, about the keys from the first the ledger lacks.
     ``keys`` is taken one at a time: with no shared tier, none past the first miss."""
     await store.sync()
     n, it = 0, iter(keys)
@@ -102,7 +102,7 @@ async def held_prefix(store: TieredStore, keys: Iterable[str]) -> int:
 
 
 async def pin_held_prefix(store: TieredStore, keys: Iterable[str]) -> list[Pin]:
-    """``held_prefix``'s objects, pinned; the pins. With no shared tier, the books'
+    """``held_prefix``'s objects, pinned; the pins. With no shared tier, the ledger's
     check and the pins are one step under their lock, and ``keys`` is taken one at a
     time, none past the first miss."""
     if not store.shared:

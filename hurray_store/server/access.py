@@ -44,7 +44,7 @@ def authorize(tenant: Tenant, op: Op, key: str | None, namespaces: Container[str
     ``stats``), and the key it is on this server. ``namespaces``: the tenants'.
 
     ``stats`` is allowed for an admin (the whole server) and denied for the others
-    (their own books only, not an error). ``commit`` needs a manifest key of the
+    (their own counts only, not an error). ``commit`` needs a manifest key of the
     tenant's own namespace. ``read``, ``write`` and ``delete`` are always allowed: the
     key is mapped into the tenant's namespace, except an admin's ``read`` or
     ``delete`` of a key naming another tenant's namespace."""

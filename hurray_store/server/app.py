@@ -44,7 +44,7 @@ from hurray_store.server.backing import ServedStore
 from hurray_store.server.guards import HelloFailures
 from hurray_store.server.http import HealthEndpoint
 from hurray_store.server.metrics import ServerMetrics
-from hurray_store.server.segments import PutBudget, SegmentDesk
+from hurray_store.server.segments import PutBudget, SegmentStaging
 from hurray_store.server.session import Session
 from hurray_store.server.tenants import Tenants
 from hurray_store.store import TieredStore
@@ -61,7 +61,7 @@ def _first_silent(queue: dict[Session, None]) -> Session:
     for i, s in enumerate(queue):
         if i >= _SILENT_SCAN:
             break
-        if not s.heard and not _has_bytes(s.sock):
+        if not s.got_header and not _has_bytes(s.sock):
             return s
     return next(iter(queue))
 
@@ -84,13 +84,13 @@ class CacheServer:
         self.cfg = cfg
         self.budget = PutBudget(cfg.max_inflight_put_bytes)
         self.hello_failures = HelloFailures(cfg.hello_failures_per_s)
-        self.desk = SegmentDesk(self.store, cfg)
+        self.staging = SegmentStaging(self.store, cfg)
         self.sessions: set[Session] = set()
         self.unauthenticated: dict[Session, None] = {}  # before their CLIENT_HELLO
         self.served: set[Session] = set()  # past it: what max_connections counts
         self.metrics = ServerMetrics(self.store.registry)
         self.metrics.inflight.set_function(lambda: self.budget.used)
-        self.metrics.staged.set_function(lambda: len(self.desk.staged))
+        self.metrics.staged.set_function(lambda: len(self.staging.staged))
         for t in tenants.all:
             self.metrics.tenant_bytes.labels(t.name).set_function(partial(getattr, t, "used"))
         evictions = self.metrics.tenant_quota_evictions
@@ -170,7 +170,7 @@ class CacheServer:
                 s.task.cancel()  # a read waiting on a closed socket would never wake
         while self.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        self.desk.clear()
+        self.staging.clear()
         await self.store.close()
         if janitor is not None:  # the heartbeat ran through the drain: /healthz stayed up
             janitor.cancel()
@@ -211,7 +211,7 @@ class CacheServer:
         while True:
             await asyncio.sleep(0.5)
             self.beat = time.monotonic()
-            self.desk.expire(self.beat)
+            self.staging.expire(self.beat)
 
 
 def server_store(config: StoreConfig) -> TieredStore:

@@ -16,7 +16,7 @@ _MAX_HELD_BACK = 256  # failed hellos answered late at once
 def let_go(e: BaseException) -> None:
     """Clear the finished frames of an exception caught for good, and of the ones it
     chains to: a frame left in a traceback would keep a request's buffers (a message
-    half received, a landing's view) alive for as long as the exception object lives,
+    half received, a put buffer's view) alive for as long as the exception object lives,
     and an exception caught by asyncio can live on in a reference cycle until a
     garbage collection that may not come soon."""
     seen: set[int] = set()

@@ -1,5 +1,5 @@
 """The cache server's puts on one connection: a TENSOR_PUT's descriptor, its data frames
-received straight into a ``Landing`` (budget and the tenant's quota taken as bytes
+received straight into a ``PutBuffer`` (budget and the tenant's quota taken as bytes
 arrive), its end, and the store of the object (or the staging of a segment's layer
 object until its X_COMMIT). Composed into ``Session``, which reads the frames and hands
 them here; it reaches the connection through ``context.PutContext``."""
@@ -13,7 +13,7 @@ from hurray_store import transport as tp
 from hurray_store.errors import FormatError, ProtocolError
 from hurray_store.server.access import served
 from hurray_store.server.context import PutContext
-from hurray_store.server.segments import PER_OBJECT_BYTES, Landing
+from hurray_store.server.segments import PER_OBJECT_BYTES, PutBuffer
 from hurray_store.tiers import transfer_timeout_s
 from hurray_store.transport import Err, Msg
 
@@ -21,7 +21,7 @@ from hurray_store.transport import Err, Msg
 @dataclass(eq=False, slots=True)
 class PutInFlight:
     key: str
-    landing: Landing | None  # None: refused; its frames are read and dropped
+    buffer: PutBuffer | None  # None: refused; its frames are read and dropped
     total: int
     pos: int = 0
     deadline: float = 0.0
@@ -35,10 +35,10 @@ class Puts:
         self.inflight: dict[int, PutInFlight] = {}
 
     def release_all(self) -> None:
-        """The connection ended: every landing's budget goes back."""
+        """The connection ended: every put buffer's budget goes back."""
         for p in self.inflight.values():
-            if p.landing is not None:
-                p.landing.release()
+            if p.buffer is not None:
+                p.buffer.release()
         self.inflight.clear()
 
     async def begin(self, sid: int, payload: memoryview) -> None:
@@ -80,7 +80,7 @@ class Puts:
         if not await self._stage_room(sid, cost):
             self.ctx.server.budget.give(cost)
             return
-        put.landing = Landing(
+        put.buffer = PutBuffer(
             self.ctx.server.store, self.ctx.server.budget, n, cost, self.ctx.tenant
         )
 
@@ -104,28 +104,28 @@ class Puts:
             )
         if time.monotonic() > put.deadline:
             raise TimeoutError
-        landing = put.landing
-        if landing is not None and not await self._stage_room(sid, k):
-            put.landing = None  # over the tenant's quota: refused, its frames dropped
-            landing.release()
-            landing = None
-        if landing is not None and not await self.ctx.server.budget.take(
+        buffer = put.buffer
+        if buffer is not None and not await self._stage_room(sid, k):
+            put.buffer = None  # over the tenant's quota: refused, its frames dropped
+            buffer.release()
+            buffer = None
+        if buffer is not None and not await self.ctx.server.budget.take(
             k, cfg.request_timeout_s / 2
         ):
             # No room for these bytes: the put is refused; its other frames are dropped.
-            put.landing = None
-            landing.release()
-            landing = None
+            put.buffer = None
+            buffer.release()
+            buffer = None
             await self.ctx.error(
                 sid, Err.BUSY, f"no room for {k} more bytes of puts in flight; the put is dropped"
             )
-        if landing is None:
+        if buffer is None:
             await ch.skip(k)
         else:
             # Given back with the rest once the store no longer needs it; counted in the
             # tenant's staging until then.
-            landing.grow(k)
-            await ch.read_into(landing.view[off : off + k])
+            buffer.grow(k)
+            await ch.read_into(buffer.view[off : off + k])
             self.ctx.server.metrics.bytes_in.inc(k)
         put.pos += k
 
@@ -146,31 +146,31 @@ class Puts:
                 f"TENSOR_DATA_END on stream {sid} without a TENSOR_PUT, or with a payload",
             )
         if put.pos != put.total:
-            if put.landing is not None:
-                put.landing.release()
+            if put.buffer is not None:
+                put.buffer.release()
             raise ProtocolError(
                 Err.INVALID_MESSAGE, f"TENSOR_DATA_END after {put.pos} of {put.total} bytes"
             )
-        if put.landing is not None:
-            self.ctx.track(self._store(sid, put.key, put.landing), "TENSOR_PUT", sid)
+        if put.buffer is not None:
+            self.ctx.track(self._store(sid, put.key, put.buffer), "TENSOR_PUT", sid)
 
-    async def _store(self, sid: int, key: str, landing: Landing) -> None:
+    async def _store(self, sid: int, key: str, buffer: PutBuffer) -> None:
         store = self.ctx.server.store
         k = served(self.ctx.tenant, "write", key, store.namespaces)
         seg = k.segment
         if seg is not None and seg.is_manifest:
-            landing.release()
+            buffer.release()
             await self.ctx.error(
                 sid, Err.REJECTED, "a segment's manifest commits it: send it with X_COMMIT"
             )
             return
         if seg is not None:
-            self.ctx.server.desk.stage(seg.segment, k.stored, landing)
+            self.ctx.server.staging.stage(seg.segment, k.stored, buffer)
             ok = True
         else:
             try:
                 ok = await store.put_key(
-                    k, [landing.view], self.ctx.tenant, landing.release, landing.res
+                    k, [buffer.view], self.ctx.tenant, buffer.release, buffer.res
                 )
             except FormatError as e:
                 await self.ctx.error(sid, Err.NOT_STORED, str(e))

@@ -111,7 +111,7 @@ class Requests:
         # A large lookup is decoded in a worker thread: the loop serves others meanwhile.
         big = payload.nbytes > _DECODE_ON_LOOP_BYTES
         claim, wait_ms, seqs = await asyncio.to_thread(decode) if big else decode()
-        matched, manifests = await self.ctx.server.desk.lookup(
+        matched, manifests = await self.ctx.server.staging.lookup(
             self.ctx, claim, wait_ms / 1000, seqs, self.ctx.client_max - 4096, self.ctx.tenant
         )
         await self._reply(sid, Msg.X_LOOKUP_REPLY, tp.encode_lookup_reply(matched, manifests))
@@ -119,7 +119,7 @@ class Requests:
     async def on_x_commit(self, sid: int, payload: memoryview) -> None:
         limit = self.ctx.cfg.max_message_bytes
         key, manifest = _stream(lambda p: tp.decode_commit(p, limit), payload)
-        failed = await self.ctx.server.desk.commit(key, manifest, self.ctx.tenant)
+        failed = await self.ctx.server.staging.commit(key, manifest, self.ctx.tenant)
         if failed is None:
             await self._reply(sid, Msg.X_COMMIT_ACK, b"")
         else:
@@ -127,7 +127,7 @@ class Requests:
             await self.ctx.error(sid, *failed)
 
     async def on_x_stats(self, sid: int, payload: memoryview) -> None:
-        """An admin sees the whole server; another tenant its own books only."""
+        """An admin sees the whole server; another tenant its own counts only."""
         srv = self.ctx.server
         tenants = srv.store.tenants
         if not authorize(self.ctx.tenant, "stats", None, srv.store.namespaces).allowed:
@@ -139,8 +139,8 @@ class Requests:
         stats["server"] = {
             "connections": len(srv.sessions),
             "inflight_put_bytes": srv.budget.used,
-            "staged_segments": len(srv.desk.staged),
-            "claimed_pages": len(srv.desk.claims),
+            "staged_segments": len(srv.staging.staged),
+            "claimed_pages": len(srv.staging.claims),
             "draining": srv.draining,
         }
         await self._reply(sid, Msg.X_STATS_REPLY, tp.encode_json(stats))

@@ -22,7 +22,7 @@ from hurray_store.transport import Err
 
 log = logging.getLogger(__name__)
 K = TypeVar("K")
-# What the server keeps per object in flight besides its bytes (its landing, the put's
+# What the server keeps per object in flight besides its bytes (its buffer, the put's
 # state, the staged entry), with a margin: tests/test_server_hostile.py checks that an
 # empty staged object costs no more. Counted against max_inflight_put_bytes and the
 # tenant's quota, so many empty puts are not free.
@@ -78,7 +78,7 @@ class PutBudget:
             self._cv.notify_all()
 
 
-class Landing:
+class PutBuffer:
     """Where a put's bytes are received, and the budget they hold: space reserved in
     the store's top tier (the object is then published there without a copy), else a
     resident buffer borrowed from the store's pool."""
@@ -114,7 +114,7 @@ class Landing:
 
 @dataclass(eq=False, slots=True)
 class Staged:
-    objects: dict[str, Landing] = field(default_factory=dict)
+    objects: dict[str, PutBuffer] = field(default_factory=dict)
     since: float = field(default_factory=time.monotonic)
 
 
@@ -130,7 +130,7 @@ class ClaimSet:
     left: int
 
 
-class SegmentDesk:
+class SegmentStaging:
     """Segments on their way in: staged layer objects until their X_COMMIT, and the
     claims that make a page stored once across clients.
 
@@ -150,14 +150,14 @@ class SegmentDesk:
         self.claimed_by_owner: dict[object, int] = {}
         self.claimed_by_namespace: dict[str, int] = {}
 
-    def stage(self, seg: SegmentKey, key: str, landing: Landing) -> None:
+    def stage(self, seg: SegmentKey, key: str, buffer: PutBuffer) -> None:
         """Hold a segment's layer object until its commit (a second put of it replaces
         the first)."""
         st = self.staged.setdefault(seg, Staged())
         old = st.objects.pop(key, None)
         if old is not None:
             old.release()
-        st.objects[key] = landing
+        st.objects[key] = buffer
 
     def expire(self, now: float) -> None:
         """Drop staged segments that saw no commit in time, and claims past their
@@ -182,8 +182,8 @@ class SegmentDesk:
 
     def drop_staged(self, seg: SegmentKey) -> None:
         st = self.staged.pop(seg, None)
-        for landing in st.objects.values() if st else ():
-            landing.release()
+        for buffer in st.objects.values() if st else ():
+            buffer.release()
 
     def end_claim(self, h: tuple[str, bytes]) -> None:
         c = self.claims.pop(h, None)
@@ -287,15 +287,15 @@ class SegmentDesk:
                 f"segment {seg.segment.hex}: no staged layer objects to commit (send them "
                 "with TENSOR_PUT first; staged objects wait staging_timeout_s)",
             )
-        landings = st.objects
+        buffers = st.objects
 
         def release() -> None:
-            for landing in landings.values():
-                landing.release()
+            for buffer in buffers.values():
+                buffer.release()
 
         # A manifest describes its staged objects: checked against them before it is
         # parsed (a parse costs ~15x its size in memory and time on the loop).
-        staged = sum(v.view.nbytes for v in landings.values())
+        staged = sum(v.view.nbytes for v in buffers.values())
         limit = manifest_limit(staged)
         if manifest.nbytes > limit:
             release()
@@ -316,8 +316,8 @@ class SegmentDesk:
             release()
             return Err.REJECTED, str(e)
         try:
-            reserved = {k: v.res for k, v in landings.items() if v.res is not None}
-            views = {k: v.view for k, v in landings.items()}
+            reserved = {k: v.res for k, v in buffers.items() if v.res is not None}
+            views = {k: v.view for k, v in buffers.items()}
             ok = await self.store.commit_segment(
                 seg.segment, data, views, tenant, release, reserved, parsed=m
             )

@@ -1,10 +1,10 @@
 """One client connection of the cache server: the protocol state machine.
 
 It reads its connection's messages in order. A TENSOR_PUT's data frames are received
-straight into a ``Landing``; every other request runs as a task of its own and writes
+straight into a ``PutBuffer``; every other request runs as a task of its own and writes
 its answer under the connection's send lock, so a connection carries many requests at
 once (stream ids tell them apart). A session reaches the server only through
-``SessionHost``: the store, the segment desk, the put budget, metrics and the drain flag.
+``SessionHost``: the store, the segment staging, the put budget, metrics and the drain flag.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hurray_store.server.guards import HelloFailures, let_go
 from hurray_store.server.metrics import ServerMetrics
 from hurray_store.server.puts import Puts
 from hurray_store.server.requests import Requests
-from hurray_store.server.segments import PutBudget, SegmentDesk
+from hurray_store.server.segments import PutBudget, SegmentStaging
 from hurray_store.transport import Err, Msg
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class SessionHost(Protocol):
     cfg: ServerConfig
     hello_failures: HelloFailures
     store: ServedStore
-    desk: SegmentDesk
+    staging: SegmentStaging
     budget: PutBudget
     metrics: ServerMetrics
     sessions: set[Session]
@@ -79,7 +79,7 @@ class Session:
         self.client_max = 1 << 20
         self.reading = False  # inside a message (its header has arrived)
         self.last_sid = 0  # stream of the last header read: where a connection-level ERROR goes
-        self.heard = False  # its first header arrived
+        self.got_header = False  # its first header arrived
         self.peer_host = peer.rsplit(":", 1)[0]
 
         # The requests that run as tasks of their own, each by its handler (composed:
@@ -133,7 +133,7 @@ class Session:
                 t.cancel()
             await asyncio.gather(*self.handlers, return_exceptions=True)
             self.puts.release_all()
-            self.server.desk.end_claims_of(self)
+            self.server.staging.end_claims_of(self)
             self.close()
             self.server.unauthenticated.pop(self, None)
             self.server.served.discard(self)
@@ -165,7 +165,7 @@ class Session:
         assert ch is not None
         async with asyncio.timeout(self.cfg.hello_timeout_s):
             kind, sid, n = await ch.read_header()
-            self.heard = True
+            self.got_header = True
             self.last_sid = sid
             if kind != Msg.CLIENT_HELLO:
                 raise ProtocolError(

@@ -15,7 +15,7 @@ Quota: the bytes of a tenant's groups (each counted once, whichever tiers hold i
 counted from the moment its write starts). A put past the quota first deletes the
 tenant's own least recently used groups (``policy.quota_victims``); it never touches
 another tenant's. Groups that leave the server for other reasons (tier eviction, a
-delete) leave the tenant's books through the cascade's group-left event.
+delete) leave the tenant's counts through the cascade's group-left event.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ log = logging.getLogger(__name__)
 # What the server keeps per stored object besides its bytes (its entries in each tier,
 # the ledger and the catalog, the disk tier's writes under way), with a margin:
 # tests/test_server_hostile.py checks that a 1-byte object costs no more. A tenant's
-# books charge it, so tiny objects are not free.
+# counts charge it, so tiny objects are not free.
 STORED_OBJECT_BYTES = 16 << 10
 
 
 def charge(nbytes: int, objects: int) -> int:
-    """What the books charge for ``objects`` stored objects of ``nbytes`` in all."""
+    """What the counts charge for ``objects`` stored objects of ``nbytes`` in all."""
     return nbytes + objects * STORED_OBJECT_BYTES
 
 
@@ -113,7 +113,7 @@ class Tenants:
                 found = t
         return found
 
-    # ------------------------------------------------------------------ the books
+    # ------------------------------------------------------------------ the counts
 
     def count_held(self) -> None:
         """At start: charge each tenant for the groups the store found in its namespace."""
@@ -184,7 +184,7 @@ class Tenants:
         return ""
 
     async def _evict(self, tenant: Tenant, victims: list[Group]) -> None:
-        # Off the books first, so a put admitted while these deletes run does not
+        # Off the counts first, so a put admitted while these deletes run does not
         # count the same bytes freed twice.
         for g in victims:
             self._forget(tenant, g)
@@ -195,7 +195,7 @@ class Tenants:
             await self.cascade.delete(delete_key_of(g), "quota")
 
     def written(self, tenant: Tenant, group: Group, nbytes: int) -> None:
-        """The write ``admit`` charged for ended: the books take what the tiers hold."""
+        """The write ``admit`` charged for ended: the counts take what the tiers hold."""
         left = tenant.writing.pop(group, 0) - nbytes
         if left > 0:
             tenant.writing[group] = left

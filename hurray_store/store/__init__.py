@@ -1,4 +1,4 @@
-"""TieredStore: the tiers, the books and the index wired from one config.
+"""TieredStore: the tiers, the ledger and the index wired from one config.
 
 Two levels. The object level (``put_object``, ``get_object``, ...: ``objects.py``) moves
 keyed objects through the tiers; the LMCache adapters build on it. The prefix level
@@ -18,7 +18,7 @@ The parts, each in its own module, imports pointing down::
                                           SegmentCatalog (catalog: index, manifests)
                                           TierCascade (cascade: tiers, policy, ledger)
 
-Everything runs on one event loop; the index and the books are only touched between
+Everything runs on one event loop; the index and the ledger is only touched between
 awaits, so concurrent puts and retrieves on one store are safe. Nothing a tier does
 (down, full, corrupt) raises into ``put``/``retrieve``: it is a miss or a skipped write,
 counted and logged.
@@ -49,7 +49,7 @@ from hurray_store.store.writer import SegmentWriter
 from hurray_store.tiers import Blob, Range, RangeIn, Tier, open_tier
 
 # A pin on an object, as the store gave it: given back to ``TieredStore.unpin``. (The
-# group the object was in, or the books' entry of the copy ``pin_held_refs`` pinned;
+# group the object was in, or the ledger's entry of the copy ``pin_held_refs`` pinned;
 # opaque to callers.)
 Pin = Group | Entry
 # A prefix-level call's salt: one for every sequence (None: the config's), or a list of
@@ -126,7 +126,7 @@ class TieredStore:
             max_segment_bytes=config.max_segment_bytes,
         )
         self.reader = SegmentReader(self.cascade, self.catalog, self.buffers, self.quantization)
-        self._journaled = [t for t in tiers if t.caps.journaled]  # for ``unheard``
+        self._journaled = [t for t in tiers if t.caps.journaled]  # for ``others_changed``
         self._opened = False
 
     @property
@@ -135,7 +135,7 @@ class TieredStore:
 
     @property
     def shared(self) -> bool:
-        """True when a tier is shared with other processes (a cache server): the books
+        """True when a tier is shared with other processes (a cache server): the ledger
         then do not know everything the store can read."""
         return self.cascade.shared
 
@@ -195,17 +195,17 @@ class TieredStore:
             await self.tiers[tier].delete_many(orphans)
         log.info("tier %s: removed %d uncommitted objects", self.tiers[tier].name, len(orphans))
 
-    def unheard(self) -> bool:
+    def others_changed(self) -> bool:
         """Whether another process sharing a tier's medium may have committed or
-        removed something ``sync`` has not heard yet: from any thread, with no effect
-        (one ``fstat`` per such tier). What reads the books from another thread (the
+        removed something ``sync`` has not read yet: from any thread, with no effect
+        (one ``fstat`` per such tier). What reads the ledger from another thread (the
         LMCache plugin's lookups) asks it first, and has the loop ``sync`` on a yes."""
         return any(t.has_changes() for t in self._journaled)
 
     async def sync(self) -> None:
         """Hear what other processes sharing a tier's medium (a disk folder) committed
         and removed since the last call: their segments join the index, their objects
-        the books; what they removed leaves the books. Every operation calls it first;
+        the ledger; what they removed leaves the ledger. Every operation calls it first;
         it costs one ``fstat`` per such tier when nothing changed. The reads made off
         the loop (``read_objects_into_now``) are counted first."""
         self.cascade.drain_reads_now()
@@ -348,7 +348,7 @@ class TieredStore:
         return self.objects.read_into_now(items, each)
 
     def object_size_now(self, key: str) -> int | None:
-        """``object_size`` from the books alone, from any thread (None: the books do
+        """``object_size`` from the ledger alone, from any thread (None: the ledger does
         not know it; on a shared tier ``object_size`` may still find it)."""
         return self.objects.size_now(key)
 
@@ -362,7 +362,7 @@ class TieredStore:
         return await self.objects.size(key)
 
     def has_object(self, key: str) -> bool:
-        """``contains_object`` from the books alone: true only once a get will succeed."""
+        """``contains_object`` from the ledger alone: true only once a get will succeed."""
         return self.objects.has(key)
 
     def pin_objects(self, keys: Sequence[str]) -> list[Pin]:
@@ -371,7 +371,7 @@ class TieredStore:
         return self.objects.pin(keys)
 
     def pin_held_objects(self, keys: Iterable[str]) -> list[Pin]:
-        """From any thread, from the books alone: pin the objects of ``keys``, from the
+        """From any thread, from the ledger alone: pin the objects of ``keys``, from the
         first, that a get will find now, up to the first it will not; their pins, to
         give back to ``unpin``. No key past that first miss is taken from ``keys``."""
         return self.objects.pin_held(keys)

@@ -6,11 +6,11 @@ It knows groups, keys and bytes; it knows no manifests, pools or index. Its prim
   then ``on_committed()``; then write-through to the lower tiers in the background, with
   backpressure on the bytes queued. A tier never holds part of a group.
 - ``read`` / ``get`` / ``get_ranges`` / ``read_into`` / ``size``: from the fastest tier
-  whose books say READY, then from shared tiers the books do not name.
-- ``delete``: a key's whole group, everywhere, after the writes in flight for it land.
+  whose ledger says READY, then from shared tiers the ledger does not name.
+- ``delete``: a key's whole group, everywhere, after the writes under way for it end.
 - ``promote`` / ``flush``: copies up after a read, and down in write-back mode.
 - ``report_bad`` / ``missing``: a tier's bytes failed verification (quarantined) or
-  were not there (the books heal).
+  were not there (the ledger heals).
 
 Every group that leaves the last tier holding it is announced to the listeners
 (``subscribe``): the segment catalog drops what no tier holds any more.
@@ -40,11 +40,12 @@ from hurray_store.tiers import (
     blob_nbytes,
     host_view,
 )
-from hurray_store.tiers.base import GroupObject, ReadInto, StoredObject
+from hurray_store.tiers.base import GroupObject, StoredObject
+from hurray_store.tiers.types import ReadInto
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# Reads made off the loop reach the books at the loop's next operation, or when this
+# Reads made off the loop reach the ledger at the loop's next operation, or when this
 # many wait (the loop is then woken for them).
 _READS_NOW_UNTOLD = 32
 
@@ -67,15 +68,15 @@ class TierCascade:
         self.metrics = metrics
         self.max_pending_bytes = max_pending_bytes
         self._listeners: list[Callable[[Group], None]] = []
-        # Groups with write-throughs or promotions queued or running, and the event a
-        # delete waits on until they have landed.
-        self._flights: dict[Group, tuple[int, asyncio.Event]] = {}
+        # Groups with write-throughs or promotions queued or running (how many), and the
+        # event a delete waits on until they have ended.
+        self._copying: dict[Group, tuple[int, asyncio.Event]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         # Writes under way, by (tier, group): a later write of the same group to the same
         # tier waits for the earlier one, so the last put wins everywhere.
         self._writes: dict[tuple[int, Group], asyncio.Event] = {}
         # (tier, group) deleted while a write of it was under way: that write is undone
-        # when it ends (and its put goes no further), instead of landing after the delete.
+        # when it ends (and its put goes no further), instead of ending after the delete.
         self._deleted_while_writing: set[tuple[int, Group]] = set()
         self.pending_bytes = 0
         self._pending_cv = asyncio.Condition()
@@ -99,7 +100,7 @@ class TierCascade:
 
     def holds(self, group: Group) -> bool:
         """Some tier holds the group READY, or a write of it is on its way."""
-        return bool(self.ledger.group_holders(group)) or group in self._flights
+        return bool(self.ledger.group_holders(group)) or group in self._copying
 
     # ------------------------------------------------------------------ writes
 
@@ -148,7 +149,7 @@ class TierCascade:
                 )
             )
             self.pending_bytes += total
-        self._take_off(group)
+        self._copy_started(group)
         # The lower tiers read the top tier's copy when it was built in place: keep it
         # from being evicted (and its space reused) until they have it.
         self.ledger.pin([group])
@@ -171,7 +172,7 @@ class TierCascade:
             self.ledger.unpin([group])
             if release is not None:
                 release()
-            self._land(group)
+            self._copy_ended(group)
             async with self._pending_cv:
                 self.pending_bytes -= total
                 self._pending_cv.notify_all()
@@ -180,7 +181,7 @@ class TierCascade:
         self, tier: int, group: Group, objects: Sequence[GroupObject], depth: int
     ) -> bool | None:
         """Room by the policy (victims evicted or demoted), then the tier's group write.
-        The books show the group READY only once every byte is written. True: written;
+        The ledger shows the group READY only once every byte is written. True: written;
         False: not taken; None: deleted while it was being written (so undone)."""
         t = self.tiers[tier]
         c = self.metrics.tiers[t.name]
@@ -211,7 +212,7 @@ class TierCascade:
                 return None
             if ok:
                 c.bytes_written += sum(sizes.values())
-                t.announce(added=[objects[-1].key])  # its last key: the group is whole
+                t.log_changes(added=[objects[-1].key])  # its last key: the group is whole
             else:
                 c.skipped_writes += 1
             return ok
@@ -246,7 +247,7 @@ class TierCascade:
         return await t.put_group(objects)
 
     def _take_room(self, tier: int, group: Group, sizes: dict[str, int], depth: int) -> Admission:
-        """The policy's plan for this write, applied to the books in the same hold of
+        """The policy's plan for this write, applied to the ledger in the same hold of
         their lock (no pin taken in between can make a victim of a pinned group)."""
         with self.ledger.lock:
             adm = self.policy.plan_write(tier, group, sizes, depth=depth)
@@ -265,7 +266,7 @@ class TierCascade:
                 ):
                     why = "demote"
             await t.delete_many(list(v.sizes))
-            t.announce(removed=list(v.sizes)[:1])
+            t.log_changes(removed=list(v.sizes)[:1])
             self.metrics.tiers[t.name].evictions += len(v.sizes)
             self.metrics.moved(why, t.name, v.group, sum(v.sizes.values()))
             self._left(v.group)
@@ -291,14 +292,14 @@ class TierCascade:
                     if await self._write(i, group, objs, self.ledger.depth(group)):
                         self.metrics.moved(reason, self.tiers[i].name, group, nbytes)
         finally:
-            self._land(group)
+            self._copy_ended(group)
 
     def promote(self, group: Group, src: int) -> None:
         """Copy a group read whole from ``src`` into the upper tiers the policy names,
         in the background."""
         targets = self.policy.promote_targets(src, group)
         if targets:
-            self._take_off(group)
+            self._copy_started(group)
             self._spawn(self._copy_group(group, src, targets, "promote"))
 
     async def flush(self) -> None:
@@ -307,7 +308,7 @@ class TierCascade:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         for group, src, dst in self.policy.flush_targets():
-            self._take_off(group)
+            self._copy_started(group)
             await self._copy_group(group, src, [dst], "flush")
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
@@ -315,16 +316,16 @@ class TierCascade:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _take_off(self, group: Group) -> None:
-        n, ev = self._flights.get(group, (0, asyncio.Event()))
-        self._flights[group] = (n + 1, ev)
+    def _copy_started(self, group: Group) -> None:
+        n, ev = self._copying.get(group, (0, asyncio.Event()))
+        self._copying[group] = (n + 1, ev)
 
-    def _land(self, group: Group) -> None:
-        n, ev = self._flights[group]
+    def _copy_ended(self, group: Group) -> None:
+        n, ev = self._copying[group]
         if n > 1:
-            self._flights[group] = (n - 1, ev)
+            self._copying[group] = (n - 1, ev)
             return
-        del self._flights[group]
+        del self._copying[group]
         ev.set()
         self._left(group)  # the put's top tier may have evicted it meanwhile
 
@@ -343,7 +344,7 @@ class TierCascade:
         nbytes: Callable[[Any], int],
     ) -> T | None:
         """``read`` a stored key from the fastest tier holding it READY (a tier that
-        lost it is a miss there: on to the next), then from shared tiers the books do
+        lost it is a miss there: on to the next), then from shared tiers the ledger does
         not name (other engines write to them)."""
         holders = self.ledger.holders(key)
         for i in holders:
@@ -358,9 +359,9 @@ class TierCascade:
                 and nbytes(got) != self.ledger.size_in(i, key)
             ):
                 # Another process replaced it with an object of another size: not what
-                # the books know (the journal brings the new one).
+                # the ledger knows (the journal brings the new one).
                 log.info(
-                    "tier %s: %s is not the size the books say; a miss", self.tiers[i].name, key
+                    "tier %s: %s is not the size the ledger says; a miss", self.tiers[i].name, key
                 )
                 self.missing(i, key)
                 continue
@@ -418,8 +419,8 @@ class TierCascade:
         (a disk tier, a single Redis): no trip to the store's loop and no pin;
         ``each(j, i, sum)`` runs once range ``i`` of item ``j`` is in (see
         ``Tier.read_into_now``). Per item, False: not read here; ``read_into`` on the
-        loop decides (another tier first, a miss, the books to heal). The hits, their
-        time and their recency reach the books on the loop, at its next operation
+        loop decides (another tier first, a miss, the ledger to heal). The hits, their
+        time and their recency reach the ledger on the loop, at its next operation
         (``drain_reads_now``)."""
         out = [False] * len(items)
         if self.loop is None:
@@ -427,7 +428,7 @@ class TierCascade:
         by_tier: dict[int, list[tuple[int, int]]] = {}  # tier -> (item, size)
         for j, (key, _, _) in enumerate(items):
             try:
-                # The books are the loop's: read them, never change them, from here. A
+                # The ledger is the loop's: read them, never change them, from here. A
                 # change under way shows as a KeyError or RuntimeError: the loop reads.
                 holders = self.ledger.holders(key)
                 if holders and self.tiers[holders[0]].caps.reads_now:
@@ -465,7 +466,7 @@ class TierCascade:
                     self.ledger.touch([group])
 
     async def size(self, key: str) -> int | None:
-        """Size of a stored key from the books, else from a shared tier; None: absent."""
+        """Size of a stored key from the ledger, else from a shared tier; None: absent."""
         n = self.ledger.key_size(key)
         if n is not None:
             return n
@@ -481,8 +482,8 @@ class TierCascade:
         c.bytes_read += nbytes
 
     def missing(self, tier: int, key: str) -> None:
-        """A tier the books say holds ``key`` READY does not have it (expired, evicted
-        by Redis, deleted by hand): its group leaves the books there, unless the tier
+        """A tier the ledger says holds ``key`` READY does not have it (expired, evicted
+        by Redis, deleted by hand): its group leaves the ledger there, unless the tier
         is down (then nothing is known)."""
         self.metrics.tiers[self.tiers[tier].name].misses += 1
         if self.tiers[tier].available:
@@ -490,7 +491,7 @@ class TierCascade:
 
     def lost(self, tier: int, key: str, reason: str = "lost") -> None:
         """``key`` is gone from ``tier`` (another process removed it: ``other_process``,
-        or a read found it missing): its group leaves the books there, unless this store
+        or a read found it missing): its group leaves the ledger there, unless this store
         is writing it."""
         group = self.ledger.group_of(tier, key)
         if group is not None and not self.ledger.is_writing(tier, group):
@@ -514,7 +515,7 @@ class TierCascade:
     async def _quarantine(self, tier: int, key: str, others: list[str]) -> None:
         t = self.tiers[tier]
         await t.quarantine(key)
-        t.announce(removed=[key])
+        t.log_changes(removed=[key])
         if others:
             await t.delete_many(others)
 
@@ -522,20 +523,20 @@ class TierCascade:
 
     async def delete(self, key: str, reason: str = "delete") -> None:
         """Delete ``key`` everywhere, with its whole group (a tier never keeps part of
-        one). Write-throughs of it still in flight land first: they would put it back.
+        one). Write-throughs of it still under way end first: they would put it back.
         ``reason``: ``delete`` (a caller's) or ``quota`` (a tenant's quota)."""
         for g in set(self.ledger.groups_of(key).values()):
-            flight = self._flights.get(g)
-            if flight is not None:
-                await flight[1].wait()
-        holders = self.ledger.groups_of(key)  # again: the books moved while it waited
+            copying = self._copying.get(g)
+            if copying is not None:
+                await copying[1].wait()
+        holders = self.ledger.groups_of(key)  # again: the ledger moved while it waited
         for i, group in holders.items():
             if self.ledger.is_writing(i, group):
                 self._deleted_while_writing.add((i, group))  # undone when its write ends
                 continue
             sizes = self.ledger.forget(i, group)
             await self.tiers[i].delete_many(list(sizes) or [key])
-            self.tiers[i].announce(removed=[key])
+            self.tiers[i].log_changes(removed=[key])
             self.metrics.moved(reason, self.tiers[i].name, group, sum(sizes.values()))
             self._left(group)
         for i in self.shared_tiers(skip=list(holders)):
@@ -545,7 +546,7 @@ class TierCascade:
         self, sizes: Sequence[int], *, group_bytes: int | None = None
     ) -> list[Reservation] | None:
         """Space for new objects of ``sizes`` in the tier their group (of
-        ``group_bytes``, default their sum) would land in, to build or receive them in
+        ``group_bytes``, default their sum) would go to, to build or receive them in
         place; None: that tier offers none. Space never published goes back with
         ``reservation.tier.unreserve``."""
         top = self.policy.place(sum(sizes) if group_bytes is None else group_bytes)

@@ -11,7 +11,7 @@ It owns the prefix index and a cache of parsed manifests. Its primitives:
 - ``discover(spec, hashes, claim)``: segments shared tiers hold that the index lacks.
 - ``rebuild(tier, found)``: the restart scan of one tier's segment keys.
 
-It calls the cascade for bytes, and hears from it when a segment's group leaves the last
+It calls the cascade for bytes, and is told by it when a segment's group leaves the last
 tier holding it.
 """
 

@@ -8,10 +8,10 @@ A group of several objects also stores its member list (``<ns>/g/<last name>``, 
 with the others, before the last), so a restart finds the group again; a group whose
 members are not all there (a writer killed mid-group) is deleted whole at restart.
 
-Reads are checked: a whole read must have the size the books give (another process on
+Reads are checked: a whole read must have the size the ledger gives (another process on
 the same folder may have replaced the object), and an object this store ``put`` is
 checked against the xxh3-64 it had (kept while the store holds it). A mismatch is a
-miss, and the object leaves the books. Objects put ``self_checked`` carry their own
+miss, and the object leaves the ledger. Objects put ``self_checked`` carry their own
 checks (the LMCache adapters' objects end in a record with their checksums).
 """
 
@@ -27,7 +27,8 @@ from hurray_store.keys import ObjectKey, decode_group_record, encode_group_recor
 from hurray_store.ledger import Entry, Group, KeyRef
 from hurray_store.store.cascade import TierCascade
 from hurray_store.tiers import Blob, Buffer, Range, RangeIn, host_view
-from hurray_store.tiers.base import GroupObject, Sealed, SealedObject, StoredObject
+from hurray_store.tiers.base import GroupObject, StoredObject
+from hurray_store.tiers.sealed import Sealed, SealedObject
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class ObjectStore:
         self.namespace = namespace
         self.cascade = cascade
         # An object's stored key is this and its name (``object_stored``), made with no
-        # call for the books' lookups from engines' threads.
+        # call for the ledger's lookups from engines' threads.
         self._stored = object_stored(namespace, "")
         self._sums: dict[str, int] = {}  # stored key -> xxh3-64, for objects put here
         cascade.subscribe(self._on_group_left)
@@ -147,17 +148,17 @@ class ObjectStore:
         return await self.size(name) is not None
 
     async def size(self, name: str) -> int | None:
-        """The object's size in bytes (from the books, else a shared tier); None: absent."""
+        """The object's size in bytes (from the ledger, else a shared tier); None: absent."""
         return await self.cascade.size(self.key(name).stored)
 
     def has(self, name: str) -> bool:
-        """``contains`` from the books alone (no I/O): true only once a get of it will
+        """``contains`` from the ledger alone (no I/O): true only once a get of it will
         find it, the whole group written. Safe from another thread (membership tests of
         dicts are atomic in CPython)."""
         return bool(self.cascade.ledger.holders(self._stored + name))
 
     def size_now(self, name: str) -> int | None:
-        """``size`` from the books alone (no I/O), from any thread: None when they do
+        """``size`` from the ledger alone (no I/O), from any thread: None when they do
         not know it (or changed under the call)."""
         try:
             return self.cascade.ledger.key_size(self._stored + name)
@@ -166,7 +167,7 @@ class ObjectStore:
 
     def pin(self, names: Sequence[str]) -> list[Group]:
         """Keep the groups of these objects from eviction (any thread); the groups, each
-        pinned once more, for the books' ``unpin``."""
+        pinned once more, for the ledger's ``unpin``."""
         led = self.cascade.ledger
         with led.lock:
             groups = self._groups(names)
@@ -175,8 +176,8 @@ class ObjectStore:
 
     def pin_held(self, names: Iterable[str]) -> list[Group]:
         """From any thread: pin the objects of ``names``, from the first, that a get
-        will find now, up to the first it will not; their groups, for the books'
-        ``unpin``. Nothing is evicted between the check and the pin (the books' lock)."""
+        will find now, up to the first it will not; their groups, for the ledger's
+        ``unpin``. Nothing is evicted between the check and the pin (the ledger's lock)."""
         return self.cascade.ledger.pin_ready(map(self._stored.__add__, names))  # lazy
 
     def ref(self, name: str) -> KeyRef:
@@ -208,7 +209,7 @@ class ObjectStore:
     async def adopt(self, tier: int, obj: ObjectKey) -> None:
         """Another process stored the group ``obj`` ends (a single object, or the last
         of a ``put_many`` group with its member list) in ``tier``: record what the tier
-        holds of it now, in place of what the books knew."""
+        holds of it now, in place of what the ledger knew."""
         t = self.cascade.tiers[tier]
         led = self.cascade.ledger
         old = led.group_of(tier, obj.stored)
@@ -231,7 +232,7 @@ class ObjectStore:
             sizes[obj.group_record] = len(host_view(blob))  # type: ignore[arg-type]
         if old is not None:
             self.cascade.lost(tier, obj.stored, "other_process")
-        for k in sizes:  # a key of another group the books know: that group is gone
+        for k in sizes:  # a key of another group the ledger knows: that group is gone
             if (g := led.group_of(tier, k)) is not None and g != obj:
                 self.cascade.lost(tier, k, "other_process")
         led.record(tier, obj, sizes)  # type: ignore[arg-type]

@@ -47,7 +47,7 @@ async def down_then_back(t: Tier, service: Any, caplog: pytest.LogCaptureFixture
     await t.open()
     assert await t.put("k", [b"v"])
     service.stop()
-    with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.base"):
+    with caplog.at_level(logging.WARNING, logger="hurray_store.tiers.outage"):
         for _ in range(5):
             assert await t.get("k") is None
             assert await t.put("k2", [b"v"]) is False
@@ -178,7 +178,7 @@ class TierContract:
         assert sorted(seen) == [(0, i, checksum(b)) for i, b in enumerate(want)] + [
             (1, 0, checksum(small[10:30]))
         ]
-        # An ``Unhashed`` callback hears of the same ranges, with no sums taken.
+        # An ``Unhashed`` callback is told of the same ranges, with no sums taken.
         arrived: list[tuple[int, int]] = []
         again = [
             NowRead(r.key, r.ranges, [memoryview(bytearray(len(b))) for b in r.buffers], r.size)
@@ -217,8 +217,8 @@ class MediumContract(TierContract):
         # others hash them first. Either way the record (the sums, packed) comes last.
         rnd = random.Random(3)
         parts = [rnd.randbytes(n) for n in (10, 600_000, 3, 2 << 20, 700_000)]
-        slots = [None, 0, None, 2, 1]
-        sealed = Sealed(parts, slots, [0, 0, 0], lambda s: [struct.pack("<3Q", *s)], 24, xxh3)
+        sum_at = [None, 0, None, 2, 1]
+        sealed = Sealed(parts, sum_at, [0, 0, 0], lambda s: [struct.pack("<3Q", *s)], 24, xxh3)
         assert await tier.put_group([SealedObject("m/{sealed}/0", sealed)])
         want = struct.pack("<3Q", *(xxh3(parts[i]) for i in (1, 4, 3)))
         assert self.raw_get(tier, "m/{sealed}/0") == b"".join(parts) + want

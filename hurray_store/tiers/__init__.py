@@ -1,61 +1,49 @@
-"""Tiers and their registry: every tier opens from its config entry through ``open_tier``."""
+"""Tiers and their registry: every tier opens from its config entry through ``open_tier``.
+Each tier module registers its class by kind (``register``) when it is imported."""
 
 from __future__ import annotations
 
+import importlib
+
 from hurray_store.config import TierConfig
 from hurray_store.tiers.base import (
-    Blob,
-    Buffer,
     Capabilities,
     GroupObject,
     NowRead,
-    Range,
-    RangeIn,
-    ReadInto,
     Reservation,
-    Sealed,
-    SealedObject,
     SharedTier,
     StoredObject,
     Tier,
     Unhashed,
-    blob_nbytes,
-    host_view,
-    transfer_timeout_s,
 )
 from hurray_store.tiers.disk import DiskTier
+from hurray_store.tiers.helpers import blob_nbytes, host_view, transfer_timeout_s
 from hurray_store.tiers.memory import CpuTier, GpuTier
+from hurray_store.tiers.registry import TIER_TYPES, register
 from hurray_store.tiers.remote import RemoteTier
+from hurray_store.tiers.sealed import Sealed, SealedObject
+from hurray_store.tiers.types import Blob, Buffer, Range, RangeIn, ReadInto
 
-TIER_TYPES: dict[str, type[Tier]] = {}
-
-
-def register(cls: type[Tier]) -> type[Tier]:
-    """Make ``cls`` the tier for config entries of ``cls.config_cls``."""
-    TIER_TYPES[cls.config_cls.kind] = cls
-    return cls
-
-
-for _cls in (GpuTier, CpuTier, DiskTier, RemoteTier):
-    register(_cls)
+# Built-in tiers whose module loads only when a config names them (their client
+# libraries are heavy: redis-py, obstore): kind -> module.
+LAZY_TIERS = {"redis": "hurray_store.tiers.redis", "s3": "hurray_store.tiers.s3"}
 
 
 def open_tier(cfg: TierConfig, namespace: str | None = None) -> Tier:
     """The tier for one config entry, for a store of ``namespace`` (not yet opened:
-    ``await tier.open()``)."""
+    ``await tier.open()``). A tier module registers itself (``register``) on import."""
     kind = cfg.kind
-    if kind == "redis" and kind not in TIER_TYPES:
-        from hurray_store.tiers.redis import RedisTier  # redis-py loads only when used
-
-        register(RedisTier)
-    if kind == "s3" and kind not in TIER_TYPES:
-        from hurray_store.tiers.s3 import S3Tier  # obstore loads only when used
-
-        register(S3Tier)
+    if kind not in TIER_TYPES and kind in LAZY_TIERS:
+        importlib.import_module(LAZY_TIERS[kind])
     return TIER_TYPES[kind](cfg, namespace)
 
 
 __all__ = [
+    "CpuTier",
+    "DiskTier",
+    "GpuTier",
+    "RemoteTier",
+    "LAZY_TIERS",
     "TIER_TYPES",
     "Blob",
     "Buffer",

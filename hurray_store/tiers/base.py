@@ -21,30 +21,13 @@ Host tiers return ``memoryview``/``bytes``; a device tier returns ``torch.Tensor
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
-import torch
-
-log = logging.getLogger(__name__)
-T = TypeVar("T")
-Buffer = bytes | bytearray | memoryview
-Blob = bytes | bytearray | memoryview | torch.Tensor
-Range = tuple[int, int]  # (offset, length)
-# Where ``get_ranges`` may read to: one buffer of at least the ranges' total size, or one
-# writable view per range.
-ReadInto = bytearray | memoryview | list[memoryview] | None
-
-
-# ``each(j, i, sum)`` of a ``read_into_now``: range ``i`` of read ``j`` is in, and ``sum``
-# is the ``checksum`` of its bytes, taken as they came in.
-RangeIn = Callable[[int, int, int], None]
+from hurray_store.tiers.helpers import blob_nbytes
+from hurray_store.tiers.types import Blob, Buffer, Range, RangeIn, ReadInto
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,115 +45,6 @@ class Unhashed:
 def wants_sums(each: RangeIn | None) -> bool:
     """Whether a ``read_into_now``'s ``each`` takes the sums of its ranges."""
     return each is not None and not isinstance(each, Unhashed)
-
-
-# The slowest transfer rate an operation's timeout allows for: a timeout grows by one
-# second per 50 MB moved.
-TRANSFER_BYTES_PER_S = 50e6
-
-
-def transfer_timeout_s(base_s: float, nbytes: int) -> float:
-    return base_s + nbytes / TRANSFER_BYTES_PER_S
-
-
-def blob_nbytes(b: Blob) -> int:
-    if isinstance(b, torch.Tensor):
-        return b.numel() * b.element_size()
-    return memoryview(b).nbytes
-
-
-def shared_run(run: Callable[[], None], pool: ThreadPoolExecutor | None, helpers: int) -> None:
-    """``run`` on the calling thread and on up to ``helpers`` threads of ``pool`` at once
-    (each call takes work items until none is left, so a busy pool never holds the
-    caller up); returns once every call that started has ended."""
-    started: list[Future[None]] = []
-    if pool is not None:
-        with contextlib.suppress(RuntimeError):  # shut down: the tier is closing
-            for _ in range(helpers):
-                started.append(pool.submit(run))
-    try:
-        run()
-    finally:
-        for h in started:  # not started yet: nothing left for it; else wait for it
-            if not h.cancel():
-                h.result()
-
-
-def check_into(key: str, ranges: Sequence[Range], buffers: Sequence[memoryview]) -> None:
-    """ValueError unless ``buffers`` are one per range, each of its range's length."""
-    if len(buffers) != len(ranges) or any(
-        len(b) != ln for b, (_, ln) in zip(buffers, ranges, strict=True)
-    ):
-        raise ValueError(f"{key}: buffers of other sizes than its ranges")
-
-
-def one_buffer(buffers: Sequence[Buffer]) -> Buffer:
-    """One buffer of the concatenation of ``buffers``: the only one without a copy
-    (redis-py and obstore send a memoryview as it is), else joined."""
-    return buffers[0] if len(buffers) == 1 else b"".join(buffers)
-
-
-def host_view(b: Blob) -> memoryview:
-    """A byte view of a blob: zero-copy for host memory (a CPU tensor included); a
-    device tensor is copied to the host first."""
-    if isinstance(b, torch.Tensor):
-        arr: Any = b.cpu().contiguous().view(torch.uint8).numpy()
-        return memoryview(arr).cast("B")
-    if isinstance(b, memoryview) and b.format == "B" and b.ndim == 1:
-        return b  # the caller's own view: a reader that fills it is seen to have
-    mv = memoryview(b)
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-
-
-class Outage:
-    """The outage rules of a tier behind a network service: the first failure logs one
-    warning and starts a backoff (doubling from ``initial_s`` to ``max_s``) during
-    which calls return at once without touching the network; the first call after it
-    probes the service; a success logs the recovery."""
-
-    def __init__(self, tier: str, initial_s: float, max_s: float) -> None:
-        self.tier = tier
-        self.initial_s = initial_s
-        self.max_s = max_s
-        self.down_since: float | None = None
-        self.retry_at = 0.0
-        self.backoff = initial_s
-        self.count = 0
-
-    @property
-    def available(self) -> bool:
-        return self.down_since is None
-
-    @property
-    def ready(self) -> bool:
-        return self.down_since is None or time.monotonic() >= self.retry_at
-
-    def down(self, what: str, e: BaseException) -> None:
-        now = time.monotonic()
-        if self.down_since is None:
-            self.down_since = now
-            self.count += 1
-            log.warning(
-                "tier %s: unreachable (%s during %s: %s); reads miss and writes are skipped "
-                "until it answers again",
-                self.tier,
-                e.__class__.__name__,
-                what,
-                e,
-            )
-        else:
-            self.backoff = min(self.backoff * 2, self.max_s)
-        self.retry_at = now + self.backoff
-
-    def up(self) -> None:
-        if self.down_since is not None:
-            log.warning(
-                "tier %s: reachable again after %.1f s",
-                self.tier,
-                time.monotonic() - self.down_since,
-            )
-            self.down_since = None
-            self.backoff = self.initial_s
 
 
 @dataclass(eq=False, slots=True)
@@ -210,62 +84,6 @@ class GroupObject(ABC):
     @abstractmethod
     def buffers(self) -> Sequence[Buffer]:
         """The object's bytes (their concatenation); the same every call."""
-
-
-@dataclass(frozen=True, slots=True)
-class Sealed:
-    """An object's bytes that end in a record of checksums of some of them (the LMCache
-    plugin's chunks): ``parts`` in order, ``slots[i]`` where part ``i``'s checksum goes
-    in the record's list (None: not hashed), ``sums`` that list with the entries known
-    already, and ``seal(sums)`` the buffers that close the object (``seal_bytes``
-    long). ``hash`` hashes one part."""
-
-    parts: Sequence[Buffer]
-    slots: Sequence[int | None]
-    sums: Sequence[int]
-    seal: Callable[[list[int]], Sequence[Buffer]]
-    seal_bytes: int
-    hash: Callable[[Buffer], int]
-
-
-class SealedObject(GroupObject):
-    """A ``Sealed`` object. A tier that writes from a worker thread takes ``written()``
-    there: each part hashed just before it is written, while its bytes are still in
-    the CPU's cache for the copy, and the record last. Any other takes ``buffers()``,
-    hashed on first use."""
-
-    __slots__ = ("sealed", "_built")
-
-    def __init__(self, key: str, sealed: Sealed) -> None:
-        nbytes = sum(memoryview(b).nbytes for b in sealed.parts) + sealed.seal_bytes
-        super().__init__(key, nbytes)
-        self.sealed = sealed
-        self._built: list[Buffer] | None = None
-
-    def written(self) -> Iterator[Buffer]:
-        """The parts, each hashed as it is taken, then the closing buffers (once built,
-        the same buffers again, hashed no more)."""
-        if self._built is not None:
-            yield from self._built
-            return
-        s = self.sealed
-        sums = list(s.sums)
-        for part, slot in zip(s.parts, s.slots, strict=True):
-            if slot is not None:
-                sums[slot] = s.hash(part)
-            yield part
-        tail = list(s.seal(sums))
-        if sum(memoryview(b).nbytes for b in tail) != s.seal_bytes:
-            raise ValueError(f"{self.key}: the record is not the {s.seal_bytes} bytes promised")
-        self._built = [*s.parts, *tail]
-        yield from tail
-
-    def buffers(self) -> Sequence[Buffer]:
-        if self._built is None:
-            for _ in self.written():
-                pass
-        assert self._built is not None
-        return self._built
 
 
 class StoredObject(GroupObject):
@@ -397,14 +215,14 @@ class Tier(ABC):
     # ------------------------------------------------------------------ other processes
 
     # A medium several processes may open at once (a disk folder) tells each what the
-    # others added and removed: ``announce`` after a group is written (its last key) or
-    # a key is removed, ``changes`` to hear the others'. Default: no feed.
+    # others added and removed: ``log_changes`` after a group is written (its last key) or
+    # a key is removed, ``changes`` to read the others'. Default: no feed.
 
-    def announce(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:  # noqa: B027
+    def log_changes(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:  # noqa: B027
         """Tell the other processes using this medium."""
 
     def changes(self) -> list[tuple[bool, str]]:
-        """What the other processes announced since the last call: ``(added, key)``."""
+        """What the other processes logged since the last call: ``(added, key)``."""
         return []
 
     def has_changes(self) -> bool:
@@ -515,50 +333,3 @@ class SharedTier(Protocol):
         """Per sequence ``(pages the asker has, page hashes)``, the manifests of the
         segments holding the pages after those; with ``claim``, the pages nobody holds
         are reserved for the asker's put. None: not answered."""
-
-
-class ServiceTier(Tier):
-    """A tier behind a network service (Redis, S3, a cache server): its availability is
-    its ``Outage``'s, which the subclass creates in its constructor."""
-
-    outage: Outage
-    _slots: asyncio.Semaphore  # guarded calls in flight at once, set by the subclass
-
-    @property
-    def available(self) -> bool:
-        return self.outage.available
-
-    @property
-    def ready(self) -> bool:
-        return self.outage.ready
-
-    async def _guard(
-        self,
-        what: str,
-        call: Callable[[], Awaitable[T]],
-        default: T,
-        nbytes: int = 0,
-        extra_s: float = 0.0,
-        *,
-        timed: bool = False,
-    ) -> T:
-        """Run one call under the outage rules, at most ``_slots`` at once, timed out
-        after ``timeout_s`` plus one second per 50 MB it moves (plus ``extra_s``), or,
-        ``timed``, by the call itself (it learns its size on the way). What it raises
-        goes to ``_failed``; the call is then ``default``."""
-        if not self.outage.ready:
-            return default
-        limit = None if timed else transfer_timeout_s(self.cfg.timeout_s, nbytes) + extra_s
-        try:
-            async with self._slots, asyncio.timeout(limit):
-                result = await call()
-        except Exception as e:
-            await self._failed(what, e)
-            return default
-        self.outage.up()
-        return result
-
-    async def _failed(self, what: str, e: Exception) -> None:
-        """A guarded call raised ``e``: an outage by default. A subclass tells its
-        service's refusals and misses apart, and re-raises what is a bug."""
-        self.outage.down(what, e)

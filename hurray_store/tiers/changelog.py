@@ -1,7 +1,7 @@
 """The change log several stores keep under one S3 prefix, without I/O: how an entry is
 named, read back and forgotten (``tiers/s3.py`` lists and writes them).
 
-An entry is an empty object whose name says everything, so one LIST hears a batch of
+An entry is an empty object whose name says everything, so one LIST reads a batch of
 changes and no GET is needed::
 
     <prefix>/log/<ms since the epoch, 13 digits>-<writer>-<seq, 8 digits>-<a|r>-<key hex>
@@ -21,7 +21,7 @@ _MAX_NAME = 1024  # S3's longest key
 
 
 class ChangeFeed:
-    """One store's side of the change log: names for its own entries, and what it heard
+    """One store's side of the change log: names for its own entries, and what it read
     of the others' (``take``)."""
 
     def __init__(
@@ -31,9 +31,9 @@ class ChangeFeed:
         self.window_ms = int(window_s * 1000)
         self.now = now
         self.seq = 0
-        self.newest = self._ms() - self.window_ms  # a store hears from its open on
+        self.newest = self._ms() - self.window_ms  # a store reads from its open on
         self.seen: dict[str, int] = {}  # entry name -> its time, within the window
-        self.pending: list[tuple[bool, str]] = []  # heard, not yet taken
+        self.pending: list[tuple[bool, str]] = []  # read, not yet taken
         self.bad = 0  # names that did not parse (skipped)
 
     def _ms(self) -> int:
@@ -53,7 +53,7 @@ class ChangeFeed:
         """List the log from after this name on."""
         return f"{max(0, self.newest - self.window_ms):013d}"
 
-    def hear(self, name: str) -> None:
+    def add(self, name: str) -> None:
         """An entry the listing found (its name under ``log/``)."""
         if name in self.seen:
             return

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 log = logging.getLogger(__name__)
 
 # The journal is read in pieces of this many bytes, and a line longer than this is not
-# a store's (a key's file name is at most the disk tier's MAX_NAME_BYTES; its line,
+# a store's (a key's file name is at most MAX_NAME_BYTES of tiers/files.py; its line,
 # JSON-escaped, a few times that): skipped unparsed, so a line of 256 MiB costs one
 # pass, not one a call.
 _PIECE = 1 << 20

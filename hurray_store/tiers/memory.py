@@ -2,7 +2,7 @@
 same objects as uint8 tensors on a torch device, so a retrieve slices typed views of
 the pages and copies them device to device, with no host round trip and no decode).
 
-Neither has a budget of its own: the policy keeps the byte books and tells the store
+Neither has a budget of its own: the policy keeps the byte ledger and tells the store
 what to evict. Neither is persistent.
 """
 
@@ -14,7 +14,9 @@ import torch
 
 from hurray_store.buffers import Arena
 from hurray_store.config import CpuTierConfig, GpuTierConfig
-from hurray_store.tiers.base import Blob, Buffer, Capabilities, Range, ReadInto, Reservation, Tier
+from hurray_store.tiers.base import Capabilities, Reservation, Tier
+from hurray_store.tiers.registry import register
+from hurray_store.tiers.types import Blob, Buffer, Range, ReadInto
 
 
 def _ranges_of(obj: Blob, ranges: Sequence[Range]) -> list[Blob] | None:
@@ -24,6 +26,7 @@ def _ranges_of(obj: Blob, ranges: Sequence[Range]) -> list[Blob] | None:
     return [obj[off : off + ln] for off, ln in ranges]
 
 
+@register
 class CpuTier(Tier):
     """Encoded objects in host memory: an arena of ``capacity_bytes`` (reserved, filled
     on first use, reused after eviction), or page-locked tensors when pinned. An object
@@ -120,6 +123,7 @@ class CpuTier(Tier):
         return key in self._objects
 
 
+@register
 class GpuTier(Tier):
     config_cls = GpuTierConfig
     caps = Capabilities(on_device=True, trusted=True)

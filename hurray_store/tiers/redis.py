@@ -22,7 +22,7 @@ costs one timeout, not several.
 Budget: with ``capacity_bytes`` the store's policy evicts (LRU, whole groups) as for any
 tier; set it below Redis' ``maxmemory`` with ``maxmemory-policy noeviction`` and no
 segment is ever split. With ``null`` Redis evicts key by key (``allkeys-lru``): an object
-Redis evicted is a miss on read, and its segment then leaves the books and the index.
+Redis evicted is a miss on read, and its segment then leaves the ledger and the index.
 """
 
 from __future__ import annotations
@@ -48,24 +48,13 @@ from redis.retry import Retry
 from hurray_store.batches import batches
 from hurray_store.config import RedisTierConfig
 from hurray_store.errors import ConfigError
-from hurray_store.tiers.base import (
-    Blob,
-    Buffer,
-    Capabilities,
-    GroupObject,
-    NowRead,
-    Outage,
-    Range,
-    RangeIn,
-    ReadInto,
-    SealedObject,
-    ServiceTier,
-    check_into,
-    host_view,
-    one_buffer,
-    shared_run,
-)
+from hurray_store.tiers.base import Capabilities, GroupObject, NowRead
+from hurray_store.tiers.helpers import check_into, host_view, one_buffer, shared_run
+from hurray_store.tiers.outage import Outage, ServiceTier
 from hurray_store.tiers.redis_now import OUTAGE, BulkReplies, NowGets, getrange, now_pieces
+from hurray_store.tiers.registry import register
+from hurray_store.tiers.sealed import SealedObject
+from hurray_store.tiers.types import Blob, Buffer, Range, RangeIn, ReadInto
 
 log = logging.getLogger(__name__)
 _PIPE_BYTES = 64 << 20  # values per pipeline round trip, at most (bounds client memory)
@@ -98,6 +87,7 @@ def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
     return nodes, auth
 
 
+@register
 class RedisTier(ServiceTier):
     config_cls = RedisTierConfig
     caps = Capabilities(persistent=True)
@@ -166,7 +156,7 @@ class RedisTier(ServiceTier):
                 self.write_threads, thread_name_prefix=f"redis-io-{self.name}-w"
             )
         # redis-py's asyncio pools raise when exhausted instead of waiting: queue here.
-        self._slots = asyncio.Semaphore(cfg.max_connections)
+        self._calls = asyncio.Semaphore(cfg.max_connections)
         self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)
 
     def k(self, key: str) -> str:

@@ -21,7 +21,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hurray_store.format import checksum, running_checksum
-from hurray_store.tiers.base import NowRead, RangeIn, check_into, wants_sums
+from hurray_store.tiers.base import NowRead, wants_sums
+from hurray_store.tiers.helpers import check_into
+from hurray_store.tiers.types import RangeIn
 
 if TYPE_CHECKING:
     from hurray_store.tiers.redis import RedisTier

@@ -39,17 +39,11 @@ from hurray_store import transport as tp
 from hurray_store.config import RemoteTierConfig, parse_hurray_url
 from hurray_store.errors import ConfigError, ProtocolError, RemoteError
 from hurray_store.keys import SegmentPart, parse_key
-from hurray_store.tiers.base import (
-    Blob,
-    Buffer,
-    Capabilities,
-    GroupObject,
-    Outage,
-    Range,
-    ReadInto,
-    ServiceTier,
-    transfer_timeout_s,
-)
+from hurray_store.tiers.base import Capabilities, GroupObject
+from hurray_store.tiers.helpers import transfer_timeout_s
+from hurray_store.tiers.outage import Outage, ServiceTier
+from hurray_store.tiers.registry import register
+from hurray_store.tiers.types import Blob, Buffer, Range, ReadInto
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -187,6 +181,7 @@ class _Conn:
             )
 
 
+@register
 class RemoteTier(ServiceTier):
     config_cls = RemoteTierConfig
     caps = Capabilities(persistent=True, shared=True)
@@ -259,7 +254,7 @@ class RemoteTier(ServiceTier):
         return _Conn(ch, hello, cfg.max_message_bytes, lambda e: self.outage.down("read", e))
 
     async def _conn(self) -> _Conn:
-        """The least busy live connection; a missing or dead slot is (re)opened."""
+        """The least busy live connection; a missing or dead connection is (re)opened."""
         live = [c for c in self._conns if c is not None and not c.dead]
         if live:
             best = min(live, key=lambda c: len(c.pending))
@@ -272,7 +267,7 @@ class RemoteTier(ServiceTier):
                     if c is None or c.dead:
                         c = self._conns[i] = await self._connect()
                 return c
-        return min(live, key=lambda c: len(c.pending))  # pragma: no cover - all slots live
+        return min(live, key=lambda c: len(c.pending))  # pragma: no cover - all connections live
 
     async def _call(
         self,

@@ -19,11 +19,11 @@ Several stores may share one prefix, as several processes share a disk folder:
   layer object, in parallel;
 * every commit and delete is announced in the change log (``tiers/changelog.py``: one
   empty object per change, its name saying what changed), which each store lists every
-  ``change_poll_s`` (one LIST, from a minute before the newest entry it has heard);
-  what it hears joins or leaves its books and index on its next call. Entries older
+  ``change_poll_s`` (one LIST, from a minute before the newest entry it has read);
+  what it reads joins or leaves its ledger and index on its next call. Entries older
   than ``change_log_keep_s`` are deleted by whichever store lists them. Until a store
-  has heard a change (up to ``change_poll_s``), a lookup may promise a segment another
-  store just removed; its get is then a miss, and the segment leaves the books.
+  has read a change (up to ``change_poll_s``), a lookup may promise a segment another
+  store just removed; its get is then a miss, and the segment leaves the ledger.
 
 Outages are the Redis tier's rules: a connection error, a timeout, a 5xx, throttling
 (408, 429) or refused credentials (401, 403) turn the call into a miss (reads) or a
@@ -32,8 +32,8 @@ during which calls return at once. obstore's own retries are kept short (two, wi
 ``timeout_s``), so a down endpoint costs one timeout, not minutes.
 
 Faults of one object are that object's: a missing object (404), a range past its end
-(416, an object shorter than its books say), a short read or any other 4xx answer is a
-miss for that object, which the store then drops from its books, and says nothing
+(416, an object shorter than its ledger says), a short read or any other 4xx answer is a
+miss for that object, which the store then drops from its ledger, and says nothing
 about the endpoint (it answered). Every transfer's timeout scales with its size: a
 whole-object GET is timed ``timeout_s`` to its answer's head, then ``timeout_s`` plus
 one second per 50 MB of the size the head gives.
@@ -58,28 +58,22 @@ if TYPE_CHECKING:
     from obstore.store import ClientConfig
 
 from hurray_store.config import S3TierConfig, parse_s3_url
-from hurray_store.tiers.base import (
-    Blob,
-    Buffer,
-    Capabilities,
-    GroupObject,
-    Outage,
-    Range,
-    ReadInto,
-    ServiceTier,
-    one_buffer,
-    transfer_timeout_s,
-)
+from hurray_store.tiers.base import Capabilities, GroupObject
 from hurray_store.tiers.changelog import ChangeFeed, entry_time_ms
+from hurray_store.tiers.helpers import one_buffer, transfer_timeout_s
+from hurray_store.tiers.outage import Outage, ServiceTier
+from hurray_store.tiers.registry import register
+from hurray_store.tiers.types import Blob, Buffer, Range, ReadInto
 
 log = logging.getLogger(__name__)
 _PARALLEL = 12  # parts of one object in flight at once (upload and ranged download)
 _LOG_PAGE = 10_000  # change log entries one listing takes at most
 
 
+@register
 class S3Tier(ServiceTier):
     config_cls = S3TierConfig
-    # Other stores on the prefix: heard through the change log.
+    # Other stores on the prefix: read through the change log.
     caps = Capabilities(persistent=True, journaled=True)
 
     def __init__(self, cfg: S3TierConfig, namespace: str | None = None) -> None:
@@ -126,7 +120,7 @@ class S3Tier(ServiceTier):
             },
             **kwargs,
         )
-        self._slots = asyncio.Semaphore(cfg.max_connections)
+        self._calls = asyncio.Semaphore(cfg.max_connections)
         self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)
 
     def path(self, key: str) -> str:
@@ -169,7 +163,7 @@ class S3Tier(ServiceTier):
 
     # ------------------------------------------------------------------ other stores
 
-    def announce(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:
+    def log_changes(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:
         names = self.feed.names(added, removed)
         if names:
             task = asyncio.ensure_future(self._write_log(names))
@@ -213,7 +207,7 @@ class S3Tier(ServiceTier):
 
         names = await self._guard("LIST (change log)", run, None)
         for name in names or ():
-            self.feed.hear(name)
+            self.feed.add(name)
         self.feed.forget_old()
         now = time.time()
         if now - self._cleaned > self.cfg.change_log_keep_s / 10:

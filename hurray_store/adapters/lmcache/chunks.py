@@ -2,7 +2,7 @@
 the plugin's registry (``ChunkRegistry``), with one lookup (``find``) by LMCache's key.
 
 Each entry keeps a chunk's name in the store, the store's handle on it (which a lookup
-pins by: it keeps the books' entry of the copy a get finds, so a pin looks nothing up
+pins by: it keeps the ledger's entry of the copy a get finds, so a pin looks nothing up
 while that copy stays), and the store's pins this engine holds on it (LMCache may pin
 a chunk twice, for two lookups of one prefix, and lets each go once). Entries are found
 by the key's chunk hash, an int: LMCache's key hashes in Python (its ``__hash__`` builds

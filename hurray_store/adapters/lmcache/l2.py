@@ -133,7 +133,7 @@ class HurrayL2Adapter(L2AdapterInterface):
     async def _store(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
         """Every key of the task at once (bounded in bytes): per key one object, its
         bytes then its record, written whole or not at all. What other processes sharing
-        a tier did is heard first: a key one of them removed is written again."""
+        a tier did is read first: a key one of them removed is written again."""
         await self.store.sync()
         views = [memoryview(o.byte_array).cast("B") for o in objects]
 
@@ -183,9 +183,9 @@ class HurrayL2Adapter(L2AdapterInterface):
         return tid
 
     async def _lookup(self, tid: L2TaskId, keys: list[Any]) -> None:
-        # What other processes sharing a tier did, heard once; then each key from the
-        # books, pinned in the same step of the loop as its check (nothing evicts it in
-        # between). A shared tier (a cache server) is asked about what the books lack.
+        # What other processes sharing a tier did, read once; then each key from the
+        # ledger, pinned in the same step of the loop as its check (nothing evicts it in
+        # between). A shared tier (a cache server) is asked about what the ledger lacks.
         await self.store.sync()
         bitmap = Bitmap(len(keys))
         for i, key in enumerate(keys):

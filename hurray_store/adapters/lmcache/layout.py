@@ -84,7 +84,7 @@ class ChunkLayout:
         if len(whole) != 2 * self.num_layers * nb:
             raise ValueError(f"a chunk of {n} tokens in {len(whole)} bytes")
         buffers: list[Any] = []
-        slots: list[int | None] = []
+        sum_at: list[int | None] = []
         sums = [0] * (2 * self.num_layers)  # per layer its key's and its value's
         offsets, size = self.layers_of(pages)
         for li in range(self.num_layers):
@@ -104,17 +104,17 @@ class ChunkLayout:
             for part in self.plan(li, pages).parts:
                 if isinstance(part, Slot):
                     buffers += pools[part.role][0]
-                    slots += pools[part.role][1]
+                    sum_at += pools[part.role][1]
                 else:
                     buffers.append(part)
-                    slots.append(None)
+                    sum_at.append(None)
         buffers.append(self.record_descriptor)
-        slots.append(None)
+        sum_at.append(None)
 
         def seal(sums: list[int]) -> list[bytes]:
             return [self.record_of(self.fingerprint, n, size, offsets, sums)]
 
-        return Sealed(buffers, slots, sums, seal, self.record_bytes, checksum)
+        return Sealed(buffers, sum_at, sums, seal, self.record_bytes, checksum)
 
     def plan(self, layer: int, pages: int) -> Any:
         """The descriptors of a layer of ``pages`` pages (one sequence), made once."""

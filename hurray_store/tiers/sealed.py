@@ -1,0 +1,68 @@
+"""Objects whose bytes end in a record of checksums of some of them (the LMCache
+plugin's chunks, the L2 adapter's objects, SGLang's pages). It lives with the tiers, not
+an adapter: a tier that writes from a worker thread hashes each part there, just before
+it writes it (``SealedObject.written``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from hurray_store.tiers.base import GroupObject
+from hurray_store.tiers.types import Buffer
+
+
+@dataclass(frozen=True, slots=True)
+class Sealed:
+    """An object's bytes that end in a record of checksums of some of them (the LMCache
+    plugin's chunks): ``parts`` in order, ``sum_at[i]`` where part ``i``'s checksum goes
+    in the record's list (None: not hashed), ``sums`` that list with the entries known
+    already, and ``seal(sums)`` the buffers that close the object (``seal_bytes``
+    long). ``hash`` hashes one part."""
+
+    parts: Sequence[Buffer]
+    sum_at: Sequence[int | None]
+    sums: Sequence[int]
+    seal: Callable[[list[int]], Sequence[Buffer]]
+    seal_bytes: int
+    hash: Callable[[Buffer], int]
+
+
+class SealedObject(GroupObject):
+    """A ``Sealed`` object. A tier that writes from a worker thread takes ``written()``
+    there: each part hashed just before it is written, while its bytes are still in
+    the CPU's cache for the copy, and the record last. Any other takes ``buffers()``,
+    hashed on first use."""
+
+    __slots__ = ("sealed", "_built")
+
+    def __init__(self, key: str, sealed: Sealed) -> None:
+        nbytes = sum(memoryview(b).nbytes for b in sealed.parts) + sealed.seal_bytes
+        super().__init__(key, nbytes)
+        self.sealed = sealed
+        self._built: list[Buffer] | None = None
+
+    def written(self) -> Iterator[Buffer]:
+        """The parts, each hashed as it is taken, then the closing buffers (once built,
+        the same buffers again, hashed no more)."""
+        if self._built is not None:
+            yield from self._built
+            return
+        s = self.sealed
+        sums = list(s.sums)
+        for part, at in zip(s.parts, s.sum_at, strict=True):
+            if at is not None:
+                sums[at] = s.hash(part)
+            yield part
+        tail = list(s.seal(sums))
+        if sum(memoryview(b).nbytes for b in tail) != s.seal_bytes:
+            raise ValueError(f"{self.key}: the record is not the {s.seal_bytes} bytes promised")
+        self._built = [*s.parts, *tail]
+        yield from tail
+
+    def buffers(self) -> Sequence[Buffer]:
+        if self._built is None:
+            for _ in self.written():
+                pass
+        assert self._built is not None
+        return self._built

@@ -102,7 +102,7 @@ def _vllm(
 _PACKING_CHECK = """
 import torch
 from vllm import _custom_ops as ops
-from hurray_store.adapters.vllm import _learn_packing
+from hurray_store.adapters.vllm_probe import learn_packing as _learn_packing
 from hurray_store.spec import KVSpec
 
 kernels = [("vec", torch.float32, 64), ("vec", torch.bfloat16, 64), ("vec16", torch.float32, 48)]

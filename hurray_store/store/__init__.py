@@ -142,7 +142,7 @@ class TieredStore:
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self) -> TieredStore:
-        self.cascade.loop = asyncio.get_running_loop()
+        self.cascade.reads.loop = asyncio.get_running_loop()
         for t in self.tiers:
             await t.open()
         for i in range(len(self.tiers)):
@@ -169,7 +169,7 @@ class TieredStore:
     async def flush(self) -> None:
         """Wait for write-through and promotions in flight; in write-back mode, move
         groups that only volatile tiers hold down to the first persistent tier."""
-        self.cascade.drain_reads_now()
+        self.cascade.reads.drain_reads_now()
         await self.cascade.flush()
 
     async def _rebuild(self, tier: int) -> None:
@@ -208,11 +208,11 @@ class TieredStore:
         the ledger; what they removed leaves the ledger. Every operation calls it first;
         it costs one ``fstat`` per such tier when nothing changed. The reads made off
         the loop (``read_objects_into_now``) are counted first."""
-        self.cascade.drain_reads_now()
+        self.cascade.reads.drain_reads_now()
         for i, t in enumerate(self.tiers):
             for added, key in t.changes():
                 if not added:
-                    self.cascade.lost(i, key, "other_process")
+                    self.cascade.reads.lost(i, key, "other_process")
                     continue
                 k = parse_key(key)
                 if (

@@ -139,9 +139,9 @@ class SegmentCatalog:
         for i in self.cascade.ledger.holders(seg.manifest):
             blob = await self.cascade.tiers[i].get(seg.manifest)
             if blob is None:
-                self.cascade.missing(i, seg.manifest)
+                self.cascade.reads.missing(i, seg.manifest)
                 continue
-            self.cascade.hit(i, len(host_view(blob)))
+            self.cascade.reads.hit(i, len(host_view(blob)))
             m = self.parse(i, seg, blob)
             if m is not None:
                 return m, blob
@@ -160,7 +160,7 @@ class SegmentCatalog:
                 raise FormatError("manifest names layer objects outside its segment")
             return m
         except FormatError as e:
-            self.cascade.report_bad(tier, seg, seg.manifest, f"manifest: {e}")
+            self.cascade.reads.report_bad(tier, seg, seg.manifest, f"manifest: {e}")
             return None
 
     def reject(self, segment_id: bytes, why: str) -> None:
@@ -168,7 +168,7 @@ class SegmentCatalog:
         every tier holding it, and out of the index."""
         seg = self.key(segment_id)
         for i in self.cascade.ledger.group_holders(seg):
-            self.cascade.report_bad(i, seg, seg.manifest, why)
+            self.cascade.reads.report_bad(i, seg, seg.manifest, why)
         self.drop(segment_id)
 
     # ------------------------------------------------------------------ shared tiers
@@ -180,7 +180,7 @@ class SegmentCatalog:
         holding pages past what the index knows, and index them as held there. With
         ``claim``, the server also reserves the pages nobody holds for this put
         (another engine's put of them waits for it, so a page is stored once)."""
-        for i in self.cascade.shared_tiers():
+        for i in self.cascade.reads.shared_tiers():
             tier = self.cascade.tiers[i]
             assert isinstance(tier, SharedTier)
             ask = [(self.longest_prefix(hs).num_pages, list(hs)) for hs in hashes]

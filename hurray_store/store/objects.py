@@ -106,19 +106,19 @@ class ObjectStore:
 
     async def get(self, name: str) -> Blob | None:
         key = self.key(name).stored
-        got = await self.cascade.get(key)
+        got = await self.cascade.reads.get(key)
         want = self._sums.get(key)
         if got is not None and want is not None and checksum(host_view(got)) != want:
             log.warning(
                 "object %s: not the bytes this store put (replaced elsewhere); a miss", name
             )
             for i in self.cascade.ledger.holders(key):
-                self.cascade.lost(i, key, "other_process")
+                self.cascade.reads.lost(i, key, "other_process")
             return None
         return got
 
     async def get_ranges(self, name: str, ranges: Sequence[Range]) -> list[Blob] | None:
-        got = await self.cascade.get_ranges(self.key(name).stored, ranges)
+        got = await self.cascade.reads.get_ranges(self.key(name).stored, ranges)
         # Copies: a memory tier's views are only valid until its object is evicted.
         return (
             None
@@ -131,7 +131,7 @@ class ObjectStore:
     ) -> bool:
         """Fill ``buffers[i]`` with range ``i`` of the object, from the fastest tier
         holding it (a disk tier reads straight into them). False: a miss."""
-        return await self.cascade.read_into(self.key(name).stored, ranges, buffers)
+        return await self.cascade.reads.read_into(self.key(name).stored, ranges, buffers)
 
     def read_into_now(
         self,
@@ -142,14 +142,14 @@ class ObjectStore:
         thread, where the fastest tier holding the object reads with blocking calls
         (a disk tier, a single Redis); ``each(j, i)`` once range ``i`` of item ``j`` is
         in. Per item, False: not read; ``read_into`` decides."""
-        return self.cascade.read_into_now([(self.key(n).stored, r, b) for n, r, b in items], each)
+        return self.cascade.reads.read_into_now([(self.key(n).stored, r, b) for n, r, b in items], each)
 
     async def contains(self, name: str) -> bool:
         return await self.size(name) is not None
 
     async def size(self, name: str) -> int | None:
         """The object's size in bytes (from the ledger, else a shared tier); None: absent."""
-        return await self.cascade.size(self.key(name).stored)
+        return await self.cascade.reads.size(self.key(name).stored)
 
     def has(self, name: str) -> bool:
         """``contains`` from the ledger alone (no I/O): true only once a get of it will
@@ -231,10 +231,10 @@ class ObjectStore:
         if members:
             sizes[obj.group_record] = len(host_view(blob))  # type: ignore[arg-type]
         if old is not None:
-            self.cascade.lost(tier, obj.stored, "other_process")
+            self.cascade.reads.lost(tier, obj.stored, "other_process")
         for k in sizes:  # a key of another group the ledger knows: that group is gone
             if (g := led.group_of(tier, k)) is not None and g != obj:
-                self.cascade.lost(tier, k, "other_process")
+                self.cascade.reads.lost(tier, k, "other_process")
         led.record(tier, obj, sizes)  # type: ignore[arg-type]
 
     async def rebuild(

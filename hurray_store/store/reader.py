@@ -260,11 +260,11 @@ class RetrieveRun:
             parts, whole = got.parts, got.whole
             got = None
             if parts is None:
-                c.missing(tier, key)
+                c.reads.missing(tier, key)
                 continue
             n = sum(blob_nbytes(p) for p in parts)
             nread += n
-            c.hit(tier, n)
+            c.reads.hit(tier, n)
             check = c.policy.verify_reads(tier)
             result = verify_and_scatter(
                 self.pool.layers[job.layer],
@@ -279,7 +279,7 @@ class RetrieveRun:
             )
             if result is None or result:
                 what = "object size" if result is None else f"{len(result)} page checksum(s)"
-                c.report_bad(tier, job.seg, key, f"layer {job.layer}: {what} differ")
+                c.reads.report_bad(tier, job.seg, key, f"layer {job.layer}: {what} differ")
                 self._failed.add((tier, r.segment_id))
                 if result is not None:
                     failed = result

@@ -4,8 +4,8 @@ only module that imports ``redis``).
 One object is one value written by one SET (atomic: a reader sees all of it or none).
 Range reads are GETRANGE, pipelined; keys carry the segment id inside ``{...}``, Redis
 Cluster's hash tag, so one segment's objects share a slot and its pipelines one node.
-On a single Redis, a large SET (``_set_vectored``) and a large ranged read into the
-caller's buffers (``_getrange_into``) go through redis-py's blocking connection from
+On a single Redis, a large SET (``BlockingRedis.set_vectored``) and a large ranged read into the
+caller's buffers (``BlockingRedis.getrange_into``) go through redis-py's blocking connection from
 worker threads, with no copy of the value on the event loop's thread. An engine's own
 thread reads with no trip to the loop at all (``read_into_now``): per object one
 transaction (its size, then its ranges in pieces of at most 2 MiB), on that thread and
@@ -28,40 +28,32 @@ Redis evicted is a miss on read, and its segment then leaves the ledger and the 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
-import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from hurray_store.batches import batches
 from hurray_store.config import RedisTierConfig
 from hurray_store.errors import ConfigError
 from hurray_store.tiers.base import Capabilities, GroupObject, NowRead
-from hurray_store.tiers.helpers import check_into, host_view, one_buffer, shared_run
+from hurray_store.tiers.helpers import host_view, one_buffer
 from hurray_store.tiers.outage import Outage, ServiceTier
-from hurray_store.tiers.redis_now import OUTAGE, BulkReplies, NowGets, getrange, now_pieces
+from hurray_store.tiers.redis_blocking import SPLIT_BYTES, THREADS, BlockingRedis
+from hurray_store.tiers.redis_now import OUTAGE
 from hurray_store.tiers.registry import register
 from hurray_store.tiers.sealed import SealedObject
 from hurray_store.tiers.types import Blob, Buffer, Range, RangeIn, ReadInto
 
 log = logging.getLogger(__name__)
 _PIPE_BYTES = 64 << 20  # values per pipeline round trip, at most (bounds client memory)
-# A single Redis's SETs, and ranged reads into buffers, of this size or more go out from
-# worker threads: see _set_vectored and _getrange_into.
-_VECTORED_BYTES = 1 << 20
-_VECTORED_THREADS = 4
 
 
 def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
@@ -135,29 +127,25 @@ class RedisTier(ServiceTier):
             self._master_kwargs = {**{k: v for k, v in auth.items() if v}, **common}
         else:
             self.client = aioredis.Redis.from_url(cfg.url, **common)
+        self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)
         # Large SETs and ranged reads to a single Redis go out from threads, through
-        # redis-py's blocking client (_set_vectored, _getrange_into); its sockets time
-        # out per send and receive.
-        self._sync: redis.Redis | None = None
-        # Reads on one pool, SETs on another of write_threads (its own, so that a
-        # smaller one leaves cores to the engine's thread and never holds reads up).
-        self._threads: ThreadPoolExecutor | None = None
-        self._writers: ThreadPoolExecutor | None = None
-        self.write_threads = min(cfg.write_threads or _VECTORED_THREADS, cfg.max_connections)
+        # redis-py's blocking client (``redis_blocking.py``).
+        self.write_threads = min(cfg.write_threads or THREADS, cfg.max_connections)
+        self._blocking: BlockingRedis | None = None
         if not self.is_cluster:
-            self._sync = redis.Redis.from_url(
+            self._blocking = BlockingRedis(
+                self.name,
                 cfg.url,
-                **{**common, "socket_timeout": cfg.timeout_s, "retry": Retry(NoBackoff(), 0)},
-            )
-            self._threads = ThreadPoolExecutor(
-                min(_VECTORED_THREADS, cfg.max_connections), thread_name_prefix="redis-io"
-            )
-            self._writers = ThreadPoolExecutor(
-                self.write_threads, thread_name_prefix=f"redis-io-{self.name}-w"
+                common,
+                timeout_s=cfg.timeout_s,
+                max_connections=cfg.max_connections,
+                write_threads=self.write_threads,
+                prefix=self.prefix,
+                ttl_s=self.ttl_s,
+                outage=self.outage,
             )
         # redis-py's asyncio pools raise when exhausted instead of waiting: queue here.
         self._calls = asyncio.Semaphore(cfg.max_connections)
-        self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)
 
     def k(self, key: str) -> str:
         return self.prefix + key
@@ -177,8 +165,8 @@ class RedisTier(ServiceTier):
         """Close every pooled connection: after an outage they point at a dead server,
         and the first call on each would fail again after the server is back."""
         try:
-            if self._sync is not None:
-                self._sync.connection_pool.disconnect()
+            if self._blocking is not None:
+                self._blocking.disconnect()
             if self.is_cluster:
                 for node in self.client.get_nodes():
                     await node.disconnect()
@@ -203,11 +191,8 @@ class RedisTier(ServiceTier):
                 await c.aclose()
             except Exception as e:  # closing a dead connection must not fail a shutdown
                 log.debug("redis tier %s: close: %s", self.name, e)
-        for pool in (self._threads, self._writers):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        if self._sync is not None:
-            self._sync.close()
+        if self._blocking is not None:
+            self._blocking.close()
 
     async def get(self, key: str) -> Blob | None:
         return await self._guard("GET", lambda: self.client.get(self.k(key)), None)
@@ -216,70 +201,22 @@ class RedisTier(ServiceTier):
         self, key: str, ranges: Sequence[Range], into: ReadInto = None
     ) -> list[Blob] | None:
         nbytes = sum(ln for _, ln in ranges)
-        if (
-            self._sync is not None
-            and self._threads is not None
-            and isinstance(into, list | tuple)
-            and nbytes >= _VECTORED_BYTES
-        ):
+        b = self._blocking
+        if b is not None and isinstance(into, list | tuple) and nbytes >= SPLIT_BYTES:
             loop = asyncio.get_running_loop()
-            threads, bufs = self._threads, [host_view(b) for b in into]
+            bufs = [host_view(x) for x in into]
 
             async def straight() -> list[Blob] | None:
-                return await loop.run_in_executor(threads, self._getrange_into, key, ranges, bufs)
+                return await loop.run_in_executor(b.reads, b.getrange_into, key, ranges, bufs)
 
             return await self._guard("GETRANGE", straight, None, nbytes)
         return (await self.get_ranges_many([(key, ranges)]))[0]
 
-    def _getrange_into(
-        self, key: str, ranges: Sequence[Range], into: Sequence[memoryview]
-    ) -> list[Blob] | None:
-        """GETRANGE of each range, pipelined on one connection, each reply's bytes read
-        straight from the socket into its buffer (None: the key is absent or shorter
-        than a range).
-
-        redis-py hands every reply over as a new ``bytes``, after the asyncio transport,
-        its stream buffer and hiredis have each held a copy, and the caller then copies
-        it once more. Here redis-py's blocking connection (its pool, AUTH and TLS) sends
-        the commands, and each reply's ``$<length>`` header is parsed here and its bytes
-        land in place with ``recv_into``, from a worker thread."""
-        assert self._sync is not None
-        check_into(key, ranges, into)
-        k = self.k(key).encode()
-        cmds = b"".join(getrange(k, off, ln) for off, ln in ranges)
-        pool = self._sync.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command([cmds], check_health=False)
-            replies = BulkReplies(conn._sock)
-            whole = [replies.read_into(b) for b in into]
-            if replies.left:
-                raise RedisConnectionError("bytes past the replies on the connection")
-        except BaseException:
-            conn.disconnect()  # mid-reply: never reuse this connection
-            raise
-        finally:
-            pool.release(conn)
-        return list(into) if all(whole) else None
-
     def read_into_now(self, reads: Sequence[NowRead], each: RangeIn | None = None) -> list[bool]:
-        """Each read's ranges, on the calling thread and up to 3 of the tier's worker
-        threads (one connection each), received straight into their buffers: per read
-        one transaction (``_NowGets``), so its ranges all come from one version of the
-        object (the store's loop reads with pipelined GETRANGEs). A single Redis only;
-        an outage, an object of another size or a missing one is a False, which the
-        loop's read then decides."""
-        ok = [False] * len(reads)
-        if self._sync is None or self._threads is None or not self.outage.available:
-            return ok
-        todo = [(j, p) for j, r in enumerate(reads) if (p := now_pieces(r)) is not None]
-        if not todo:
-            return ok
-        gets = NowGets(self, reads, todo, ok, each)
-        nbytes = sum(len(b) for _, p in todo for _, _, b in p)
-        helpers = min(_VECTORED_THREADS - 1, len(todo) - 1) if nbytes >= _VECTORED_BYTES else 0
-        shared_run(gets.run, self._threads, helpers)
-        return ok
+        """``BlockingRedis.read_into_now``, on a single Redis."""
+        if self._blocking is None:
+            return [False] * len(reads)
+        return self._blocking.read_into_now(reads, each)
 
     async def get_ranges_many(
         self, items: Sequence[tuple[str, Sequence[Range]]]
@@ -330,47 +267,17 @@ class RedisTier(ServiceTier):
         return await self.put(obj.key, obj.buffers())
 
     def _off_loop(self, nbytes: int) -> bool:
-        return self._sync is not None and self._writers is not None and nbytes >= _VECTORED_BYTES
+        return self._blocking is not None and nbytes >= SPLIT_BYTES
 
     async def _set_off_loop(self, key: str, parts: Iterable[Buffer], nbytes: int) -> bool:
         loop = asyncio.get_running_loop()
-        threads = self._writers
+        b = self._blocking
+        assert b is not None
 
         async def vectored() -> bool:
-            return await loop.run_in_executor(threads, self._set_vectored, key, parts, nbytes)
+            return await loop.run_in_executor(b.writers, b.set_vectored, key, parts, nbytes)
 
         return bool(await self._guard("SET", vectored, None, nbytes))
-
-    def _set_vectored(self, key: str, parts: Iterable[Buffer], n: int) -> bool:
-        """SET ``key`` to the concatenation of ``parts`` (``n`` bytes) without joining
-        them.
-
-        redis-py takes one value per argument, and its asyncio connection joins a whole
-        command before it writes it (Python 3.11's transports), so a large value would be
-        copied twice on the event loop's thread. Here the command is RESP's array of
-        bulk strings, with the value's length in its header; redis-py's blocking
-        connection (its pool, AUTH, TLS and reply parsing) sends the header, each buffer
-        as it is and the tail, one ``sendall`` each, from a worker thread. Measured on
-        32 x 8 MiB values: 2.6x the asyncio client's SETs. ``parts`` may be made as
-        they are taken (a sealed object's); if that fails mid-value, the connection is
-        dropped and Redis discards the half-sent command."""
-        assert self._sync is not None
-        k = self.k(key).encode()
-        extra = [b"EX", str(self.ttl_s).encode()] if self.ttl_s else []
-        head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(extra), len(k), k, n)
-        tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in extra)
-        pool = self._sync.connection_pool
-        conn = pool.get_connection()
-        try:
-            # redis-py sends each item of the command with its own sendall, in order.
-            conn.send_packed_command(itertools.chain([head], parts, [tail]), check_health=False)
-            reply = conn.read_response()
-        except BaseException:
-            conn.disconnect()  # mid-command: never reuse this connection
-            raise
-        finally:
-            pool.release(conn)
-        return reply in (b"OK", "OK", True)
 
     async def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         values = [(self.k(key), one_buffer(bufs)) for key, bufs in items]

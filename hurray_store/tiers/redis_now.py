@@ -1,4 +1,4 @@
-"""The Redis tier's reads from an engine's own thread (``RedisTier.read_into_now``), with
+"""The Redis tier's reads from an engine's own thread (``BlockingRedis.read_into_now``), with
 no trip to the event loop: per object one transaction (MULTI, STRLEN, GETRANGE of each
 piece, EXEC) written in RESP on a blocking connection of redis-py's pool and its bulk
 replies received straight into the caller's buffers, each piece hashed as it comes in.
@@ -26,7 +26,7 @@ from hurray_store.tiers.helpers import check_into
 from hurray_store.tiers.types import RangeIn
 
 if TYPE_CHECKING:
-    from hurray_store.tiers.redis import RedisTier
+    from hurray_store.tiers.redis_blocking import BlockingRedis
 
 log = logging.getLogger("hurray_store.tiers.redis")
 # What says the server is not serving (the rest is a refused command).
@@ -80,26 +80,27 @@ class NowGets:
 
     def __init__(
         self,
-        tier: RedisTier,
+        redis: BlockingRedis,
         reads: Sequence[NowRead],
         todo: list[tuple[int, list[tuple[int, int, memoryview]]]],
         ok: list[bool],
         each: RangeIn | None,
     ) -> None:
-        self.tier, self.reads, self.todo, self.ok, self.each = tier, reads, todo, ok, each
+        self.redis, self.reads, self.todo, self.ok, self.each = redis, reads, todo, ok, each
         self.sums = wants_sums(each)
         self._next = itertools.count()  # next() on it is atomic under the GIL
         self.stop = False
 
     def run(self) -> None:
-        assert self.tier._sync is not None
-        pool = self.tier._sync.connection_pool
-        if self.stop or not self.tier.outage.available:
+        pool = self.redis.client.connection_pool
+        if self.stop or not self.redis.outage.available:
             return
         try:
             conn = pool.get_connection()
         except OUTAGE as e:  # none free, or no server: the loop reads what is left
-            log.debug("redis tier %s: no connection for a read off the loop: %s", self.tier.name, e)
+            log.debug(
+                "redis tier %s: no connection for a read off the loop: %s", self.redis.name, e
+            )
             return
         try:
             while not self.stop and (k := next(self._next)) < len(self.todo):
@@ -109,14 +110,14 @@ class NowGets:
                 except OUTAGE:
                     raise
                 except RedisError as e:  # refused, or out of step: the loop decides
-                    log.debug("redis tier %s: a read off the loop: %s", self.tier.name, e)
+                    log.debug("redis tier %s: a read off the loop: %s", self.redis.name, e)
                     conn.disconnect()  # replies may be left unread; the next send reconnects
         except OUTAGE as e:
             # As the loop's guarded calls do: the outage starts here, and every pooled
             # connection goes (after a restart they would all fail once more).
             conn.disconnect()
             self.stop = True
-            self.tier.outage.down("GETRANGE", e)
+            self.redis.outage.down("GETRANGE", e)
             pool.disconnect()
         except BaseException:
             conn.disconnect()  # mid-reply: never reuse this connection
@@ -127,7 +128,7 @@ class NowGets:
 
     def _get(self, conn: Any, j: int, pieces: list[tuple[int, int, memoryview]]) -> bool:
         r = self.reads[j]
-        k = self.tier.k(r.key).encode()
+        k = self.redis.k(r.key).encode()
         cmds = [_resp(b"MULTI"), _resp(b"STRLEN", k)]
         cmds += [getrange(k, off, len(b)) for _, off, b in pieces]
         # One send: the server wakes once for the whole transaction.

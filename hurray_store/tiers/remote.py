@@ -32,7 +32,6 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from hurray_store import transport as tp
@@ -43,142 +42,11 @@ from hurray_store.tiers.base import Capabilities, GroupObject
 from hurray_store.tiers.helpers import transfer_timeout_s
 from hurray_store.tiers.outage import Outage, ServiceTier
 from hurray_store.tiers.registry import register
+from hurray_store.tiers.remote_conn import NETWORK_ERRORS, Connection, handshake
 from hurray_store.tiers.types import Blob, Buffer, Range, ReadInto
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_NETWORK = (tp.ConnectionClosed, OSError, TimeoutError, ProtocolError)
-
-
-@dataclass(eq=False, slots=True)
-class _Call:
-    """One request in flight: where its object's bytes go, and its answer."""
-
-    fut: asyncio.Future[Any]
-    sink: list[memoryview] | None = None  # destination views, filled in order
-    total: int = -1  # bytes announced by TENSOR_DESCRIPTOR
-    pos: int = 0
-    data: bytearray | None = None
-    views: list[memoryview] = field(default_factory=list)
-
-    def begin(self, total: int) -> None:
-        if self.total >= 0:
-            raise tp.invalid("a second TENSOR_DESCRIPTOR on one stream")
-        if self.sink is not None:
-            if sum(v.nbytes for v in self.sink) != total:
-                raise tp.invalid(
-                    f"the server sent {total} bytes for ranges of "
-                    f"{sum(v.nbytes for v in self.sink)}"
-                )
-            self.views = list(self.sink)
-        else:
-            self.data = bytearray(total)
-            self.views = [memoryview(self.data)]
-        self.total = total
-
-    async def take(self, ch: tp.Channel, offset: int, n: int) -> None:
-        if self.total < 0 or offset != self.pos or self.pos + n > self.total:
-            raise tp.invalid(
-                f"TENSOR_DATA at {offset} (+{n}) where {self.pos} of {self.total} was expected"
-            )
-        while n:
-            v = self.views[0]
-            k = min(n, v.nbytes)
-            await ch.read_into(v[:k])
-            self.views[0] = v[k:]
-            if not self.views[0].nbytes:
-                self.views.pop(0)
-            n -= k
-            self.pos += k
-
-    def finish(self) -> None:
-        if self.pos != self.total:
-            raise tp.invalid(f"TENSOR_DATA_END after {self.pos} of {self.total} bytes")
-        if not self.fut.done():
-            self.fut.set_result(self.data if self.sink is None else self.sink)
-
-
-class _Conn:
-    def __init__(
-        self,
-        ch: tp.Channel,
-        hello: tp.Hello,
-        limit: int,
-        on_lost: Callable[[BaseException], None] | None = None,
-    ) -> None:
-        self.ch = ch
-        self.on_lost = on_lost  # the server went away under an open connection
-        self.hello = hello
-        self.limit = limit
-        self.pending: dict[int, _Call] = {}
-        self.next_sid = 1
-        self.dead = False
-        self.frame = max(4096, min(hello.max_message_size, tp.MAX_FRAME))
-        self.reader = asyncio.ensure_future(self._read_loop())
-
-    def start(self, sink: list[memoryview] | None = None) -> tuple[int, _Call]:
-        sid = self.next_sid
-        self.next_sid = sid + 1 if sid < 0xFFFFFFF0 else 1
-        call = _Call(asyncio.get_running_loop().create_future(), sink)
-        self.pending[sid] = call
-        return sid, call
-
-    def close(self, why: BaseException | None = None) -> None:
-        self.dead = True
-        self.ch.close()
-        for call in self.pending.values():
-            if not call.fut.done():
-                call.fut.set_exception(why or tp.ConnectionClosed("connection closed"))
-        self.pending.clear()
-        if not self.reader.done() and self.reader is not asyncio.current_task():
-            self.reader.cancel()
-
-    async def _read_loop(self) -> None:
-        ch = self.ch
-        try:
-            while True:
-                kind, sid, n = await ch.read_header()
-                if n > self.limit:
-                    raise ProtocolError(
-                        tp.Err.MESSAGE_TOO_LARGE,
-                        f"server sent a {n}-byte message; the limit is {self.limit}",
-                    )
-                call = self.pending.get(sid)
-                if kind == tp.Msg.TENSOR_DATA:
-                    if n < tp.DATA_OFFSET.size:
-                        raise tp.invalid("TENSOR_DATA shorter than its offset field")
-                    (off,) = tp.DATA_OFFSET.unpack(await ch.read(tp.DATA_OFFSET.size))
-                    if call is None:  # the caller gave up on this stream
-                        await ch.skip(n - tp.DATA_OFFSET.size)
-                    else:
-                        await call.take(ch, off, n - tp.DATA_OFFSET.size)
-                    continue
-                payload = memoryview(await ch.read(n))
-                if kind == tp.Msg.PING:
-                    async with ch.send_lock:
-                        await ch.send(tp.Msg.PONG, sid, payload)
-                    continue
-                if call is None:
-                    continue
-                if kind == tp.Msg.TENSOR_DESCRIPTOR:
-                    call.begin(tp.decode_descriptor(payload, self.limit << 8))
-                elif kind == tp.Msg.TENSOR_DATA_END:
-                    call.finish()
-                elif kind == tp.Msg.ERROR:
-                    if not call.fut.done():
-                        call.fut.set_exception(tp.decode_error(payload))
-                elif not call.fut.done():
-                    call.fut.set_result((kind, payload))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a broken stream: every call on it fails, the next reconnects
-            if not self.dead and self.on_lost is not None:
-                self.on_lost(e)
-            self.close(
-                e
-                if isinstance(e, _NETWORK)
-                else tp.ConnectionClosed(f"{e.__class__.__name__}: {e}")
-            )
 
 
 @register
@@ -192,51 +60,17 @@ class RemoteTier(ServiceTier):
         if cfg.connections < 1:
             raise ConfigError("connections: expected at least 1")
         self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)
-        self._conns: list[_Conn | None] = [None] * cfg.connections
+        self._conns: list[Connection | None] = [None] * cfg.connections
         self._opening: list[asyncio.Lock] = [asyncio.Lock() for _ in range(cfg.connections)]
         self.server_hello: tp.Hello | None = None
         self._warned_ns = False
 
     # ------------------------------------------------------------------ connections
 
-    async def _connect(self) -> _Conn:
+    async def _connect(self) -> Connection:
         cfg = self.cfg
         ch = await tp.Channel.connect(self.host, self.port, cfg.connect_timeout_s)
-        try:
-            async with asyncio.timeout(cfg.connect_timeout_s):
-                ext = {"extensions": tp.EXTENSION, "client": "hurray_store"}
-                if cfg.token:
-                    ext["token"] = cfg.token
-                await ch.send(
-                    tp.Msg.CLIENT_HELLO,
-                    1,
-                    tp.Hello(max_message_size=cfg.max_message_bytes, ext=ext).encode(),
-                )
-                kind, _sid, n = await ch.read_header()
-                if n > 1 << 20:
-                    raise ProtocolError(
-                        tp.Err.MESSAGE_TOO_LARGE, f"a {n}-byte answer to CLIENT_HELLO"
-                    )
-                payload = memoryview(await ch.read(n))
-                if kind == tp.Msg.ERROR:  # refused at the door (token, busy, draining): an outage
-                    raise ConnectionRefusedError(
-                        f"the server refused the connection: {tp.decode_error(payload)}"
-                    )
-                if kind != tp.Msg.SERVER_HELLO:
-                    raise tp.invalid(f"message 0x{kind:x} where SERVER_HELLO was expected")
-                hello = tp.Hello.decode(payload)
-                if (
-                    hello.version != tp.PROTOCOL_VERSION
-                    or not hello.ext
-                    or tp.EXTENSION not in hello.ext.get("extensions", "").split(",")
-                ):
-                    raise tp.invalid(
-                        f"{self.cfg.url} is not a hurray_store server (version "
-                        f"{hello.version}, extensions {hello.ext})"
-                    )
-        except BaseException:
-            ch.close()
-            raise
+        hello = await handshake(ch, cfg)
         self.server_hello = hello
         theirs = (hello.ext or {}).get("namespace")
         if self.namespace is not None and theirs != self.namespace and not self._warned_ns:
@@ -251,9 +85,9 @@ class RemoteTier(ServiceTier):
             )
         # A connection that breaks is an outage at once: the tier's holdings stop counting
         # (lookup) before a call has to fail on it.
-        return _Conn(ch, hello, cfg.max_message_bytes, lambda e: self.outage.down("read", e))
+        return Connection(ch, hello, cfg.max_message_bytes, lambda e: self.outage.down("read", e))
 
-    async def _conn(self) -> _Conn:
+    async def _conn(self) -> Connection:
         """The least busy live connection; a missing or dead connection is (re)opened."""
         live = [c for c in self._conns if c is not None and not c.dead]
         if live:
@@ -272,7 +106,7 @@ class RemoteTier(ServiceTier):
     async def _call(
         self,
         what: str,
-        send: Callable[[_Conn, int], Awaitable[None]],
+        send: Callable[[Connection, int], Awaitable[None]],
         default: T,
         *,
         nbytes: int = 0,
@@ -283,7 +117,7 @@ class RemoteTier(ServiceTier):
         (its payload is returned); else the request's object (bytes or ``sink``)."""
         if not self.outage.ready:
             return default
-        conn: _Conn | None = None
+        conn: Connection | None = None
         sid = 0
         try:
             async with asyncio.timeout(transfer_timeout_s(self.cfg.timeout_s, nbytes)):
@@ -297,7 +131,7 @@ class RemoteTier(ServiceTier):
             if e.code != tp.Err.UNKNOWN_TENSOR:
                 log.warning("tier %s: %s refused: %s", self.name, what, e)
             return default
-        except _NETWORK as e:
+        except NETWORK_ERRORS as e:
             if conn is not None:
                 # A half-sent request leaves no usable stream. Wait for the reader to
                 # stop: until then it may still be writing into this call's buffer.
@@ -331,7 +165,7 @@ class RemoteTier(ServiceTier):
                 self._conns[i] = None
 
     async def ping(self) -> bool:
-        async def send(c: _Conn, sid: int) -> None:
+        async def send(c: Connection, sid: int) -> None:
             await c.ch.send(tp.Msg.PING, sid, b"hs")
 
         return await self._call("PING", send, None, expect=tp.Msg.PONG) is not None
@@ -339,7 +173,7 @@ class RemoteTier(ServiceTier):
     # ------------------------------------------------------------------ interface
 
     async def get(self, key: str) -> Blob | None:
-        async def send(c: _Conn, sid: int) -> None:
+        async def send(c: Connection, sid: int) -> None:
             await c.ch.send(tp.Msg.TENSOR_REQUEST, sid, tp.encode_request(key))
 
         return await self._call("TENSOR_REQUEST", send, None)
@@ -359,7 +193,7 @@ class RemoteTier(ServiceTier):
                 views.append(mv[pos : pos + n])
                 pos += n
 
-        async def send(c: _Conn, sid: int) -> None:
+        async def send(c: Connection, sid: int) -> None:
             await c.ch.send(tp.Msg.X_RANGES, sid, tp.encode_ranges(key, ranges))
 
         got = await self._call("X_RANGES", send, None, nbytes=total, sink=list(views))
@@ -377,7 +211,7 @@ class RemoteTier(ServiceTier):
         manifest = objects[-1]
         parts = [memoryview(b).cast("B") for b in manifest.buffers()]
 
-        async def commit(c: _Conn, sid: int) -> None:
+        async def commit(c: Connection, sid: int) -> None:
             await c.ch.send(
                 tp.Msg.X_COMMIT,
                 sid,
@@ -395,7 +229,7 @@ class RemoteTier(ServiceTier):
         parts = [memoryview(b).cast("B") for b in buffers]
         n = sum(p.nbytes for p in parts)
 
-        async def send(c: _Conn, sid: int) -> None:
+        async def send(c: Connection, sid: int) -> None:
             head = tp.encode_put(key, n)
             await c.ch.send_parts(
                 [
@@ -411,7 +245,7 @@ class RemoteTier(ServiceTier):
         )
 
     async def sizes(self, keys: Sequence[str]) -> list[int | None]:
-        async def send(c: _Conn, sid: int) -> None:
+        async def send(c: Connection, sid: int) -> None:
             await c.ch.send(tp.Msg.X_CONTAINS, sid, tp.encode_keys(keys))
 
         payload = await self._call("X_CONTAINS", send, None, expect=tp.Msg.X_CONTAINS_REPLY)
@@ -427,7 +261,7 @@ class RemoteTier(ServiceTier):
         if not keys:
             return
 
-        async def send(c: _Conn, sid: int) -> None:
+        async def send(c: Connection, sid: int) -> None:
             await c.ch.send(tp.Msg.X_DELETE, sid, tp.encode_keys(keys))
 
         await self._call("X_DELETE", send, None, expect=tp.Msg.X_DELETE_ACK)
@@ -451,7 +285,7 @@ class RemoteTier(ServiceTier):
     async def _lookup(
         self, seqs: Sequence[tuple[int, Sequence[bytes]]], claim: bool
     ) -> list[bytes] | None:
-        async def send(c: _Conn, sid: int) -> None:
+        async def send(c: Connection, sid: int) -> None:
             # Waiting for another engine's claim must end well inside this call's timeout.
             wait_ms = int(self.cfg.timeout_s * 500) if claim else 0
             await c.ch.send(
@@ -471,7 +305,7 @@ class RemoteTier(ServiceTier):
     async def server_stats(self) -> dict[str, Any] | None:
         """The server's stats (its store's, plus connections and requests)."""
 
-        async def send(c: _Conn, sid: int) -> None:
+        async def send(c: Connection, sid: int) -> None:
             await c.ch.send(tp.Msg.X_STATS, sid)
 
         payload = await self._call("X_STATS", send, None, expect=tp.Msg.X_STATS_REPLY)

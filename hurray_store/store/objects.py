@@ -142,7 +142,9 @@ class ObjectStore:
         thread, where the fastest tier holding the object reads with blocking calls
         (a disk tier, a single Redis); ``each(j, i)`` once range ``i`` of item ``j`` is
         in. Per item, False: not read; ``read_into`` decides."""
-        return self.cascade.reads.read_into_now([(self.key(n).stored, r, b) for n, r, b in items], each)
+        return self.cascade.reads.read_into_now(
+            [(self.key(n).stored, r, b) for n, r, b in items], each
+        )
 
     async def contains(self, name: str) -> bool:
         return await self.size(name) is not None

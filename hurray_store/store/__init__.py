@@ -34,7 +34,6 @@ from typing import Any
 
 from hurray_store.buffers import BufferPool
 from hurray_store.config import StoreConfig, load_config
-from hurray_store.keys import GroupRecordKey, ObjectKey, SegmentKey, SegmentPart, parse_key
 from hurray_store.ledger import Entry, Group, KeyRef, Ledger, TierInfo
 from hurray_store.metrics import StoreMetrics
 from hurray_store.paging import PagedKVPool
@@ -42,6 +41,7 @@ from hurray_store.policy import Policy
 from hurray_store.spec import KVSpec
 from hurray_store.store.cascade import TierCascade
 from hurray_store.store.catalog import SegmentCatalog
+from hurray_store.store.discovery import Discovery
 from hurray_store.store.objects import Data, ObjectStore
 from hurray_store.store.reader import SegmentReader
 from hurray_store.store.results import PutResult, RetrievedLayer, RetrieveResult
@@ -127,6 +127,9 @@ class TieredStore:
         )
         self.reader = SegmentReader(self.cascade, self.catalog, self.buffers, self.quantization)
         self._journaled = [t for t in tiers if t.caps.journaled]  # for ``others_changed``
+        self.discovery = Discovery(
+            self.tiers, self.catalogs, self.object_levels, self.cascade.reads
+        )
         self._opened = False
 
     @property
@@ -136,7 +139,7 @@ class TieredStore:
     @property
     def shared(self) -> bool:
         """True when a tier is shared with other processes (a cache server): the ledger
-        then do not know everything the store can read."""
+        then does not know everything the store can read."""
         return self.cascade.shared
 
     # ------------------------------------------------------------------ lifecycle
@@ -147,7 +150,7 @@ class TieredStore:
             await t.open()
         for i in range(len(self.tiers)):
             if self.policy.scan_at_open(i):
-                await self._rebuild(i)
+                await self.discovery.rebuild(i)
         self._opened = True
         return self
 
@@ -172,29 +175,6 @@ class TieredStore:
         self.cascade.reads.drain_reads_now()
         await self.cascade.flush()
 
-    async def _rebuild(self, tier: int) -> None:
-        """Books and index from what a persistent tier holds; what was never committed
-        (a writer killed mid-segment or mid-group) is deleted."""
-        segs: dict[str, dict[SegmentKey, dict[str, int]]] = {ns: {} for ns in self.catalogs}
-        objs: dict[str, dict[str, int]] = {ns: {} for ns in self.catalogs}
-        records: dict[str, dict[ObjectKey, int]] = {ns: {} for ns in self.catalogs}
-        async for key, size in self.tiers[tier].scan():
-            k = parse_key(key)
-            if isinstance(k, SegmentPart) and k.segment.namespace in segs:
-                segs[k.segment.namespace].setdefault(k.segment, {})[key] = size
-            elif isinstance(k, ObjectKey) and k.namespace in objs:
-                objs[k.namespace][key] = size
-            elif isinstance(k, GroupRecordKey) and k.group.namespace in records:
-                records[k.group.namespace][k.group] = size
-        orphans: list[str] = []
-        for ns, catalog in self.catalogs.items():
-            orphans += await catalog.rebuild(tier, segs[ns])
-            orphans += await self.object_levels[ns].rebuild(tier, objs[ns], records[ns])
-        orphans = await self.tiers[tier].removable_orphans(orphans)
-        if orphans:
-            await self.tiers[tier].delete_many(orphans)
-        log.info("tier %s: removed %d uncommitted objects", self.tiers[tier].name, len(orphans))
-
     def others_changed(self) -> bool:
         """Whether another process sharing a tier's medium may have committed or
         removed something ``sync`` has not read yet: from any thread, with no effect
@@ -203,26 +183,13 @@ class TieredStore:
         return any(t.has_changes() for t in self._journaled)
 
     async def sync(self) -> None:
-        """Hear what other processes sharing a tier's medium (a disk folder) committed
+        """Read what other processes sharing a tier's medium (a disk folder) committed
         and removed since the last call: their segments join the index, their objects
         the ledger; what they removed leaves the ledger. Every operation calls it first;
         it costs one ``fstat`` per such tier when nothing changed. The reads made off
         the loop (``read_objects_into_now``) are counted first."""
         self.cascade.reads.drain_reads_now()
-        for i, t in enumerate(self.tiers):
-            for added, key in t.changes():
-                if not added:
-                    self.cascade.reads.lost(i, key, "other_process")
-                    continue
-                k = parse_key(key)
-                if (
-                    isinstance(k, SegmentPart)
-                    and k.is_manifest
-                    and k.segment.namespace in self.catalogs
-                ):
-                    await self.catalogs[k.segment.namespace].adopt(i, k.segment)
-                elif isinstance(k, ObjectKey) and k.namespace in self.object_levels:
-                    await self.object_levels[k.namespace].adopt(i, k)
+        await self.discovery.sync()
 
     # ------------------------------------------------------------------ prefix level
 

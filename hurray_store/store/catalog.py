@@ -229,7 +229,7 @@ class SegmentCatalog:
     # ------------------------------------------------------------------ restart
 
     async def rebuild(self, tier: int, found: dict[SegmentKey, dict[str, int]]) -> list[str]:
-        """Books and index from the segment keys a restart scan ``found`` in ``tier``:
+        """The ledger and the index from the segment keys a restart scan ``found`` in ``tier``:
         committed segments are recorded; bad manifests are quarantined. Returns the
         keys of uncommitted segments (no manifest, or missing a layer object): the
         caller deletes them."""

@@ -41,7 +41,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import unquote
 
 import aiofiles.os
 
@@ -63,7 +62,8 @@ from hurray_store.tiers.files import (
     open_object,
     pieces,
     pread_into,
-    writer_alive,
+    read_ranges,
+    scan_objects,
 )
 from hurray_store.tiers.folder import ORPHAN_AGE_S, SharedFolder
 from hurray_store.tiers.helpers import check_into, shared_run
@@ -106,7 +106,7 @@ class DiskTier(Tier):
         self._put = self._off(self._put_sync, self._writers)
         self._read = self._off(self._read_sync)
         self._ranges = self._off(self._ranges_sync)
-        self._scan = self._off(self._scan_sync)
+        self._scan = self._off(scan_objects)
         self._read_many = self._off(self._read_many_sync)
         self._made: set[Path] = set()  # shard folders this tier has seen exist
         self.folder = SharedFolder(self.name, self.root, self.objects)  # its locks, journal
@@ -288,51 +288,13 @@ class DiskTier(Tier):
         except OSError as e:
             self._not_read(key, e)
             return None
-        total = sum(ln for _, ln in ranges)
-        per_range = isinstance(
-            into, list | tuple
-        )  # one destination per range: read straight into each
-        dst = (
-            None
-            if per_range
-            else memoryview(into if into is not None and len(into) >= total else bytearray(total))
-        )
         try:
-            out: list[Blob] = []
-            pos = 0
-            for i, (off, ln) in enumerate(ranges):
-                view = into[i] if per_range else dst[pos : pos + ln]  # type: ignore[index]
-                if len(view) != ln or not pread_into(fd, view, off):
-                    return None  # the file is shorter than the manifest says
-                out.append(view)
-                pos += ln
-            return out
+            return read_ranges(fd, ranges, into)
         except OSError as e:
             self._not_read(key, e)
             return None
         finally:
             os.close(fd)
-
-    def _scan_sync(self) -> tuple[list[tuple[str, int]], int]:
-        found: list[tuple[str, int]] = []
-        removed = 0
-        if not self.objects.is_dir():
-            return found, 0
-        for shard in os.scandir(self.objects):
-            if not shard.is_dir(follow_symlinks=False):
-                continue
-            for e in os.scandir(shard.path):
-                if e.name.startswith(TMP_PREFIX):
-                    if writer_alive(e.name):
-                        continue  # another live process is writing it: not ours to remove
-                    try:
-                        os.unlink(e.path)
-                        removed += 1
-                    except FileNotFoundError:
-                        pass
-                elif e.is_file(follow_symlinks=False):  # a FIFO, folder or link: not ours
-                    found.append((unquote(e.name), e.stat(follow_symlinks=False).st_size))
-        return found, removed
 
     # ------------------------------------------------------------------ interface
 
@@ -418,7 +380,7 @@ class DiskTier(Tier):
 
     async def scan(self) -> AsyncIterator[tuple[str, int]]:
         """Every published object; removes temp files left by a killed writer."""
-        found, removed = await self._scan()
+        found, removed = await self._scan(self.objects)
         if removed:
             log.info("disk tier %s: removed %d unfinished temp files", self.name, removed)
         for item in found:

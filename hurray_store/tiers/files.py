@@ -11,13 +11,14 @@ import os
 import stat
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from urllib.parse import quote
+from typing import Any
+from urllib.parse import quote, unquote
 
 import xxhash
 
 from hurray_store.format import checksum
 from hurray_store.tiers.base import NowRead, wants_sums
-from hurray_store.tiers.types import Buffer, RangeIn
+from hurray_store.tiers.types import Blob, Buffer, Range, RangeIn
 
 TMP_PREFIX = ".tmp."  # then the writer's pid: ".tmp.<pid>.<n>.<name>"
 
@@ -211,3 +212,49 @@ def object_path(objects: Path, key: str) -> Path:
         )
     shard = f"{xxhash.xxh3_64_intdigest(key.encode()) & 0xFF:02x}"
     return objects / shard / name
+
+
+def read_ranges(fd: int, ranges: Sequence[Range], into: Any) -> list[Blob] | None:
+    """Each ``(offset, length)`` range of the open file ``fd``: into ``into[i]`` when it
+    is one buffer per range, else into one buffer (``into`` when large enough), as
+    views of it. None: the file is shorter than a range asks."""
+    total = sum(ln for _, ln in ranges)
+    per_range = isinstance(into, list | tuple)
+    dst = (
+        None
+        if per_range
+        else memoryview(into if into is not None and len(into) >= total else bytearray(total))
+    )
+    out: list[Blob] = []
+    pos = 0
+    for i, (off, ln) in enumerate(ranges):
+        view = into[i] if per_range else dst[pos : pos + ln]  # type: ignore[index]
+        if len(view) != ln or not pread_into(fd, view, off):
+            return None
+        out.append(view)
+        pos += ln
+    return out
+
+
+def scan_objects(objects: Path) -> tuple[list[tuple[str, int]], int]:
+    """Every published object under ``objects`` and its size, and how many temp files
+    of writers no longer alive were removed."""
+    found: list[tuple[str, int]] = []
+    removed = 0
+    if not objects.is_dir():
+        return found, 0
+    for shard in os.scandir(objects):
+        if not shard.is_dir(follow_symlinks=False):
+            continue
+        for e in os.scandir(shard.path):
+            if e.name.startswith(TMP_PREFIX):
+                if writer_alive(e.name):
+                    continue  # another live process is writing it: not ours to remove
+                try:
+                    os.unlink(e.path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+            elif e.is_file(follow_symlinks=False):  # a FIFO, folder or link: not ours
+                found.append((unquote(e.name), e.stat(follow_symlinks=False).st_size))
+    return found, removed

@@ -15,7 +15,7 @@ and bytes, hashed with xxh3-128, prefixed by the model type: ``llama@xxh3-128:<h
 
 Two checkpoints whose weights differ in any bit never share an identity, whatever their
 folders or names are; the same checkpoint copied elsewhere shares it. The cost is one
-pass over the weights at xxh3's speed (23 GiB/s measured here, plus reading the files:
+pass over the weights at xxh3's speed (several times a disk's, plus reading the files:
 the page cache serves the second process). The KV layout (layers, heads, head size,
 dtype, page size) is in the fingerprint besides the identity.
 

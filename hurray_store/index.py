@@ -3,8 +3,8 @@
 An open-addressing hash table in numpy arrays, because a Python dict of 16-byte keys
 costs ~200 bytes per entry and this index holds millions of pages. Per slot: the
 16-byte hash (two uint64), a segment number, a sequence and a page position (int32
-each) and a state byte; the table is kept at most half full, so about 69 bytes (measured) per
-indexed page. Lookups of a whole prompt's hash chain run vectorized, a probe round at a
+each) and a state byte; the table is kept at most half full, so about 70 bytes per
+indexed page (docs/benchmarks.md gives the figure). Lookups of a whole prompt's hash chain run vectorized, a probe round at a
 time.
 
 Ownership: not thread-safe. The store owns one index on its event loop; every call

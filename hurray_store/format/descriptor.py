@@ -3,7 +3,7 @@
 Why this module does not just call ``hurray.StreamWriter`` / ``StreamReader``:
 
 * pyhurray's ``Tensor`` copies every buffer it is given, and its in-memory writer copies
-  again (about 0.05x memcpy end to end). We build each descriptor with pyhurray once per
+  again (far below memcpy's speed end to end). We build each descriptor with pyhurray once per
   (dtype, heads, head_dim, page_size, role, layer, index type, quantization) from a
   one-page template, then set the size fields (shape[0], num_pages, num_seqs and the
   buffer sizes, at the offsets ``metadata.md`` fixes) and have pyhurray's decoder confirm

@@ -51,7 +51,7 @@ SPLIT_BYTES = 1 << 20
 HELPERS = max(1, (os.cpu_count() or 2) - 1)
 # The tier's threads: reads and the rest on a pool as large as Python's default one;
 # writes by default on one thread fewer than the cores, so that one core is left to the
-# engine's thread (on 2 cores, 6 writers cut an engine thread beside them to a fifth).
+# engine's thread (more writers than cores starve the engine's thread beside them).
 # With fsync they mostly wait on the device, so as many as for reads.
 POOL_THREADS = min(32, (os.cpu_count() or 1) + 4)
 DEFAULT_WRITERS = max(1, (os.cpu_count() or 2) - 1)

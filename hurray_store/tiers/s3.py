@@ -277,8 +277,8 @@ class S3Tier(ServiceTier):
         return not missing
 
     async def get(self, key: str) -> Blob | None:
-        """The whole object, one GET. (Parallel ranged GETs of its parts measured slower
-        against SeaweedFS on loopback here: 0.2-0.5 GB/s against 0.8 for one stream.)"""
+        """The whole object, one GET (parallel ranged GETs of its parts are slower than
+        one stream: each is a request of its own to the service)."""
 
         async def run() -> Blob:
             async with asyncio.timeout(self.cfg.timeout_s):

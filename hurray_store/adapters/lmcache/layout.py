@@ -78,7 +78,7 @@ class ChunkLayout:
         # one byte view of the whole chunk, sliced (no tensor made per layer). LMCache's
         # ``byte_array`` is made from the buffer's address with no torch operation: each
         # of those lets go of the GIL, and with the store's threads busy a slice or view
-        # of a tensor waited 0.1-3 ms here to get it back, against about 1 us for this.
+        # of a tensor waits milliseconds to get it back, where this takes a microsecond.
         whole = memoryview(obj.byte_array).cast("B")
         nb, full_b = self.token_bytes(n), self.token_bytes(full)
         if len(whole) != 2 * self.num_layers * nb:

@@ -1,7 +1,7 @@
 """Snapshot and re-page: batches out of a paged KV pool and back.
 
 The engine side is laid out as vLLM lays it out: per layer one tensor
-``[2, num_blocks, page_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values), and a
+``[2, num_pages, page_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values), and a
 block table per sequence. ``snapshot`` gathers the pages a batch references, each
 distinct page once; ``restore`` allocates one new page per distinct stored page the
 chosen sequences need and copies into it, so sharing survives the round trip. Pages
@@ -24,16 +24,17 @@ from hurray_store.spec import KVSpec
 
 
 class PagedKVPool:
-    """A paged KV pool with a reference-counted block allocator.
+    """A paged KV pool with a reference-counted page allocator (an engine's block is a
+    page: vLLM's block table is a list of page ids).
 
-    ``layers[i]`` is ``[2, num_blocks, page_size, num_kv_heads, head_dim]``. Pages come
+    ``layers[i]`` is ``[2, num_pages, page_size, num_kv_heads, head_dim]``. Pages come
     off a FIFO free list; ``free`` decrements and a page returns to the list at zero.
     """
 
-    def __init__(self, spec: KVSpec, num_blocks: int, device: str | torch.device = "cpu") -> None:
-        if num_blocks < 1:
-            raise PagingError(f"num_blocks must be >= 1, got {num_blocks}")
-        shape = (2, num_blocks, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    def __init__(self, spec: KVSpec, num_pages: int, device: str | torch.device = "cpu") -> None:
+        if num_pages < 1:
+            raise PagingError(f"num_pages must be >= 1, got {num_pages}")
+        shape = (2, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
         layers = [
             torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
         ]
@@ -44,12 +45,12 @@ class PagedKVPool:
         """Wrap an engine's own KV tensors (no copy). All pages start free."""
         if len(layers) != spec.num_layers:
             raise PagingError(f"expected {spec.num_layers} layer tensors, got {len(layers)}")
-        num_blocks = layers[0].shape[1] if layers[0].dim() == 5 else -1
-        want = (2, num_blocks, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        num_pages = layers[0].shape[1] if layers[0].dim() == 5 else -1
+        want = (2, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
         for i, t in enumerate(layers):
             if tuple(t.shape) != want:
                 raise PagingError(
-                    f"layer {i}: expected [2, num_blocks, {spec.page_size}, "
+                    f"layer {i}: expected [2, num_pages, {spec.page_size}, "
                     f"{spec.num_kv_heads}, {spec.head_dim}], "
                     f"got {tuple(t.shape)}"
                 )
@@ -62,10 +63,15 @@ class PagedKVPool:
     def _init(self, spec: KVSpec, layers: list[torch.Tensor]) -> None:
         self.spec = spec
         self.layers = layers
-        self.num_blocks = int(layers[0].shape[1])
+        self.num_pages = int(layers[0].shape[1])
         self.device = layers[0].device
-        self._ref = np.zeros(self.num_blocks, dtype=np.int64)
-        self._free: deque[int] = deque(range(self.num_blocks))
+        self._ref = np.zeros(self.num_pages, dtype=np.int64)
+        self._free: deque[int] = deque(range(self.num_pages))
+
+    @property
+    def num_blocks(self) -> int:
+        """``num_pages``, in an engine's word."""
+        return self.num_pages
 
     @property
     def num_free(self) -> int:
@@ -80,7 +86,7 @@ class PagedKVPool:
             raise PagingError(f"cannot allocate {n} pages")
         if n > len(self._free):
             raise PoolExhaustedError(
-                f"asked for {n} pages, {len(self._free)} of {self.num_blocks} are free"
+                f"asked for {n} pages, {len(self._free)} of {self.num_pages} are free"
             )
         ids = [self._free.popleft() for _ in range(n)]
         self._ref[ids] = 1
@@ -88,8 +94,8 @@ class PagedKVPool:
 
     def _check_allocated(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         arr = np.asarray(ids, dtype=np.int64)
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.num_blocks):
-            raise PagingError(f"page ids must be in [0, {self.num_blocks}), got {arr.tolist()}")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.num_pages):
+            raise PagingError(f"page ids must be in [0, {self.num_pages}), got {arr.tolist()}")
         # Count repeats, so freeing one page twice in one call is checked against its count.
         uniq, counts = np.unique(arr, return_counts=True)
         short = uniq[self._ref[uniq] < counts]
@@ -185,9 +191,9 @@ def check_tables(
                 f"sequence {s}: {n} tokens need {need} pages of {P}, its block table has {len(t)}"
             )
         tables.append([int(p) for p in t[:need]])
-    bad = next((p for t in tables for p in t if not 0 <= p < pool.num_blocks), None)
+    bad = next((p for t in tables for p in t if not 0 <= p < pool.num_pages), None)
     if bad is not None:
-        raise PagingError(f"unknown page id {bad}: the pool has pages [0, {pool.num_blocks})")
+        raise PagingError(f"unknown page id {bad}: the pool has pages [0, {pool.num_pages})")
     return tables
 
 

@@ -57,7 +57,7 @@ def test_free_of_unallocated_page_is_refused_whole() -> None:
 def test_from_tensors_wraps_without_copy() -> None:
     layers = [torch.zeros(2, 6, 4, 2, 8) for _ in range(2)]
     pool = PagedKVPool.from_tensors(SPEC, layers)
-    assert pool.layers[0].data_ptr() == layers[0].data_ptr() and pool.num_blocks == 6
+    assert pool.layers[0].data_ptr() == layers[0].data_ptr() and pool.num_pages == 6
     with pytest.raises(PagingError, match="expected"):
         PagedKVPool.from_tensors(SPEC, [torch.zeros(2, 6, 4, 2, 4)] * 2)
     with pytest.raises(PagingError, match="dtype"):
@@ -239,7 +239,7 @@ def test_restore_equals_original_for_every_valid_token(batch) -> None:
     for t in new_tables:
         for p in set(t):
             holders[p] = holders.get(p, 0) + 1
-    for p in range(3, dst.num_blocks):
+    for p in range(3, dst.num_pages):
         assert dst.refcount(p) == holders.get(p, 0) >= 1
     # sharing survives: entries that named one source page name one new page
     pairs = {

@@ -108,7 +108,7 @@ async def ours(
     if reopen:
         await store.close()
         store = await open_store(cfg)
-    dst = PagedKVPool(pool.spec, pool.num_blocks)
+    dst = PagedKVPool(pool.spec, pool.num_pages)
     for t in dst.layers:
         t.zero_()  # resident, as an engine's pool is
     gets = []
@@ -355,7 +355,7 @@ class LMCacheBackend:
         """Time of load + scatter of each chunk's tokens into pages of ``dst``."""
         spec = self.spec
         P = spec.page_size
-        dest = list(range(dst.num_blocks))
+        dest = list(range(dst.num_pages))
         t0 = time.perf_counter()
         pos = 0
         for key, pages, n in chunks:
@@ -491,7 +491,7 @@ def main() -> None:
             # Ours from the rows above; LMCache afterwards, so its threads do not run
             # beside our measurements.
             ours_by = {r[0]: r for r in rows}
-            dst = PagedKVPool(spec, pool.num_blocks)
+            dst = PagedKVPool(spec, pool.num_pages)
             for t in dst.layers:
                 t.zero_()
             for name, extra, key in (

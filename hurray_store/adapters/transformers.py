@@ -226,7 +226,7 @@ def to_paged(
         it = torch.tensor(src_t, dtype=torch.long, device=k0.device)
         idst = torch.tensor(dst, dtype=torch.long, device=dev)
         for li, (k, v) in enumerate(layers):
-            flat = pool.layers[li].view(2, pool.num_blocks * P, spec.num_kv_heads, spec.head_dim)
+            flat = pool.layers[li].view(2, pool.num_pages * P, spec.num_kv_heads, spec.head_dim)
             for role, t in ((0, k), (1, v)):
                 rows = t[ib, :, it, :]  # [tokens, heads, dim]
                 flat[role].index_copy_(0, idst, rows.to(device=dev, dtype=spec.dtype))

@@ -4,8 +4,8 @@ An open-addressing hash table in numpy arrays, because a Python dict of 16-byte 
 costs ~200 bytes per entry and this index holds millions of pages. Per slot: the
 16-byte hash (two uint64), a segment number, a sequence and a page position (int32
 each) and a state byte; the table is kept at most half full, so about 70 bytes per
-indexed page (docs/benchmarks.md gives the figure). Lookups of a whole prompt's hash chain run vectorized, a probe round at a
-time.
+indexed page (docs/benchmarks.md gives the figure). Lookups of a whole prompt's hash
+chain run vectorized, a probe round at a time.
 
 Ownership: not thread-safe. The store owns one index on its event loop; every call
 runs to completion without awaiting, so readers on that loop never see a half insert.

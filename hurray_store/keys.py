@@ -166,13 +166,13 @@ class ObjectKey(NamedTuple):
         return object_stored(self.namespace, self.name)
 
     @property
-    def group_record(self) -> str:
+    def member_list(self) -> str:
         """Where the member list of a group of several objects is kept."""
         return f"{self.namespace}/g/{self.name}"
 
 
 @dataclass(frozen=True, slots=True)
-class GroupRecordKey:
+class MemberListKey:
     """The member list of the object-level group ``group``."""
 
     group: ObjectKey
@@ -180,7 +180,7 @@ class GroupRecordKey:
 
 # A policy group: what enters and leaves a tier as one.
 GroupId = SegmentKey | ObjectKey
-StoredKey = SegmentPart | ObjectKey | GroupRecordKey
+StoredKey = SegmentPart | ObjectKey | MemberListKey
 
 _HEX = frozenset("0123456789abcdef")
 
@@ -204,11 +204,11 @@ def parse_key(key: str) -> StoredKey | None:
         ns, sep, name = key.partition(kind)
         if sep and ns and name:
             obj = ObjectKey(ns, name)
-            return obj if kind == "/o/" else GroupRecordKey(obj)
+            return obj if kind == "/o/" else MemberListKey(obj)
     return None
 
 
-def encode_group_record(keys: Sequence[tuple[str, int]]) -> bytes:
+def encode_member_list(keys: Sequence[tuple[str, int]]) -> bytes:
     """The member list of an object-level group: (stored key, size) per member, as
     ``u32 count`` then per member ``u32 key length, key utf-8, u64 size``."""
     out = [struct.pack("<I", len(keys))]
@@ -218,8 +218,8 @@ def encode_group_record(keys: Sequence[tuple[str, int]]) -> bytes:
     return b"".join(out)
 
 
-def decode_group_record(blob: bytes | bytearray | memoryview) -> list[tuple[str, int]] | None:
-    """``encode_group_record``'s members, or None when the bytes are not one (every
+def decode_member_list(blob: bytes | bytearray | memoryview) -> list[tuple[str, int]] | None:
+    """``encode_member_list``'s members, or None when the bytes are not one (every
     length is checked against what is left before it is used)."""
     mv = memoryview(blob).cast("B")
     if len(mv) < 4:

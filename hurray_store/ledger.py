@@ -174,7 +174,7 @@ class Ledger:
         """``(group, entry)`` of a tier, least recently used first."""
         return iter(self._tiers[tier].groups.items())
 
-    def held(self, tier: int, group: Group) -> bool:
+    def has_entry(self, tier: int, group: Group) -> bool:
         """The group is in the tier, READY or WRITING."""
         return group in self._tiers[tier].groups
 
@@ -230,7 +230,9 @@ class Ledger:
             else:
                 self._drop(tier, group)
 
-    def record(self, tier: int, group: Group, sizes: Mapping[str, int], *, depth: int = 0) -> None:
+    def add_ready(
+        self, tier: int, group: Group, sizes: Mapping[str, int], *, depth: int = 0
+    ) -> None:
         """Note a READY group found in a tier (restart scan, discovery)."""
         with self.lock:
             self._drop(tier, group)

@@ -103,9 +103,9 @@ class StoreMetrics:
         try:
             yield
         finally:
-            self.record(tier, op, time.perf_counter() - t0)
+            self.observe(tier, op, time.perf_counter() - t0)
 
-    def record(self, tier: str, op: str, seconds: float) -> None:
+    def observe(self, tier: str, op: str, seconds: float) -> None:
         """Count one operation of ``tier`` that took ``seconds``."""
         c = self.tiers[tier]
         c.op_count += 1

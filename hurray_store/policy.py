@@ -127,7 +127,7 @@ class Policy:
     def _demote_target(self, tier: int, group: Group) -> int | None:
         if self.write_mode != "back" or tier + 1 >= len(self.tiers):
             return None
-        if any(self.ledger.held(j, group) for j in range(tier + 1, len(self.tiers))):
+        if any(self.ledger.has_entry(j, group) for j in range(tier + 1, len(self.tiers))):
             return None
         return tier + 1
 
@@ -139,7 +139,7 @@ class Policy:
         """Upper tiers a group read whole from ``hit_tier`` is copied into."""
         if not self.promote_on_hit:
             return []
-        return [i for i in range(hit_tier) if not self.ledger.held(i, group)]
+        return [i for i in range(hit_tier) if not self.ledger.has_entry(i, group)]
 
     def read_whole(self, tier: int, group: Group, *, every_page: bool, on_device: bool) -> bool:
         """Read a whole object instead of its pages' ranges: when the read wants every

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hurray_store import transport as tp
 from hurray_store.errors import FormatError, ProtocolError
 from hurray_store.format import Manifest, decode_layer, encode_layer
-from hurray_store.keys import decode_group_record
+from hurray_store.keys import decode_member_list
 from hurray_store.records import parse_chunk_record, parse_l2_record
 from tests.helpers import make_layer
 from tests.test_manifest import _rechecksum, sample
@@ -111,5 +111,5 @@ def test_transport_payloads(which: int, data: st.DataObject) -> None:
 def test_adapter_records_and_group_records(data: bytes) -> None:
     bounded(lambda b: parse_l2_record(b), data, FormatError)
     bounded(lambda b: parse_chunk_record(b, b"f" * 32, 8, 256, lambda n: n * 64), data, FormatError)
-    got = decode_group_record(data)  # None for anything that is not a member list
+    got = decode_member_list(data)  # None for anything that is not a member list
     assert got is None or all(isinstance(k, str) and n >= 0 for k, n in got)

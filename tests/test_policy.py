@@ -196,7 +196,7 @@ def test_flush_targets_in_write_back() -> None:
 def test_books_follow_keys_and_groups() -> None:
     p = make([MEM, DISK])
     admit(p, 0, "s", {"s/0": 10, "s/m": 2})
-    p.ledger.record(1, "s", {"s/0": 10, "s/m": 2})
+    p.ledger.add_ready(1, "s", {"s/0": 10, "s/m": 2})
     assert p.ledger.holders("s/m") == [0, 1] and p.ledger.group_of(0, "s/0") == "s"
     assert p.ledger.num_objects(0) == 2 and p.ledger.used_bytes(0) == 12
     assert p.ledger.forget(0, "s") == {"s/0": 10, "s/m": 2}

@@ -205,7 +205,7 @@ class SegmentCatalog:
                     continue
                 sizes = {lay.key: lay.object_size for lay in m.layers}
                 sizes[seg.manifest] = len(blob)
-                self.cascade.ledger.record(i, seg, sizes, depth=depth(m))
+                self.cascade.ledger.add_ready(i, seg, sizes, depth=depth(m))
                 self.add(m)
 
     # ------------------------------------------------------------------ other processes
@@ -213,17 +213,17 @@ class SegmentCatalog:
     async def adopt(self, tier: int, seg: SegmentKey) -> None:
         """Another process committed ``seg`` to ``tier`` (a disk folder both use): read
         and check its manifest, record the segment as held there, and index it."""
-        if self.cascade.ledger.held(tier, seg):
+        if self.cascade.ledger.has_entry(tier, seg):
             return
         blob = await self.cascade.tiers[tier].get(seg.manifest)
         if blob is None:
             return  # removed again already
         m = self.parse(tier, seg, blob)
-        if m is None or self.cascade.ledger.held(tier, seg):
+        if m is None or self.cascade.ledger.has_entry(tier, seg):
             return
         sizes = {lay.key: lay.object_size for lay in m.layers}
         sizes[seg.manifest] = len(host_view(blob))
-        self.cascade.ledger.record(tier, seg, sizes, depth=depth(m))
+        self.cascade.ledger.add_ready(tier, seg, sizes, depth=depth(m))
         self.add(m)
 
     # ------------------------------------------------------------------ restart
@@ -259,7 +259,7 @@ class SegmentCatalog:
                         )
                     orphans += [k for k in have if k != seg.manifest]
                     continue
-                self.cascade.ledger.record(tier, seg, have, depth=depth(m))
+                self.cascade.ledger.add_ready(tier, seg, have, depth=depth(m))
                 entries += _index_entries(m)
                 n_found += 1
         self.index.insert_many(entries)

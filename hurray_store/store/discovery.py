@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from hurray_store.keys import GroupRecordKey, ObjectKey, SegmentKey, SegmentPart, parse_key
+from hurray_store.keys import MemberListKey, ObjectKey, SegmentKey, SegmentPart, parse_key
 from hurray_store.store.catalog import SegmentCatalog
 from hurray_store.store.objects import ObjectStore
 from hurray_store.store.reads import TierReads
@@ -46,7 +46,7 @@ class Discovery:
                 segs[k.segment.namespace].setdefault(k.segment, {})[key] = size
             elif isinstance(k, ObjectKey) and k.namespace in objs:
                 objs[k.namespace][key] = size
-            elif isinstance(k, GroupRecordKey) and k.group.namespace in records:
+            elif isinstance(k, MemberListKey) and k.group.namespace in records:
                 records[k.group.namespace][k.group] = size
         orphans: list[str] = []
         for ns, catalog in self.catalogs.items():

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from hurray_store.format import checksum
-from hurray_store.keys import ObjectKey, decode_group_record, encode_group_record, object_stored
+from hurray_store.keys import ObjectKey, decode_member_list, encode_member_list, object_stored
 from hurray_store.ledger import Entry, Group, KeyRef
 from hurray_store.store.cascade import TierCascade
 from hurray_store.tiers import Blob, Buffer, Range, RangeIn, host_view
@@ -89,10 +89,10 @@ class ObjectStore:
             return await self.put(*items[0])
         group = self.key(items[-1][0])
         members = [self._member(self.key(n).stored, d) for n, d in items]
-        record = encode_group_record([(o.key, o.nbytes) for o in members])
+        record = encode_member_list([(o.key, o.nbytes) for o in members])
         return bool(
             await self.cascade.put_group(
-                group, [StoredObject(group.group_record, [record]), *members]
+                group, [StoredObject(group.member_list, [record]), *members]
             )
         )
 
@@ -217,10 +217,10 @@ class ObjectStore:
         old = led.group_of(tier, obj.stored)
         if old is not None and led.is_writing(tier, old):
             return  # this store is writing it too: its own write decides
-        blob = await t.get(obj.group_record)
+        blob = await t.get(obj.member_list)
         members = None
         if blob is not None:
-            members = decode_group_record(bytes(host_view(blob)))
+            members = decode_member_list(bytes(host_view(blob)))
             if not members or members[-1][0] != obj.stored:
                 members = None  # a member list of an older group of that name
         keys = [k for k, _ in members] if members else [obj.stored]
@@ -231,13 +231,13 @@ class ObjectStore:
             return
         sizes = dict(zip(keys, have, strict=True))
         if members:
-            sizes[obj.group_record] = len(host_view(blob))  # type: ignore[arg-type]
+            sizes[obj.member_list] = len(host_view(blob))  # type: ignore[arg-type]
         if old is not None:
             self.cascade.reads.lost(tier, obj.stored, "other_process")
         for k in sizes:  # a key of another group the ledger knows: that group is gone
             if (g := led.group_of(tier, k)) is not None and g != obj:
                 self.cascade.reads.lost(tier, k, "other_process")
-        led.record(tier, obj, sizes)  # type: ignore[arg-type]
+        led.add_ready(tier, obj, sizes)  # type: ignore[arg-type]
 
     async def rebuild(
         self, tier: int, objects: dict[str, int], records: dict[ObjectKey, int]
@@ -247,14 +247,14 @@ class ObjectStore:
         Returns the keys of incomplete groups (the caller deletes them)."""
         t = self.cascade.tiers[tier]
         groups = list(records)
-        blobs = await t.get_many([g.group_record for g in groups]) if groups else []
+        blobs = await t.get_many([g.member_list for g in groups]) if groups else []
         claimed: set[str] = set()
         orphans: list[str] = []
         for g, blob in zip(groups, blobs, strict=True):
             members = (
                 None
                 if blob is None
-                else decode_group_record(bytes(blob) if isinstance(blob, torch.Tensor) else blob)
+                else decode_member_list(bytes(blob) if isinstance(blob, torch.Tensor) else blob)
             )
             whole = (
                 members is not None
@@ -264,17 +264,17 @@ class ObjectStore:
             )
             if not whole or members is None:
                 log.warning("tier %s: object group %s is incomplete; deleted", t.name, g.name)
-                orphans.append(g.group_record)
+                orphans.append(g.member_list)
                 orphans += [k for k, _ in members or () if k in objects]
                 claimed.update(k for k, _ in members or ())
                 continue
             sizes = dict(members)
-            sizes[g.group_record] = records[g]
-            self.cascade.ledger.record(tier, g, sizes)
+            sizes[g.member_list] = records[g]
+            self.cascade.ledger.add_ready(tier, g, sizes)
             claimed.update(sizes)
         for k, n in objects.items():
             if k not in claimed:
-                self.cascade.ledger.record(
+                self.cascade.ledger.add_ready(
                     tier, ObjectKey(self.namespace, k[len(self.namespace) + 3 :]), {k: n}
                 )
         log.info("tier %s: found %d objects", t.name, len(objects))

@@ -168,7 +168,7 @@ class TierReads:
         self._drain_asked = False
         while self._reads_now:
             tier, done, seconds = self._reads_now.popleft()
-            self.metrics.record(self.tiers[tier].name, "read_now", seconds)
+            self.metrics.observe(self.tiers[tier].name, "read_now", seconds)
             for key, nbytes in done:
                 self.hit(tier, nbytes)
                 if (group := self.ledger.group_of(tier, key)) is not None:

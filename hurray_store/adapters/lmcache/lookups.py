@@ -35,7 +35,7 @@ class ChunkLookups:
         if self.store.others_changed():
             self.runner.call(self.store.sync())
 
-    def held(self, name: str) -> bool:
+    def will_find(self, name: str) -> bool:
         """A get of chunk ``name`` will find it: the ledger says so, or a shared tier."""
         return self.store.has_object(name) or (
             self.store.shared and self.runner.call(self.store.contains_object(name))
@@ -48,7 +48,7 @@ class ChunkLookups:
             return self.pin_prefix(keys)
         n = 0
         for key in keys:
-            if not self.held(self.chunks.name(key)):
+            if not self.will_find(self.chunks.name(key)):
                 break
             n += 1
         return n

@@ -58,7 +58,7 @@ class ChunkPuts:
             with self.chunks.lock:
                 chunks = [self.chunks.entry(k) for k in keys]
             for key, c, obj in zip(keys, chunks, objs, strict=True):
-                if self.lookups.held(c.name) or self.pending(key):
+                if self.lookups.will_find(c.name) or self.pending(key):
                     continue
                 obj.ref_count_up()  # LMCache drops its reference once we return
                 try:

@@ -314,10 +314,10 @@ class TieredStore:
         objects marked used, at the store's next operation."""
         return self.objects.read_into_now(items, each)
 
-    def object_size_now(self, key: str) -> int | None:
+    def known_object_size(self, key: str) -> int | None:
         """``object_size`` from the ledger alone, from any thread (None: the ledger does
         not know it; on a shared tier ``object_size`` may still find it)."""
-        return self.objects.size_now(key)
+        return self.objects.known_size(key)
 
     async def contains_object(self, key: str) -> bool:
         await self.sync()

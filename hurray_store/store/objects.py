@@ -159,7 +159,7 @@ class ObjectStore:
         dicts are atomic in CPython)."""
         return bool(self.cascade.ledger.holders(self._stored + name))
 
-    def size_now(self, name: str) -> int | None:
+    def known_size(self, name: str) -> int | None:
         """``size`` from the ledger alone (no I/O), from any thread: None when they do
         not know it (or changed under the call)."""
         try:

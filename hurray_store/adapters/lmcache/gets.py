@@ -109,7 +109,7 @@ class ChunkGets:
         size in the ledger (the loop asks shared tiers when they do not know it), its
         page count, and LMCache's buffer for its tokens. None: a miss."""
         k = self.chunks.name(key)
-        size = self.store.object_size_now(k)
+        size = self.store.known_object_size(k)
         if size is None:
             size = self.runner.call(self.store.object_size(k))
         if size is None:

@@ -148,25 +148,16 @@ def validate_manifest(m: Manifest) -> None:
             f"{what}: expected {m.num_pages} page checksums per role, got "
             f"{len(lay.key_page_checksums)} key and {len(lay.value_page_checksums)} value",
         )
-        span = m.num_pages * m.page_bytes
-        for name, off in (
-            ("key_pool_offset", lay.key_pool_offset),
-            ("value_pool_offset", lay.value_pool_offset),
-        ):
+        roles = ("key", "value")
+        spans = [(f"{r}_pool_offset", m.num_pages * m.page_bytes, " page") for r in roles]
+        if m.scale_bytes:
+            spans += [(f"{r}_scales_offset", m.num_pages * m.scale_bytes, "") for r in roles]
+        for name, span, unit in spans:
+            off = getattr(lay, name)
             _need(
                 off + span <= lay.object_size,
-                f"{what}: {name} {off} + {span} page bytes exceed object_size {lay.object_size}",
+                f"{what}: {name} {off} + {span}{unit} bytes exceed object_size {lay.object_size}",
             )
-        if m.scale_bytes:
-            sspan = m.num_pages * m.scale_bytes
-            for name, off in (
-                ("key_scales_offset", lay.key_scales_offset),
-                ("value_scales_offset", lay.value_scales_offset),
-            ):
-                _need(
-                    off + sspan <= lay.object_size,
-                    f"{what}: {name} {off} + {sspan} bytes exceed object_size {lay.object_size}",
-                )
 
 
 def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:

@@ -91,7 +91,7 @@ class HurrayStoragePlugin(StoragePluginInterface):
         # The chunks this engine named lately, and its pins on them.
         self.chunks = ChunkRegistry(f"lmc/{self.fingerprint[:8].hex()}/", self.store.object_ref)
         self.lookups = ChunkLookups(self.store, self._runner, self.chunks)
-        self.puts = ChunkPuts(self.store, self._runner, self.chunks, self.layout, self.lookups)
+        self.puts = ChunkPuts(self.lookups, self.layout)
         self.gets = ChunkGets(self.store, self._runner, self.chunks, self.layout, local_cpu_backend)
         self._closed = False
 

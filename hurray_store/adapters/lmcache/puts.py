@@ -10,11 +10,9 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from hurray_store.adapters.lmcache.chunks import Chunk, ChunkRegistry
+from hurray_store.adapters.lmcache.chunks import Chunk
 from hurray_store.adapters.lmcache.layout import ChunkLayout
 from hurray_store.adapters.lmcache.lookups import ChunkLookups
-from hurray_store.adapters.store_thread import StoreThread
-from hurray_store.store import TieredStore
 from hurray_store.tiers import Sealed
 
 log = logging.getLogger(__name__)
@@ -23,15 +21,9 @@ log = logging.getLogger(__name__)
 class ChunkPuts:
     """The puts of one engine's chunks, and those still pending."""
 
-    def __init__(
-        self,
-        store: TieredStore,
-        runner: StoreThread,
-        chunks: ChunkRegistry,
-        layout: ChunkLayout,
-        lookups: ChunkLookups,
-    ) -> None:
-        self.store, self.runner, self.chunks = store, runner, chunks
+    def __init__(self, lookups: ChunkLookups, layout: ChunkLayout) -> None:
+        # The store, its thread and the registry are the lookups': a put asks them first.
+        self.store, self.runner, self.chunks = lookups.store, lookups.runner, lookups.chunks
         self.layout, self.lookups = layout, lookups
         self._pending: dict[Any, Future[None]] = {}
         self._lock = threading.Lock()

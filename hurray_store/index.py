@@ -99,7 +99,7 @@ class PrefixIndex:
     # ------------------------------------------------------------------ probing
 
     def _find(self, q: np.ndarray) -> np.ndarray:
-        """Slot of each query key, or -1."""
+        """Placeholder of each query key, or -1."""
         n = q.shape[0]
         out = np.full(n, -1, dtype=np.int64)
         pos = (q[:, 0] & np.uint64(self._mask)).astype(np.int64)

@@ -20,7 +20,7 @@ import torch
 from hurray_store.format import (
     LayerPlan,
     Manifest,
-    Slot,
+    Placeholder,
     object_checksum,
     page_checksum,
     quantize_int8,
@@ -79,7 +79,7 @@ def gather_layer(
     fixed: list[bytes | bytearray | memoryview] = []
     pos = 0
     for part in plan.parts:
-        if not isinstance(part, Slot):
+        if not isinstance(part, Placeholder):
             fixed.append(part)
             pos += len(part)
             continue

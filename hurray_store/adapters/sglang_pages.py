@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from hurray_store.format import checksum, plan_layer
-from hurray_store.format.layout import Slot
+from hurray_store.format.layout import Placeholder
 from hurray_store.format.wire import blob_descriptor
 from hurray_store.records import chunk_record_bytes, chunk_record_of, parse_chunk_record
 from hurray_store.tiers import Sealed
@@ -142,7 +142,7 @@ class PageCodec:
         self._template: list[int | bytes] = []
         for li, plan in enumerate(self.plans):
             for part in plan.parts:
-                if isinstance(part, Slot):
+                if isinstance(part, Placeholder):
                     self._template.append(2 * li + (0 if part.role == "key" else 1))
                 elif self._template and isinstance(self._template[-1], bytes):
                     self._template[-1] += bytes(part)

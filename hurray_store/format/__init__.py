@@ -20,7 +20,7 @@ from hurray_store.format.layout import (
     EncodedLayer,
     LayerKV,
     LayerPlan,
-    Slot,
+    Placeholder,
     supported_dtypes,
     validate_index,
 )
@@ -47,7 +47,7 @@ __all__ = [
     "plan_layer",
     "quantize_int8",
     "running_checksum",
-    "Slot",
+    "Placeholder",
     "supported_dtypes",
     "validate_index",
     "view_tensor",

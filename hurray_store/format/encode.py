@@ -18,7 +18,7 @@ from hurray_store.format.layout import (
     EncodedLayer,
     LayerKV,
     LayerPlan,
-    Slot,
+    Placeholder,
     index_type_for,
     validate_index,
 )
@@ -91,7 +91,7 @@ def plan_layer(
     esize = dtype.itemsize
     page_bytes = page_size * heads * dim * (1 if quantization else esize)
     scale_bytes = page_size * esize if quantization else 0
-    parts: list[bytes | Slot] = []
+    parts: list[bytes | Placeholder] = []
     offsets: dict[str, int] = {}
     pos = 0
     desc_lens = []
@@ -114,11 +114,11 @@ def plan_layer(
             sizes=sizes,
         )
         desc_lens.append(len(desc))
-        parts += [desc, Slot(role, "pool", sizes[0]), bt_b, sp_b]
+        parts += [desc, Placeholder(role, "pool", sizes[0]), bt_b, sp_b]
         offsets[f"{role}_pool"] = pos + len(desc)
         pos += len(desc) + sum(sizes[:3])
         if quantization:
-            parts.append(Slot(role, "scales", sizes[3]))
+            parts.append(Placeholder(role, "scales", sizes[3]))
             offsets[f"{role}_scales"] = pos
             pos += sizes[3]
     return LayerPlan(
@@ -167,7 +167,7 @@ def encode_layer_buffers(layer: LayerKV, *, quantization: str | None = None) -> 
             data[(role, "pool")], data[(role, "scales")] = byte_view(q), byte_view(sc)
         else:
             data[(role, "pool")] = byte_view(t.contiguous())
-    buffers = [data[(p.role, p.what)] if isinstance(p, Slot) else p for p in plan.parts]
+    buffers = [data[(p.role, p.what)] if isinstance(p, Placeholder) else p for p in plan.parts]
     plan_fields = {f.name: getattr(plan, f.name) for f in fields(LayerPlan)}
     return EncodedLayer(**plan_fields, buffers=buffers)
 

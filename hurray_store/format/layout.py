@@ -170,7 +170,7 @@ def index_type_for(num_pages: int, table_len: int) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Slot:
+class Placeholder:
     """A placeholder in a LayerPlan for bytes the caller fills: a role's page pool or
     its scales."""
 
@@ -182,10 +182,10 @@ class Slot:
 @dataclass(frozen=True, slots=True)
 class LayerPlan:
     """The byte layout of one layer object before its pages exist: descriptors and
-    index buffers as bytes, pools and scales as Slots, in stream order. A writer that
+    index buffers as bytes, pools and scales as Placeholders, in stream order. A writer that
     gathers pages straight into the object's final buffer fills the slots itself."""
 
-    parts: list[bytes | Slot]
+    parts: list[bytes | Placeholder]
     nbytes: int
     key_pool_offset: int
     value_pool_offset: int
@@ -201,7 +201,7 @@ class LayerPlan:
         """Copy the descriptors and index buffers into ``out`` (the whole object)."""
         pos = 0
         for part in self.parts:
-            if isinstance(part, Slot):
+            if isinstance(part, Placeholder):
                 pos += part.nbytes
             else:
                 out[pos : pos + len(part)] = part

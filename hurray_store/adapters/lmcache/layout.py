@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hurray_store.format import Slot, checksum, plan_layer
+from hurray_store.format import Placeholder, checksum, plan_layer
 from hurray_store.format.wire import blob_descriptor
 from hurray_store.records import chunk_record_bytes, chunk_record_of, layout_fingerprint
 from hurray_store.tiers import Sealed
@@ -102,7 +102,7 @@ class ChunkLayout:
                 pools[role] = (parts, [None] * len(parts))
                 sums[2 * li + r] = checksum(tok)  # the token bytes, not the padding
             for part in self.plan(li, pages).parts:
-                if isinstance(part, Slot):
+                if isinstance(part, Placeholder):
                     buffers += pools[part.role][0]
                     sum_at += pools[part.role][1]
                 else:

@@ -18,20 +18,22 @@ from hurray_store.config.loader import (
 )
 from hurray_store.config.schema import (
     ENV_PREFIX,
+    PolicyConfig,
+    ServerConfig,
+    StoreConfig,
+    schema,
+)
+from hurray_store.config.tier_configs import (
     TIER_CONFIGS,
     CpuTierConfig,
     DiskTierConfig,
     GpuTierConfig,
-    PolicyConfig,
     RedisTierConfig,
     RemoteTierConfig,
     S3TierConfig,
-    ServerConfig,
-    StoreConfig,
     TierConfig,
     parse_hurray_url,
     parse_s3_url,
-    schema,
 )
 
 __all__ = [

@@ -17,16 +17,18 @@ import yaml
 
 from hurray_store.config.schema import (
     ENV_PREFIX,
+    ServerConfig,
+    StoreConfig,
+    TenantConfig,
+    join_key,
+)
+from hurray_store.config.tier_configs import (
     TIER_CONFIGS,
     DiskTierConfig,
     RedisTierConfig,
     RemoteTierConfig,
     S3TierConfig,
-    ServerConfig,
-    StoreConfig,
-    TenantConfig,
     TierConfig,
-    join_key,
     parse_hurray_url,
     parse_s3_url,
 )

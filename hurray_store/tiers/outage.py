@@ -1,6 +1,6 @@
 """A tier behind a network service (Redis, S3, a cache server): its outage rules
 (``Outage``) and the guarded call every request of such a tier goes through
-(``ServiceTier._guard``)."""
+(``ServiceTier.guard``)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class ServiceTier(Tier):
     def ready(self) -> bool:
         return self.outage.ready
 
-    async def _guard(
+    async def guard(
         self,
         what: str,
         call: Callable[[], Awaitable[T]],

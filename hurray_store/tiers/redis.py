@@ -46,6 +46,7 @@ from hurray_store.errors import ConfigError
 from hurray_store.tiers.base import Capabilities, GroupObject, NowRead
 from hurray_store.tiers.helpers import host_view, one_buffer
 from hurray_store.tiers.outage import Outage, ServiceTier
+from hurray_store.tiers.redis_acked import AckedWrites
 from hurray_store.tiers.redis_blocking import SPLIT_BYTES, THREADS, BlockingRedis
 from hurray_store.tiers.redis_now import OUTAGE
 from hurray_store.tiers.registry import register
@@ -98,7 +99,7 @@ class RedisTier(ServiceTier):
         # may read (read_into_now), on a single Redis.
         self.caps = replace(self.caps, reads_now=not self.is_cluster)
         common: dict[str, Any] = {
-            # Whole operations are timed by _guard (longer for more bytes): a fixed
+            # Whole operations are timed by guard (longer for more bytes): a fixed
             # socket timeout would fail a 100 MB SET that is merely slow.
             "socket_timeout": None,
             "socket_connect_timeout": cfg.timeout_s,
@@ -112,10 +113,7 @@ class RedisTier(ServiceTier):
                 common["ssl_certfile"] = cfg.tls_cert_file
                 common["ssl_keyfile"] = cfg.tls_key_file
         self.client: Any
-        # WAIT in a cluster goes to the master holding the keys, on the connection that
-        # wrote them: a plain client per master (host:port), made when first needed.
-        self._masters: dict[str, aioredis.Redis] = {}
-        self._master_kwargs: dict[str, Any] = {}
+        master_kwargs: dict[str, Any] = {}  # a cluster master's own client's (WAIT)
         if self.is_cluster:
             if scheme.endswith("+cluster"):
                 nodes, auth = _cluster_nodes(cfg.url)
@@ -124,10 +122,11 @@ class RedisTier(ServiceTier):
                 u = urlsplit(cfg.url)
                 auth = {"username": u.username, "password": u.password, "ssl": u.scheme == "rediss"}
                 self.client = RedisCluster.from_url(cfg.url, **common)
-            self._master_kwargs = {**{k: v for k, v in auth.items() if v}, **common}
+            master_kwargs = {**{k: v for k, v in auth.items() if v}, **common}
         else:
             self.client = aioredis.Redis.from_url(cfg.url, **common)
         self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)
+        self._acked = AckedWrites(self, master_kwargs)  # with wait_replicas
         # Large SETs and ranged reads to a single Redis go out from threads, through
         # redis-py's blocking client (``redis_blocking.py``).
         self.write_threads = min(cfg.write_threads or THREADS, cfg.max_connections)
@@ -183,10 +182,10 @@ class RedisTier(ServiceTier):
                 await self.client.initialize()
             return bool(await self.client.ping())
 
-        await self._guard("open", ping, False)
+        await self.guard("open", ping, False)
 
     async def close(self) -> None:
-        for c in [self.client, *self._masters.values()]:
+        for c in [self.client, *self._acked.masters.values()]:
             try:
                 await c.aclose()
             except Exception as e:  # closing a dead connection must not fail a shutdown
@@ -195,7 +194,7 @@ class RedisTier(ServiceTier):
             self._blocking.close()
 
     async def get(self, key: str) -> Blob | None:
-        return await self._guard("GET", lambda: self.client.get(self.k(key)), None)
+        return await self.guard("GET", lambda: self.client.get(self.k(key)), None)
 
     async def get_ranges(
         self, key: str, ranges: Sequence[Range], into: ReadInto = None
@@ -209,7 +208,7 @@ class RedisTier(ServiceTier):
             async def straight() -> list[Blob] | None:
                 return await loop.run_in_executor(b.reads, b.getrange_into, key, ranges, bufs)
 
-            return await self._guard("GETRANGE", straight, None, nbytes)
+            return await self.guard("GETRANGE", straight, None, nbytes)
         return (await self.get_ranges_many([(key, ranges)]))[0]
 
     def read_into_now(self, reads: Sequence[NowRead], each: RangeIn | None = None) -> list[bool]:
@@ -231,7 +230,7 @@ class RedisTier(ServiceTier):
                     pipe.getrange(kk, off, off + ln - 1)
                 return await pipe.execute()
 
-            got = await self._guard("GETRANGE", run, None, sum(x[2] for x in part))
+            got = await self.guard("GETRANGE", run, None, sum(x[2] for x in part))
             if got is None:
                 return [None] * len(items)
             replies += got
@@ -250,7 +249,7 @@ class RedisTier(ServiceTier):
         if self._off_loop(nbytes):
             return await self._set_off_loop(key, parts, nbytes)
         value = one_buffer(buffers)
-        ok = await self._guard(
+        ok = await self.guard(
             "SET",
             lambda: self.client.set(self.k(key), value, ex=self.ttl_s),
             None,
@@ -277,7 +276,7 @@ class RedisTier(ServiceTier):
         async def vectored() -> bool:
             return await loop.run_in_executor(b.writers, b.set_vectored, key, parts, nbytes)
 
-        return bool(await self._guard("SET", vectored, None, nbytes))
+        return bool(await self.guard("SET", vectored, None, nbytes))
 
     async def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         values = [(self.k(key), one_buffer(bufs)) for key, bufs in items]
@@ -292,7 +291,7 @@ class RedisTier(ServiceTier):
                     pipe.set(kk, v, ex=self.ttl_s)
                 return await pipe.execute()
 
-            got = await self._guard("SET", run, None, sum(memoryview(v).nbytes for _, v in part))
+            got = await self.guard("SET", run, None, sum(memoryview(v).nbytes for _, v in part))
             out += [bool(g) for g in got] if got is not None else [False] * len(part)
         return out
 
@@ -306,7 +305,8 @@ class RedisTier(ServiceTier):
         ok = False
         try:
             if self.cfg.wait_replicas:
-                ok = await self._put_acked(objects[:-1]) and await self._put_acked(objects[-1:])
+                acked = self._acked.put
+                ok = await acked(objects[:-1]) and await acked(objects[-1:])
             elif self.is_cluster or len(objects) == 1:
                 oks = await self.put_many([(o.key, o.buffers()) for o in objects[:-1]])
                 ok = all(oks) and await self._put_last(objects[-1])
@@ -317,75 +317,15 @@ class RedisTier(ServiceTier):
             if not ok:
                 await self.delete_many([o.key for o in objects])
 
-    async def _put_acked(self, objects: Sequence[GroupObject]) -> bool:
-        """SET ``objects`` and WAIT for ``wait_replicas`` acknowledgements: one pipeline
-        per master, on one connection (WAIT counts the writes of its own connection)."""
-        if not objects:
-            return True
-        by_master: dict[str, list[GroupObject]] = {}
-        for o in objects:
-            by_master.setdefault(self._master_of(o.key), []).append(o)
-        n, ms = self.cfg.wait_replicas, int(self.cfg.wait_timeout_s * 1000)
-
-        async def one(master: str, objs: list[GroupObject]) -> bool:
-            client = self._masters.get(master, self.client)
-
-            async def run() -> list[Any]:
-                pipe = client.pipeline(transaction=False)
-                for o in objs:
-                    pipe.set(self.k(o.key), one_buffer(o.buffers()), ex=self.ttl_s)
-                pipe.execute_command("WAIT", n, ms)
-                return await pipe.execute()
-
-            nbytes = sum(o.nbytes for o in objs)
-            got = await self._guard("SET+WAIT", run, None, nbytes, self.cfg.wait_timeout_s)
-            if got is None:
-                if self.is_cluster:  # a master may have moved: ask the cluster again
-                    await self._refresh_slots()
-                return False
-            if int(got[-1]) < n:
-                log.warning(
-                    "redis tier %s: %d of %d replicas acknowledged a write within %.1f s; "
-                    "the write is skipped",
-                    self.name,
-                    int(got[-1]),
-                    n,
-                    self.cfg.wait_timeout_s,
-                )
-                return False
-            return all(bool(g) for g in got[:-1])
-
-        oks = await asyncio.gather(*(one(m, objs) for m, objs in by_master.items()))
-        return all(oks)
-
-    def _master_of(self, key: str) -> str:
-        """The master holding ``key`` ("" for a single Redis), with a client of its own."""
-        if not self.is_cluster:
-            return ""
-        node = self.client.get_node_from_key(self.k(key))
-        if node is None:
-            return ""
-        if node.name not in self._masters:
-            self._masters[node.name] = aioredis.Redis(
-                host=node.host, port=node.port, **self._master_kwargs
-            )
-        return str(node.name)
-
-    async def _refresh_slots(self) -> None:
-        try:
-            await self.client.nodes_manager.initialize()
-        except Exception as e:  # the cluster is still electing: the next write asks again
-            log.debug("redis tier %s: refreshing the slot map: %s", self.name, e)
-
     async def delete_many(self, keys: Sequence[str]) -> None:
         if keys:
-            await self._guard("DEL", lambda: self.client.delete(*[self.k(k) for k in keys]), 0)
+            await self.guard("DEL", lambda: self.client.delete(*[self.k(k) for k in keys]), 0)
 
     async def delete(self, key: str) -> None:
-        await self._guard("DEL", lambda: self.client.delete(self.k(key)), 0)
+        await self.guard("DEL", lambda: self.client.delete(self.k(key)), 0)
 
     async def contains(self, key: str) -> bool:
-        return bool(await self._guard("EXISTS", lambda: self.client.exists(self.k(key)), 0))
+        return bool(await self.guard("EXISTS", lambda: self.client.exists(self.k(key)), 0))
 
     async def sizes(self, keys: Sequence[str]) -> list[int | None]:
         """EXISTS and STRLEN of each key, in one pipeline (no value crosses the wire)."""
@@ -397,7 +337,7 @@ class RedisTier(ServiceTier):
                 pipe.strlen(self.k(key))
             return await pipe.execute()
 
-        got = await self._guard("STRLEN", run, None) if keys else []
+        got = await self.guard("STRLEN", run, None) if keys else []
         if got is None:
             return [None] * len(keys)
         return [int(n) if e else None for e, n in zip(got[::2], got[1::2], strict=True)]
@@ -432,7 +372,7 @@ class RedisTier(ServiceTier):
             return out
 
         while not done:
-            got = await self._guard("SCAN", batch, None)
+            got = await self.guard("SCAN", batch, None)
             if got is None:
                 return
             for item in got:

@@ -90,7 +90,7 @@ class S3Tier(ServiceTier):
         self._cleaned = 0.0  # when the log's old entries were last deleted
         opts: ClientConfig = {
             "connect_timeout": timedelta(seconds=cfg.timeout_s),
-            # Whole calls are timed in _guard (longer for more bytes); this is a backstop.
+            # Whole calls are timed in guard (longer for more bytes); this is a backstop.
             "timeout": timedelta(seconds=max(300.0, cfg.timeout_s)),
             "allow_http": cfg.endpoint.startswith("http://"),
         }
@@ -150,7 +150,7 @@ class S3Tier(ServiceTier):
                 break
             return True
 
-        await self._guard("open (listing the bucket)", first_page, False)
+        await self.guard("open (listing the bucket)", first_page, False)
         if self.cfg.change_poll_s > 0 and self._poller is None:
             self._poller = asyncio.ensure_future(self._poll_forever())
 
@@ -176,7 +176,7 @@ class S3Tier(ServiceTier):
             async def run(name: str = name) -> None:
                 await obstore.put_async(self.store, self.log + name, b"")
 
-            await self._guard("PUT (change log)", run, None)
+            await self.guard("PUT (change log)", run, None)
 
     def changes(self) -> list[tuple[bool, str]]:
         return self.feed.take()
@@ -205,7 +205,7 @@ class S3Tier(ServiceTier):
                     break
             return got
 
-        names = await self._guard("LIST (change log)", run, None)
+        names = await self.guard("LIST (change log)", run, None)
         for name in names or ():
             self.feed.add(name)
         self.feed.forget_old()
@@ -232,13 +232,13 @@ class S3Tier(ServiceTier):
                     break
             return old
 
-        old = await self._guard("LIST (change log)", run, None)
+        old = await self.guard("LIST (change log)", run, None)
         if old:
 
             async def delete() -> None:
                 await obstore.delete_async(self.store, old)
 
-            await self._guard("DELETE (change log)", delete, None)
+            await self.guard("DELETE (change log)", delete, None)
 
     async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
         """Uncommitted objects older than ``orphan_age_s``: a younger one may be a layer
@@ -250,7 +250,7 @@ class S3Tier(ServiceTier):
                 meta = await obstore.head_async(self.store, self.path(key))
                 return (now - meta["last_modified"]).total_seconds()
 
-            return await self._guard("HEAD", run, None)
+            return await self.guard("HEAD", run, None)
 
         ages = await asyncio.gather(*(age(k) for k in keys))
         limit = self.cfg.orphan_age_s
@@ -290,7 +290,7 @@ class S3Tier(ServiceTier):
                 raise ShortRead(f"{key}: {body.nbytes} of {size} bytes")
             return body
 
-        return await self._guard("GET", run, None, timed=True)
+        return await self.guard("GET", run, None, timed=True)
 
     async def get_ranges(
         self, key: str, ranges: Sequence[Range], into: ReadInto = None
@@ -307,7 +307,7 @@ class S3Tier(ServiceTier):
                 coalesce=0,  # exactly the bytes asked for
             )
 
-        got = await self._guard("GET (ranges)", run, None, sum(ln for _, ln in ranges))
+        got = await self.guard("GET (ranges)", run, None, sum(ln for _, ln in ranges))
         if got is None:
             return None
         parts = [memoryview(b) for b in got]
@@ -332,7 +332,7 @@ class S3Tier(ServiceTier):
             )
             return True
 
-        return await self._guard("PUT", run, False, nbytes)
+        return await self.guard("PUT", run, False, nbytes)
 
     async def delete(self, key: str) -> None:
         await self.delete_many([key])
@@ -344,14 +344,14 @@ class S3Tier(ServiceTier):
         async def run() -> None:
             await obstore.delete_async(self.store, [self.path(k) for k in keys])
 
-        await self._guard("DELETE", run, None)
+        await self.guard("DELETE", run, None)
 
     async def contains(self, key: str) -> bool:
         async def run() -> bool:
             await obstore.head_async(self.store, self.path(key))
             return True
 
-        return await self._guard("HEAD", run, False)
+        return await self.guard("HEAD", run, False)
 
     async def sizes(self, keys: Sequence[str]) -> list[int | None]:
         async def one(key: str) -> int | None:
@@ -359,7 +359,7 @@ class S3Tier(ServiceTier):
                 meta = await obstore.head_async(self.store, self.path(key))
                 return int(meta["size"])
 
-            return await self._guard("HEAD", run, None)
+            return await self.guard("HEAD", run, None)
 
         return list(await asyncio.gather(*(one(k) for k in keys)))
 
@@ -370,7 +370,7 @@ class S3Tier(ServiceTier):
         async def run() -> None:
             await obstore.rename_async(self.store, self.path(key), self.quarantined + key)
 
-        await self._guard("quarantine", run, None)
+        await self.guard("quarantine", run, None)
 
     async def scan(self) -> AsyncIterator[tuple[str, int]]:
         """Every object under ``objects/`` and its size, 1000 per listing page, each
@@ -384,7 +384,7 @@ class S3Tier(ServiceTier):
             return []
 
         while True:
-            got = await self._guard("LIST", page, None)
+            got = await self.guard("LIST", page, None)
             if not got:
                 return
             for item in got:

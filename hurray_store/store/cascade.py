@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from hurray_store.ledger import Group, Ledger
 from hurray_store.metrics import StoreMetrics
 from hurray_store.policy import Admission, Policy, Victim
+from hurray_store.store.copies import BackgroundCopies
 from hurray_store.store.reads import TierReads
 from hurray_store.tiers import (
     Reservation,
@@ -58,10 +59,7 @@ class TierCascade:
         self.metrics = metrics
         self.max_pending_bytes = max_pending_bytes
         self._listeners: list[Callable[[Group], None]] = []
-        # Groups with write-throughs or promotions queued or running (how many), and the
-        # event a delete waits on until they have ended.
-        self._copying: dict[Group, tuple[int, asyncio.Event]] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.copies = BackgroundCopies()  # write-throughs, promotions, flushes under way
         # Writes under way, by (tier, group): a later write of the same group to the same
         # tier waits for the earlier one, so the last put wins everywhere.
         self._writes: dict[tuple[int, Group], asyncio.Event] = {}
@@ -74,7 +72,7 @@ class TierCascade:
         # loop to count (``drain_reads_now``), and whether the loop was asked to.
         # Reads from the fastest holder, then shared tiers; what a read finds missing
         # or bad leaves the ledger through ``_left``.
-        self.reads = TierReads(self.tiers, self.ledger, metrics, self._left, self._spawn)
+        self.reads = TierReads(self.tiers, self.ledger, metrics, self._left, self.copies.spawn)
 
     def subscribe(self, on_group_left: Callable[[Group], None]) -> None:
         """``on_group_left(group)`` runs when no tier holds ``group`` any more."""
@@ -90,7 +88,7 @@ class TierCascade:
 
     def holds(self, group: Group) -> bool:
         """Some tier holds the group READY, or a write of it is on its way."""
-        return bool(self.ledger.group_holders(group)) or group in self._copying
+        return bool(self.ledger.group_holders(group)) or group in self.copies
 
     # ------------------------------------------------------------------ writes
 
@@ -139,11 +137,11 @@ class TierCascade:
                 )
             )
             self.pending_bytes += total
-        self._copy_started(group)
+        self.copies.started(group)
         # The lower tiers read the top tier's copy when it was built in place: keep it
         # from being evicted (and its space reused) until they have it.
         self.ledger.pin([group])
-        self._spawn(self._write_through(group, objects, depth, targets, total, release))
+        self.copies.spawn(self._write_through(group, objects, depth, targets, total, release))
         return [top, *targets]
 
     async def _write_through(
@@ -289,34 +287,19 @@ class TierCascade:
         in the background."""
         targets = self.policy.promote_targets(src, group)
         if targets:
-            self._copy_started(group)
-            self._spawn(self._copy_group(group, src, targets, "promote"))
+            self.copies.started(group)
+            self.copies.spawn(self._copy_group(group, src, targets, "promote"))
 
     async def flush(self) -> None:
         """Wait for write-through and promotions in flight; in write-back mode, move
         groups that only volatile tiers hold down to the first persistent tier."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self.copies.drain()
         for group, src, dst in self.policy.flush_targets():
-            self._copy_started(group)
+            self.copies.started(group)
             await self._copy_group(group, src, [dst], "flush")
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _copy_started(self, group: Group) -> None:
-        n, ev = self._copying.get(group, (0, asyncio.Event()))
-        self._copying[group] = (n + 1, ev)
-
     def _copy_ended(self, group: Group) -> None:
-        n, ev = self._copying[group]
-        if n > 1:
-            self._copying[group] = (n - 1, ev)
-            return
-        del self._copying[group]
-        ev.set()
+        self.copies.ended(group)
         self._left(group)  # the put's top tier may have evicted it meanwhile
 
     def _left(self, group: Group) -> None:
@@ -331,9 +314,7 @@ class TierCascade:
         one). Write-throughs of it still under way end first: they would put it back.
         ``reason``: ``delete`` (a caller's) or ``quota`` (a tenant's quota)."""
         for g in set(self.ledger.groups_of(key).values()):
-            copying = self._copying.get(g)
-            if copying is not None:
-                await copying[1].wait()
+            await self.copies.wait(g)
         holders = self.ledger.groups_of(key)  # again: the ledger moved while it waited
         for i, group in holders.items():
             if self.ledger.is_writing(i, group):

@@ -17,7 +17,7 @@ OWNERS = {
     "sglang": ["adapters/sglang.py"],
     # the S3 tier, and the test kit's raw client of a bucket (around the tier, for the
     # medium contract)
-    "obstore": ["tiers/s3.py", "testing/services.py"],
+    "obstore": ["tiers/s3.py", "tiers/s3_*.py", "testing/services.py"],
 }
 
 

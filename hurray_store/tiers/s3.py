@@ -44,8 +44,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import secrets
-import time
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -59,15 +57,14 @@ if TYPE_CHECKING:
 
 from hurray_store.config import S3TierConfig, parse_s3_url
 from hurray_store.tiers.base import Capabilities, GroupObject
-from hurray_store.tiers.changelog import ChangeFeed, entry_time_ms
 from hurray_store.tiers.helpers import one_buffer, transfer_timeout_s
 from hurray_store.tiers.outage import Outage, ServiceTier
 from hurray_store.tiers.registry import register
+from hurray_store.tiers.s3_log import S3ChangeLog
 from hurray_store.tiers.types import Blob, Buffer, Range, ReadInto
 
 log = logging.getLogger(__name__)
 _PARALLEL = 12  # parts of one object in flight at once (upload and ranged download)
-_LOG_PAGE = 10_000  # change log entries one listing takes at most
 
 
 @register
@@ -83,11 +80,6 @@ class S3Tier(ServiceTier):
         self.root = f"{prefix}/" if prefix else ""
         self.objects = self.root + "objects/"
         self.quarantined = self.root + "quarantine/"
-        self.log = self.root + "log/"
-        self.feed = ChangeFeed(secrets.token_hex(6))
-        self._poller: asyncio.Task[None] | None = None
-        self._announcing: set[asyncio.Task[None]] = set()
-        self._cleaned = 0.0  # when the log's old entries were last deleted
         opts: ClientConfig = {
             "connect_timeout": timedelta(seconds=cfg.timeout_s),
             # Whole calls are timed in guard (longer for more bytes); this is a backstop.
@@ -122,6 +114,8 @@ class S3Tier(ServiceTier):
         )
         self._calls = asyncio.Semaphore(cfg.max_connections)
         self.outage = Outage(self.name, cfg.backoff_initial_s, cfg.backoff_max_s)
+        # Other stores on the prefix: read through the change log.
+        self.changelog = S3ChangeLog(self, self.root + "log/")
 
     def path(self, key: str) -> str:
         return self.objects + key
@@ -151,94 +145,25 @@ class S3Tier(ServiceTier):
             return True
 
         await self.guard("open (listing the bucket)", first_page, False)
-        if self.cfg.change_poll_s > 0 and self._poller is None:
-            self._poller = asyncio.ensure_future(self._poll_forever())
+        self.changelog.start()
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
-            self._poller = None
-        await asyncio.gather(*self._announcing, return_exceptions=True)
+        await self.changelog.stop()
 
     # ------------------------------------------------------------------ other stores
 
     def log_changes(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:
-        names = self.feed.names(added, removed)
-        if names:
-            task = asyncio.ensure_future(self._write_log(names))
-            self._announcing.add(task)
-            task.add_done_callback(self._announcing.discard)
-
-    async def _write_log(self, names: list[str]) -> None:
-        for name in names:
-
-            async def run(name: str = name) -> None:
-                await obstore.put_async(self.store, self.log + name, b"")
-
-            await self.guard("PUT (change log)", run, None)
+        self.changelog.write(added, removed)
 
     def changes(self) -> list[tuple[bool, str]]:
-        return self.feed.take()
+        return self.changelog.feed.take()
 
     def has_changes(self) -> bool:
-        return bool(self.feed.pending)
-
-    async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.change_poll_s)
-            await self.poll()
+        return bool(self.changelog.feed.pending)
 
     async def poll(self) -> None:
-        """List the change log for what the other stores did since the last listing
-        (at most ``_LOG_PAGE`` entries a call; the rest the next time)."""
-        n = len(self.log)
-
-        async def run() -> list[str]:
-            got: list[str] = []
-            stream = obstore.list(
-                self.store, self.log, offset=self.log + self.feed.offset(), chunk_size=1000
-            )
-            async for batch in stream:
-                got += [m["path"][n:] for m in batch]
-                if len(got) >= _LOG_PAGE:
-                    break
-            return got
-
-        names = await self.guard("LIST (change log)", run, None)
-        for name in names or ():
-            self.feed.add(name)
-        self.feed.forget_old()
-        now = time.time()
-        if now - self._cleaned > self.cfg.change_log_keep_s / 10:
-            self._cleaned = now
-            await self._clean_log(now)
-
-    async def _clean_log(self, now: float) -> None:
-        """Delete the log's entries older than ``change_log_keep_s`` (at most
-        ``_LOG_PAGE`` a call), oldest first, stopping at the first younger one."""
-        edge = (now - self.cfg.change_log_keep_s) * 1000
-        n = len(self.log)
-
-        async def run() -> list[str]:
-            old: list[str] = []
-            async for batch in obstore.list(self.store, self.log, chunk_size=1000):
-                for m in batch:
-                    ts = entry_time_ms(m["path"][n:])
-                    if ts is not None and ts >= edge:
-                        return old
-                    old.append(m["path"])
-                if len(old) >= _LOG_PAGE:
-                    break
-            return old
-
-        old = await self.guard("LIST (change log)", run, None)
-        if old:
-
-            async def delete() -> None:
-                await obstore.delete_async(self.store, old)
-
-            await self.guard("DELETE (change log)", delete, None)
+        """List the change log for what the other stores did since the last listing."""
+        await self.changelog.poll()
 
     async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
         """Uncommitted objects older than ``orphan_age_s``: a younger one may be a layer

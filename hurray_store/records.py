@@ -42,7 +42,7 @@ import torch
 from hurray_store.errors import FormatError
 from hurray_store.format import checksum
 from hurray_store.format.wire import blob_descriptor
-from hurray_store.tiers import Sealed
+from hurray_store.tiers import SelfChecked
 
 CHUNK_MAGIC = b"HSLC"
 CHUNK_VERSION = 4
@@ -169,17 +169,17 @@ def l2_layout(nbytes: int) -> tuple[int, int, int]:
     return d, at, at + L2_RECORD_BYTES
 
 
-def pack_l2_object(data: bytes | memoryview) -> Sealed:
-    """The L2 object of ``data`` (``data`` itself among its parts, no copy), sealed by
+def pack_l2_object(data: bytes | memoryview) -> SelfChecked:
+    """The L2 object of ``data`` (``data`` itself among its parts, no copy), closed by
     its record: ``data`` is hashed where the object is written (a disk tier or a single
     Redis: on the thread that writes it, just before it goes out), the record last."""
     offset = l2_layout(len(data))[0]
 
-    def seal(sums: list[int]) -> list[bytes]:
+    def closing(sums: list[int]) -> list[bytes]:
         return [_L2.pack(L2_MAGIC, L2_VERSION, offset, len(data), sums[0])]
 
     parts = [blob_descriptor(len(data)), data, blob_descriptor(L2_RECORD_BYTES)]
-    return Sealed(parts, [None, 0, None], [0], seal, L2_RECORD_BYTES, checksum)
+    return SelfChecked(parts, [None, 0, None], [0], closing, L2_RECORD_BYTES, checksum)
 
 
 def parse_l2_record(rec: bytes | bytearray | memoryview) -> tuple[int, int, int]:

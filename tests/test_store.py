@@ -19,7 +19,7 @@ from hurray_store import PagedKVPool, PoolExhaustedError
 from hurray_store.keys import ObjectKey
 from hurray_store.store import open_store
 from hurray_store.testing.services import RedisProc, SeaweedProc
-from hurray_store.tiers import Sealed
+from hurray_store.tiers import SelfChecked
 from tests.store_helpers import Batch, assert_pages_equal, random_pool, shared_batch, spec
 
 PREFIX = list(range(1000, 1018))  # 4 full pages + 2 tokens
@@ -511,13 +511,13 @@ async def test_put_objects_is_one_group_written_record_last(tmp_path: Path) -> N
         assert got is not None and bytes(got) == b"b" * 600
 
 
-async def test_put_objects_takes_a_sealed_member(tmp_path: Path) -> None:
-    # A group whose last object seals itself (the checksums of its parts, hashed where
+async def test_put_objects_takes_a_self_checked_member(tmp_path: Path) -> None:
+    # A group whose last object checks itself (the checksums of its parts, hashed where
     # a disk tier writes them): the store writes it as the group's record, in memory and
     # on disk alike, and both hold the same bytes after a restart.
     rnd = random.Random(5)
     parts = [rnd.randbytes(n) for n in (700_000, 12, 300_000)]
-    sealed = Sealed(parts, [0, None, 1], [0, 0], lambda s: [struct.pack("<2Q", *s)], 16, xxh3)
+    checked = SelfChecked(parts, [0, None, 1], [0, 0], lambda s: [struct.pack("<2Q", *s)], 16, xxh3)
     want = b"".join(parts) + struct.pack("<2Q", xxh3(parts[0]), xxh3(parts[2]))
     cfg = {
         "tiers": [
@@ -526,7 +526,7 @@ async def test_put_objects_takes_a_sealed_member(tmp_path: Path) -> None:
         ]
     }
     async with await open_store(cfg) as store:
-        assert await store.put_objects([("s/0", b"a" * 600), ("s/r", sealed)])
+        assert await store.put_objects([("s/0", b"a" * 600), ("s/r", checked)])
         await store.flush()
         got = await store.get_object("s/r")
         assert got is not None and bytes(got) == want

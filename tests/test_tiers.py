@@ -206,7 +206,7 @@ class TestDiskTier(DiskBase):
 
 
 def test_a_gathered_write_goes_out_before_the_next_buffer_is_taken() -> None:
-    # Taking a sealed object's buffer hashes it (SealedObject.written): a disk tier hands
+    # Taking a self-checked object's buffer hashes it (SelfCheckedObject.written): a disk tier hands
     # each list of views to writev as soon as it is full, so no buffer is hashed a list
     # ahead of its write (its bytes would have left the CPU's cache by then). A full
     # list ends on a multiple of 1 MiB in the file, the buffer there cut in two.

@@ -39,7 +39,7 @@ from hurray_store.format import checksum, plan_layer
 from hurray_store.format.layout import Placeholder
 from hurray_store.format.wire import blob_descriptor
 from hurray_store.records import chunk_record_bytes, chunk_record_of, parse_chunk_record
-from hurray_store.tiers import Sealed
+from hurray_store.tiers import SelfChecked
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 
@@ -204,19 +204,19 @@ class PageCodec:
             for r in (0, 1)
         ]
 
-    def encode(self, pages: memoryview, j: int, fingerprint: bytes) -> Sealed:
+    def encode(self, pages: memoryview, j: int, fingerprint: bytes) -> SelfChecked:
         """The object of staging page ``j`` of ``pages`` (``staging_bytes``; its pools
-        are views of it, which must stay unchanged until the put returns), sealed by
+        are views of it, which must stay unchanged until the put returns), closed by
         its record; each pool is hashed where the object is written."""
         views = self.pool_views(pages, j)
         parts = [views[t] if isinstance(t, int) else t for t in self._template]
         n, size, pools, record_of = self.page_size, self.size, self.pools, self._record_of
 
-        def seal(sums: list[int]) -> list[bytes]:
+        def closing(sums: list[int]) -> list[bytes]:
             return [record_of(fingerprint, n, size, pools, sums)]
 
-        return Sealed(
-            parts, self._sum_at, [0] * (2 * self.layers), seal, self.record_bytes, checksum
+        return SelfChecked(
+            parts, self._sum_at, [0] * (2 * self.layers), closing, self.record_bytes, checksum
         )
 
     def check(

@@ -280,7 +280,7 @@ class TieredStore:
 
     async def put_objects(self, items: Sequence[tuple[str, Data]]) -> bool:
         """Store several objects as one group, the last written after the others (any of
-        them may be a ``Sealed`` object, as ``put_object`` takes)."""
+        them may be a ``SelfChecked`` object, as ``put_object`` takes)."""
         await self.sync()
         return await self.objects.put_many(items)
 

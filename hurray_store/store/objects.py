@@ -28,11 +28,11 @@ from hurray_store.ledger import Entry, Group, KeyRef
 from hurray_store.store.cascade import TierCascade
 from hurray_store.tiers import Blob, Buffer, Range, RangeIn, host_view
 from hurray_store.tiers.base import GroupObject, StoredObject
-from hurray_store.tiers.sealed import Sealed, SealedObject
+from hurray_store.tiers.self_checked import SelfChecked, SelfCheckedObject
 
 log = logging.getLogger(__name__)
 
-Data = Buffer | Sequence[Buffer] | Sealed
+Data = Buffer | Sequence[Buffer] | SelfChecked
 
 
 def _bufs(data: Data) -> list[Buffer]:
@@ -58,7 +58,7 @@ class ObjectStore:
 
     async def put(self, name: str, data: Data, self_checked: bool = False) -> bool:
         """Store one object (the concatenation of ``data`` when it is a list; a
-        ``Sealed`` object ends in its own checksums, hashed as a disk tier writes it) in
+        ``SelfChecked`` object ends in its own checksums, hashed as a disk tier writes it) in
         the top tier that can hold it, and write-through below. False: stored nowhere.
 
         ``self_checked``: the object carries its own checksums and its reader checks
@@ -66,10 +66,10 @@ class ObjectStore:
         none of its bytes and ``get`` checks nothing for it."""
         k = self.key(name)
         obj = self._member(k.stored, data)
-        # A sealed object checks itself, hashed where it is written.
+        # A self-checked object checks itself, hashed where it is written.
         sum_ = (
             None
-            if self_checked or isinstance(data, Sealed)
+            if self_checked or isinstance(data, SelfChecked)
             else checksum(*(host_view(b) for b in obj.buffers()))
         )
         ok = bool(await self.cascade.put_group(k, [obj]))
@@ -99,8 +99,8 @@ class ObjectStore:
     @staticmethod
     def _member(stored: str, data: Data) -> GroupObject:
         return (
-            SealedObject(stored, data)
-            if isinstance(data, Sealed)
+            SelfCheckedObject(stored, data)
+            if isinstance(data, SelfChecked)
             else StoredObject(stored, _bufs(data))
         )
 

@@ -25,8 +25,8 @@ from xxhash import xxh3_64_intdigest as xxh3
 from hurray_store.format import checksum
 from hurray_store.tiers import (
     NowRead,
-    Sealed,
-    SealedObject,
+    SelfChecked,
+    SelfCheckedObject,
     StoredObject,
     Tier,
     Unhashed,
@@ -212,25 +212,27 @@ class MediumContract(TierContract):
         assert await tier.put("m/{seg}/0", parts)
         assert self.raw_get(tier, "m/{seg}/0") == b"".join(bytes(p) for p in parts)
 
-    async def test_a_sealed_object_ends_in_the_checksums_of_its_parts(self, tier: Tier) -> None:
+    async def test_a_self_checked_object_ends_in_the_checksums_of_its_parts(self, tier: Tier) -> None:
         # A disk tier hashes the parts on its writer thread as it writes them; the
         # others hash them first. Either way the record (the sums, packed) comes last.
         rnd = random.Random(3)
         parts = [rnd.randbytes(n) for n in (10, 600_000, 3, 2 << 20, 700_000)]
         sum_at = [None, 0, None, 2, 1]
-        sealed = Sealed(parts, sum_at, [0, 0, 0], lambda s: [struct.pack("<3Q", *s)], 24, xxh3)
-        assert await tier.put_group([SealedObject("m/{sealed}/0", sealed)])
+        checked = SelfChecked(
+            parts, sum_at, [0, 0, 0], lambda s: [struct.pack("<3Q", *s)], 24, xxh3
+        )
+        assert await tier.put_group([SelfCheckedObject("m/{checked}/0", checked)])
         want = struct.pack("<3Q", *(xxh3(parts[i]) for i in (1, 4, 3)))
-        assert self.raw_get(tier, "m/{sealed}/0") == b"".join(parts) + want
+        assert self.raw_get(tier, "m/{checked}/0") == b"".join(parts) + want
 
-    async def test_a_seal_of_another_length_than_promised_stores_nothing(self, tier: Tier) -> None:
+    async def test_a_record_of_another_length_than_promised_stores_nothing(self, tier: Tier) -> None:
         # Small, and large enough that a Redis sends it from a worker thread, hashing
-        # as it goes: the seal fails after the parts went out.
+        # as it goes: the record fails after the parts went out.
         for n in (4, 3 << 20):
             parts = [b"abc", os.urandom(n)]
-            sealed = Sealed(parts, [0, None], [0], lambda s: [b"too long"], 3, xxh3)
+            checked = SelfChecked(parts, [0, None], [0], lambda s: [b"too long"], 3, xxh3)
             with pytest.raises(ValueError, match="not the 3 bytes promised"):
-                await tier.put_group([SealedObject("m/{bad}/0", sealed)])
+                await tier.put_group([SelfCheckedObject("m/{bad}/0", checked)])
             assert self.raw_get(tier, "m/{bad}/0") is None
             assert [k async for k, _ in tier.scan()] == []
         # The tier still works (a Redis dropped the connection it was sending on).

@@ -21,7 +21,7 @@ from hurray_store.tiers.helpers import blob_nbytes, host_view, transfer_timeout_
 from hurray_store.tiers.memory import CpuTier, GpuTier
 from hurray_store.tiers.registry import TIER_TYPES, register
 from hurray_store.tiers.remote import RemoteTier
-from hurray_store.tiers.sealed import Sealed, SealedObject
+from hurray_store.tiers.self_checked import SelfChecked, SelfCheckedObject
 from hurray_store.tiers.types import Blob, Buffer, Range, RangeIn, ReadInto
 
 # Built-in tiers whose module loads only when a config names them (their client
@@ -55,8 +55,8 @@ __all__ = [
     "ReadInto",
     "Reservation",
     "SharedTier",
-    "Sealed",
-    "SealedObject",
+    "SelfChecked",
+    "SelfCheckedObject",
     "StoredObject",
     "Tier",
     "Unhashed",

@@ -312,7 +312,7 @@ class Tier(ABC):
 
     def _buffers_of(self, obj: GroupObject) -> Iterable[Buffer]:
         """What ``put`` gets of ``obj``: its buffers (a tier that writes from a worker
-        thread may take a ``SealedObject``'s ``written()`` instead)."""
+        thread may take a ``SelfCheckedObject``'s ``written()`` instead)."""
         return obj.buffers()
 
     async def _put_object(self, obj: GroupObject, bufs: Iterable[Buffer]) -> bool:

@@ -69,7 +69,7 @@ from hurray_store.tiers.folder import ORPHAN_AGE_S, SharedFolder
 from hurray_store.tiers.helpers import check_into, shared_run
 from hurray_store.tiers.journal import Journal
 from hurray_store.tiers.registry import register
-from hurray_store.tiers.sealed import SealedObject
+from hurray_store.tiers.self_checked import SelfCheckedObject
 from hurray_store.tiers.types import Blob, Buffer, Range, RangeIn, ReadInto
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class DiskTier(Tier):
 
     def _put_sync(self, key: str, buffers: Iterable[Buffer]) -> bool:
         """Write ``buffers`` as ``key``'s file, whole or not at all. Buffers made as
-        they are taken (a sealed object's, hashed on the way) go out in groups of about
+        they are taken (a self-checked object's, hashed on the way) go out in groups of about
         ``GATHER`` bytes (a group goes once it reaches them), each written while its
         bytes are still in the CPU's cache."""
         try:
@@ -255,7 +255,7 @@ class DiskTier(Tier):
             else:
                 log.warning("disk tier %s: write of %s skipped: %s", self.name, key, e)
             return False
-        except BaseException:  # a sealed object's record failed: no file left behind
+        except BaseException:  # a self-checked object's record failed: no file left behind
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
@@ -302,11 +302,11 @@ class DiskTier(Tier):
         return bool(await self._put(key, buffers))
 
     def _buffers_of(self, obj: GroupObject) -> Iterable[Buffer]:
-        # A sealed object is hashed on the writer thread, part by part, as it is written.
-        return obj.written() if isinstance(obj, SealedObject) else obj.buffers()
+        # A self-checked object is hashed on the writer thread, part by part, as it is written.
+        return obj.written() if isinstance(obj, SelfCheckedObject) else obj.buffers()
 
     async def _put_object(self, obj: GroupObject, bufs: Iterable[Buffer]) -> bool:
-        if isinstance(obj, SealedObject) and obj.reservation is None:
+        if isinstance(obj, SelfCheckedObject) and obj.reservation is None:
             return bool(await self._put(obj.key, bufs))
         return await super()._put_object(obj, bufs)
 

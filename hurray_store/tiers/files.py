@@ -71,7 +71,7 @@ def pieces(buffers: Iterable[Buffer], most: int = IO_CHUNK) -> Iterator[list[mem
     large blocks (folios), which read back faster.
 
     A list is handed out as soon as it is full, before the next buffer is taken: taking
-    a sealed object's buffer hashes it (``SealedObject.written``), and a buffer hashed
+    a self-checked object's buffer hashes it (``SelfCheckedObject.written``), and a buffer hashed
     a list ahead of its write would have left the CPU's cache by then."""
     views: list[memoryview] = []
     pos = 0  # where the next byte goes in the file

@@ -50,7 +50,7 @@ from hurray_store.tiers.redis_acked import AckedWrites
 from hurray_store.tiers.redis_blocking import SPLIT_BYTES, THREADS, BlockingRedis
 from hurray_store.tiers.redis_now import OUTAGE
 from hurray_store.tiers.registry import register
-from hurray_store.tiers.sealed import SealedObject
+from hurray_store.tiers.self_checked import SelfCheckedObject
 from hurray_store.tiers.types import Blob, Buffer, Range, RangeIn, ReadInto
 
 log = logging.getLogger(__name__)
@@ -258,10 +258,10 @@ class RedisTier(ServiceTier):
         return bool(ok)
 
     async def _put_last(self, obj: GroupObject) -> bool:
-        """``put`` of a group's last object. A sealed one sent from a worker thread is
+        """``put`` of a group's last object. A self-checked one sent from a worker thread is
         hashed there, each part just before it is sent (``written()``), while its bytes
         are in the CPU's cache for the kernel's copy, and its record goes last."""
-        if isinstance(obj, SealedObject) and self._off_loop(obj.nbytes):
+        if isinstance(obj, SelfCheckedObject) and self._off_loop(obj.nbytes):
             return await self._set_off_loop(obj.key, obj.written(), obj.nbytes)
         return await self.put(obj.key, obj.buffers())
 

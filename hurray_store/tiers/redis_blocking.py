@@ -127,7 +127,7 @@ class BlockingRedis:
         connection (its pool, AUTH, TLS and reply parsing) sends the header, each buffer
         as it is and the tail, one ``sendall`` each, from a worker thread. (docs/benchmarks.md,
         the Redis rows). ``parts`` may be made as
-        they are taken (a sealed object's); if that fails mid-value, the connection is
+        they are taken (a self-checked object's); if that fails mid-value, the connection is
         dropped and Redis discards the half-sent command."""
         k = self.k(key).encode()
         extra = [b"EX", str(self.ttl_s).encode()] if self.ttl_s else []

@@ -142,7 +142,7 @@ class HurrayL2Adapter(L2AdapterInterface):
             if self.store.has_object(k):
                 return None  # stored already
             # A Hurray stream (any Hurray reader, pyhurray or `hurray-store inspect`,
-            # reads it) sealed by its record: the bytes are hashed once, by the tier
+            # reads it) closed by its record: the bytes are hashed once, by the tier
             # that writes them (a disk tier or a single Redis: on its writing thread,
             # just before they go out).
             if not await self.store.put_object(k, pack_l2_object(data), self_checked=True):

@@ -1,7 +1,7 @@
 """An LMCache chunk as a hurray_store object (pure: no LMCache import, no I/O): where
 each layer's key and value pools lie in the chunk object for a chunk of so many pages,
 the ranges a get reads, and the encoding of a chunk into the buffers a tier writes,
-sealed by its record (docs/format.md, "Chunk objects"). The plugin
+closed by its record (docs/format.md, "Chunk objects"). The plugin
 (``plugin.py``) names chunks, pins them and moves them; this says what their bytes are.
 """
 
@@ -14,7 +14,7 @@ import torch
 from hurray_store.format import Placeholder, checksum, plan_layer
 from hurray_store.format.wire import blob_descriptor
 from hurray_store.records import chunk_record_bytes, chunk_record_of, layout_fingerprint
-from hurray_store.tiers import Sealed
+from hurray_store.tiers import SelfChecked
 
 
 class ChunkLayout:
@@ -50,9 +50,9 @@ class ChunkLayout:
         self._layouts: dict[int, tuple[list[tuple[int, int]], int]] = {}  # by page count
         self._reads: dict[int, list[tuple[int, int]]] = {}  # a get's ranges, by page count
 
-    def encode(self, obj: Any) -> Sealed:
+    def encode(self, obj: Any) -> SelfChecked:
         """The chunk object: views of LMCache's buffer, the descriptors, one padded copy
-        of a partial last page per pool, and the record, sealed with the checksums of
+        of a partial last page per pool, and the record, closed with the checksums of
         the chunk's token bytes. Runs on LMCache's thread, which keeps a reference to
         the buffer until the put completes. A pool of whole pages is hashed where the
         object is written (a disk tier: on its writer thread, just before the write),
@@ -111,10 +111,10 @@ class ChunkLayout:
         buffers.append(self.record_descriptor)
         sum_at.append(None)
 
-        def seal(sums: list[int]) -> list[bytes]:
+        def closing(sums: list[int]) -> list[bytes]:
             return [self.record_of(self.fingerprint, n, size, offsets, sums)]
 
-        return Sealed(buffers, sum_at, sums, seal, self.record_bytes, checksum)
+        return SelfChecked(buffers, sum_at, sums, closing, self.record_bytes, checksum)
 
     def plan(self, layer: int, pages: int) -> Any:
         """The descriptors of a layer of ``pages`` pages (one sequence), made once."""

@@ -13,7 +13,7 @@ from typing import Any
 from hurray_store.adapters.lmcache.chunks import Chunk
 from hurray_store.adapters.lmcache.layout import ChunkLayout
 from hurray_store.adapters.lmcache.lookups import ChunkLookups
-from hurray_store.tiers import Sealed
+from hurray_store.tiers import SelfChecked
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class ChunkPuts:
         self._pending: dict[Any, Future[None]] = {}
         self._lock = threading.Lock()
 
-    async def _put(self, c: Chunk, chunk: Sealed) -> None:
+    async def _put(self, c: Chunk, chunk: SelfChecked) -> None:
         if not await self.store.put_object(c.name, chunk, self_checked=True):
             raise OSError("stored in no tier")
         self.store.refresh_ref(c.ref)  # the next lookup's pin finds the copy at once

@@ -1,7 +1,7 @@
 """Objects whose bytes end in a record of checksums of some of them (the LMCache
 plugin's chunks, the L2 adapter's objects, SGLang's pages). It lives with the tiers, not
 an adapter: a tier that writes from a worker thread hashes each part there, just before
-it writes it (``SealedObject.written``)."""
+it writes it (``SelfCheckedObject.written``)."""
 
 from __future__ import annotations
 
@@ -13,33 +13,33 @@ from hurray_store.tiers.types import Buffer
 
 
 @dataclass(frozen=True, slots=True)
-class Sealed:
+class SelfChecked:
     """An object's bytes that end in a record of checksums of some of them (the LMCache
     plugin's chunks): ``parts`` in order, ``sum_at[i]`` where part ``i``'s checksum goes
     in the record's list (None: not hashed), ``sums`` that list with the entries known
-    already, and ``seal(sums)`` the buffers that close the object (``seal_bytes``
+    already, and ``record_of(sums)`` the buffers that close the object (``record_bytes``
     long). ``hash`` hashes one part."""
 
     parts: Sequence[Buffer]
     sum_at: Sequence[int | None]
     sums: Sequence[int]
-    seal: Callable[[list[int]], Sequence[Buffer]]
-    seal_bytes: int
+    record_of: Callable[[list[int]], Sequence[Buffer]]
+    record_bytes: int
     hash: Callable[[Buffer], int]
 
 
-class SealedObject(GroupObject):
-    """A ``Sealed`` object. A tier that writes from a worker thread takes ``written()``
+class SelfCheckedObject(GroupObject):
+    """A ``SelfChecked`` object. A tier that writes from a worker thread takes ``written()``
     there: each part hashed just before it is written, while its bytes are still in
     the CPU's cache for the copy, and the record last. Any other takes ``buffers()``,
     hashed on first use."""
 
-    __slots__ = ("sealed", "_built")
+    __slots__ = ("checked", "_built")
 
-    def __init__(self, key: str, sealed: Sealed) -> None:
-        nbytes = sum(memoryview(b).nbytes for b in sealed.parts) + sealed.seal_bytes
+    def __init__(self, key: str, checked: SelfChecked) -> None:
+        nbytes = sum(memoryview(b).nbytes for b in checked.parts) + checked.record_bytes
         super().__init__(key, nbytes)
-        self.sealed = sealed
+        self.checked = checked
         self._built: list[Buffer] | None = None
 
     def written(self) -> Iterator[Buffer]:
@@ -48,15 +48,15 @@ class SealedObject(GroupObject):
         if self._built is not None:
             yield from self._built
             return
-        s = self.sealed
+        s = self.checked
         sums = list(s.sums)
         for part, at in zip(s.parts, s.sum_at, strict=True):
             if at is not None:
                 sums[at] = s.hash(part)
             yield part
-        tail = list(s.seal(sums))
-        if sum(memoryview(b).nbytes for b in tail) != s.seal_bytes:
-            raise ValueError(f"{self.key}: the record is not the {s.seal_bytes} bytes promised")
+        tail = list(s.record_of(sums))
+        if sum(memoryview(b).nbytes for b in tail) != s.record_bytes:
+            raise ValueError(f"{self.key}: the record is not the {s.record_bytes} bytes promised")
         self._built = [*s.parts, *tail]
         yield from tail
 

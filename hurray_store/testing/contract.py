@@ -212,7 +212,7 @@ class MediumContract(TierContract):
         assert await tier.put("m/{seg}/0", parts)
         assert self.raw_get(tier, "m/{seg}/0") == b"".join(bytes(p) for p in parts)
 
-    async def test_a_self_checked_object_ends_in_the_checksums_of_its_parts(self, tier: Tier) -> None:
+    async def test_a_self_checked_object_ends_in_its_parts_sums(self, tier: Tier) -> None:
         # A disk tier hashes the parts on its writer thread as it writes them; the
         # others hash them first. Either way the record (the sums, packed) comes last.
         rnd = random.Random(3)
@@ -225,7 +225,7 @@ class MediumContract(TierContract):
         want = struct.pack("<3Q", *(xxh3(parts[i]) for i in (1, 4, 3)))
         assert self.raw_get(tier, "m/{checked}/0") == b"".join(parts) + want
 
-    async def test_a_record_of_another_length_than_promised_stores_nothing(self, tier: Tier) -> None:
+    async def test_a_record_of_another_length_stores_nothing(self, tier: Tier) -> None:
         # Small, and large enough that a Redis sends it from a worker thread, hashing
         # as it goes: the record fails after the parts went out.
         for n in (4, 3 << 20):

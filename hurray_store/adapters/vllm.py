@@ -100,10 +100,6 @@ class HurrayConnector(KVConnectorBase_V1):
                 "hurray_store YAML config"
             )
         self.block_size = int(vllm_config.cache_config.block_size)
-        # kv_role: kv_both loads and saves; kv_consumer only loads (a read-only
-        # instance); kv_producer only saves.
-        self.loads = bool(self._kv_transfer_config.is_kv_consumer)
-        self.saves = bool(self._kv_transfer_config.is_kv_producer)
         # Refused at start, in both halves (the scheduler then promises no load): an
         # instance whose pages the key cannot tell apart.
         self.disabled = unkeyable(vllm_config, kv_cache_config)
@@ -116,9 +112,6 @@ class HurrayConnector(KVConnectorBase_V1):
             self.spec = KVSpec("unkeyable", 1, 1, 1, self.block_size, torch.float32)
         else:
             self.spec = spec_for_vllm(vllm_config, kv_cache_config, rank)
-        # The scheduler serves a prefix only when every rank can deliver it: it looks
-        # it up under each rank's spec and takes the shortest.
-        self.rank_specs = [replace(self.spec, tp_rank=r) for r in range(self.spec.tp_size)]
         # A JSON file the worker writes its counts to at shutdown (tests, debugging).
         self.stats_file = str(extra.get("stats_file", ""))
         self.counts: dict[str, Any] = {
@@ -143,18 +136,22 @@ class HurrayConnector(KVConnectorBase_V1):
         # the store config's; a request's cache_salt and adapter are mixed into it.
         base = str(extra.get("salt", "")) or self.st.store.config.salt
         check_salt(base)
-        self.base_salt = base.encode()
         self._cache_hit_source = hit_source(self.st.store.config)
         if self.disabled:
             log.warning("HurrayConnector: serving without the cache: %s", self.disabled)
+        kvt = self._kv_transfer_config
         self.scheduler = SchedulerSide(
             self.st,
-            self.rank_specs,
+            # The scheduler serves a prefix only when every rank can deliver it: it
+            # looks it up under each rank's spec and takes the shortest.
+            [replace(self.spec, tp_rank=r) for r in range(self.spec.tp_size)],
             self.block_size,
-            loads=self.loads,
-            saves=self.saves,
+            # kv_role: kv_both loads and saves; kv_consumer only loads (a read-only
+            # instance); kv_producer only saves.
+            loads=bool(kvt.is_kv_consumer),
+            saves=bool(kvt.is_kv_producer),
             disabled=self.disabled,
-            base_salt=self.base_salt,
+            base_salt=base.encode(),
         )
         # worker
         # The host memory saves copied out of vLLM's KV may hold while the store writes

@@ -27,31 +27,27 @@ class Discovery:
         object_levels: dict[str, ObjectStore],
         reads: TierReads,
     ) -> None:
-        self.tiers, self.catalogs, self.object_levels, self.reads = (
-            tiers,
-            catalogs,
-            object_levels,
-            reads,
-        )
+        self.tiers, self.reads = tiers, reads
+        self.catalogs, self.object_levels = catalogs, object_levels
 
     async def rebuild(self, tier: int) -> None:
         """The ledger and the index from what a persistent tier holds; what was never committed
         (a writer killed mid-segment or mid-group) is deleted."""
         segs: dict[str, dict[SegmentKey, dict[str, int]]] = {ns: {} for ns in self.catalogs}
         objs: dict[str, dict[str, int]] = {ns: {} for ns in self.catalogs}
-        records: dict[str, dict[ObjectKey, int]] = {ns: {} for ns in self.catalogs}
+        member_lists: dict[str, dict[ObjectKey, int]] = {ns: {} for ns in self.catalogs}
         async for key, size in self.tiers[tier].scan():
             k = parse_key(key)
             if isinstance(k, SegmentPart) and k.segment.namespace in segs:
                 segs[k.segment.namespace].setdefault(k.segment, {})[key] = size
             elif isinstance(k, ObjectKey) and k.namespace in objs:
                 objs[k.namespace][key] = size
-            elif isinstance(k, MemberListKey) and k.group.namespace in records:
-                records[k.group.namespace][k.group] = size
+            elif isinstance(k, MemberListKey) and k.group.namespace in member_lists:
+                member_lists[k.group.namespace][k.group] = size
         orphans: list[str] = []
         for ns, catalog in self.catalogs.items():
             orphans += await catalog.rebuild(tier, segs[ns])
-            orphans += await self.object_levels[ns].rebuild(tier, objs[ns], records[ns])
+            orphans += await self.object_levels[ns].rebuild(tier, objs[ns], member_lists[ns])
         orphans = await self.tiers[tier].removable_orphans(orphans)
         if orphans:
             await self.tiers[tier].delete_many(orphans)

@@ -180,10 +180,10 @@ async def test_writer_killed_between_layers_and_manifest_leaves_no_segment(tmp_p
         from tests.store_helpers import random_pool, shared_batch, spec
 
         real_put = DiskTier._put_sync
-        def put_then_die(self, key, buffers):
+        def put_then_die(self, key, buffers, nbytes=None):
             if key.endswith("/m"):          # the commit point: die just before it
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real_put(self, key, buffers)
+            return real_put(self, key, buffers, nbytes)
         DiskTier._put_sync = put_then_die
 
         async def main():

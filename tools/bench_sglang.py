@@ -74,13 +74,14 @@ def batches(n: int) -> list[tuple[int, int]]:
     return [(a, min(a + BATCH, n)) for a in range(0, n, BATCH)]
 
 
-def run_hurray(pool: Any, keys: list[str], work: Path, model: str) -> tuple[float, float, bool]:
+def run_hurray(
+    pool: Any, keys: list[str], work: Path, model: str, write_threads: int
+) -> tuple[float, float, bool]:
+    tier: dict[str, Any] = {"type": "disk", "path": str(work / "h"), "capacity_bytes": 64 << 30}
+    if write_threads:
+        tier["write_threads"] = write_threads
     cfg = work / "store.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {"tiers": [{"type": "disk", "path": str(work / "h"), "capacity_bytes": 64 << 30}]}
-        )
-    )
+    cfg.write_text(yaml.safe_dump({"tiers": [tier]}))
     extra = {
         "backend_name": "hurray",
         "module_path": "hurray_store.adapters.sglang",
@@ -173,6 +174,12 @@ def main() -> None:
     ap.add_argument("--layout", default="page_first")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", default="")
+    ap.add_argument(
+        "--write-threads",
+        type=int,
+        default=0,
+        help="the disk tier's write_threads (default: the tier's own, cores - 1)",
+    )
     args = ap.parse_args()
     L, H, D, P, dtype = 24, 2, 64, 64, torch.bfloat16
     pool = cpu_host_pool(args.layout, dtype, P, args.pages, layers=L, heads=H, head_dim=D)
@@ -193,7 +200,10 @@ def main() -> None:
         runs = [
             ("raw files", lambda w: run_raw(pool, keys, w)),
             ("HiCacheFile (SGLang)", lambda w: run_hicache_file(pool, keys, w)),
-            ("hurray_store, disk tier", lambda w: run_hurray(pool, keys, w, str(model))),
+            (
+                "hurray_store, disk tier",
+                lambda w: run_hurray(pool, keys, w, str(model), args.write_threads),
+            ),
         ]
         for rnd in range(args.repeat):
             # Each round in another order, each run after the page cache's dirty pages
@@ -223,7 +233,8 @@ def main() -> None:
     hf = best["HiCacheFile (SGLang)"]
     print(
         f"\n{args.pages} pages of {page_bytes >> 10} KiB ({total / 2**20:.0f} MiB), host layout "
-        f"{args.layout}, {BATCH} pages a call, best of {args.repeat}; cpu count {os.cpu_count()}\n"
+        f"{args.layout}, {BATCH} pages a call, best of {args.repeat}; cpu count {os.cpu_count()}; "
+        f"write_threads {args.write_threads or 'default'}\n"
     )
     print(
         "| backend | set GB/s | get GB/s | set x raw | get x raw | set x HiCacheFile "

@@ -11,7 +11,7 @@ import queue
 import re
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ from hurray_store.adapters.store_thread import StoreThread
 log = logging.getLogger(__name__)
 TIMEOUT_S = 60.0  # the longest a call waits for the store before it is a miss
 SET_STEP = 16  # pages a set copies before their writes start
+HELP_POLL_S = 0.0005  # how often a set that waits for its writes looks for one to take
 _SAFE_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
 ON_THE_LOOP = "not read on the calling thread"  # a page ``_read_on_the_loop`` reads
 
@@ -48,6 +49,7 @@ class PageIO:
         self._get_staging: torch.Tensor | None = None  # page objects read (uint8)
         self._set_staging: torch.Tensor | None = None
         self._set_lock = threading.Lock()
+        self._storage: tuple[tuple[int, int], memoryview] | None = None  # a host pool's bytes
 
     def name_of(self, key: str) -> str:
         """The store's object name of SGLang's page ``key``."""
@@ -173,51 +175,69 @@ class PageIO:
     def write_pages(self, keys: list[str], srcs: list[torch.Tensor]) -> list[bool]:
         """Store each page (a ``[2, layers, page_size, heads, head_dim]`` view) under its
         key unless the store holds it; returns once written through every tier."""
-        codec = self.codec
         names = [self.name_of(k) for k in keys]
         with self._set_lock:
             try:
                 held = self.st.call(self._held_each(names), TIMEOUT_S)
-                staging = self._staging(len(keys))
-                pages = codec.staging_bytes(staging)
                 todo = [j for j in range(len(keys)) if not held[j]]
-                items = [
-                    (j, names[j], codec.encode(pages, j, page_fingerprint(self.prefix, keys[j])))
-                    for j in todo
-                ]
-                stored = self._copy_and_put(staging, srcs, items)
+                stored = self._put_steps(todo, keys, names, srcs)
             except Exception as e:  # noqa: BLE001
                 self.failed("set", e)
                 return [False] * len(keys)
         out = list(held)
-        for (j, _, _), ok in zip(items, stored, strict=True):
+        for j, ok in zip(todo, stored, strict=True):
             out[j] = ok
         self.counts["pages_written"] += sum(stored)
         self.counts["pages_deduplicated"] += sum(held)
         return out
 
-    def _copy_and_put(
-        self, staging: torch.Tensor, srcs: list[torch.Tensor], items: list[tuple[int, str, Any]]
+    def _put_steps(
+        self, todo: list[int], keys: list[str], names: list[str], srcs: list[torch.Tensor]
     ) -> list[bool]:
-        """Copy each item's page into its staging page and put its object, in steps of
-        ``SET_STEP`` pages: a step's writes (on the disk tier's threads) run while the
-        next step is copied (numpy's copy, which lets the GIL go and starts no OpenMP
-        threads, whose spinning slows the Python beside them). Returns once
-        every put ended and the store flushed: the staging pages are free again."""
+        """Put the object of each page ``todo`` names, in steps of ``SET_STEP`` pages: a
+        step's objects are built on this thread (each pool hashed) and their writes run
+        on the store's threads while the next step is built. A page whose pools are
+        contiguous in the host pool (``layer_first``, ``page_first_direct``) is written
+        from there; any other is first copied into a staging page (numpy's copy, which
+        lets the GIL go and starts no OpenMP threads, whose spinning slows the Python
+        beside them). Returns once every put ended and the store flushed: SGLang may
+        reuse the host pages, and the staging pages are free again."""
+        codec = self.codec
         futs: list[Future[list[bool]]] = []
+        staging: tuple[torch.Tensor, memoryview] | None = None
         try:
-            for a in range(0, len(items), SET_STEP):
-                step = items[a : a + SET_STEP]
-                for j, _, _ in step:
-                    copy_into(staging[j], srcs[j])
-                futs.append(self.st.submit(self._put_all([(n, o) for _, n, o in step])))
+            for a in range(0, len(todo), SET_STEP):
+                step = []
+                for i, j in enumerate(todo[a : a + SET_STEP], start=a):
+                    pools = codec.direct_pools(srcs[j], self._bytes_of(srcs[j]))
+                    if pools is None:
+                        if staging is None:
+                            buf = self._staging(len(todo))
+                            staging = (buf, codec.staging_bytes(buf))
+                        copy_into(staging[0][i], srcs[j])
+                        pools = codec.pool_views(staging[1], i)
+                    fp = page_fingerprint(self.prefix, keys[j])
+                    step.append((names[j], codec.encode(pools, fp)))
+                futs.append(self.st.submit(self._put_all(step)))
+            # This thread would only wait now: it writes queued pages itself, the
+            # last it copied first (still in its CPU's cache).
+            while left := [f for f in futs if not f.done()]:
+                if not self.store.help_writes():  # none queued yet: look again soon
+                    wait(left, HELP_POLL_S, return_when=FIRST_COMPLETED)
         finally:
-            # Every put that started ends before the staging pages are reused.
+            # Every put that started ends before its pages are reused.
             done = [f.result(TIMEOUT_S) for f in futs]
-        self.st.call(
-            self.store.flush(), TIMEOUT_S
-        )  # written through: SGLang may reuse the host pages now
+        self.st.call(self.store.flush(), TIMEOUT_S)  # written through every tier
         return [ok for d in done for ok in d]
+
+    def _bytes_of(self, page: torch.Tensor) -> memoryview:
+        """The bytes of the storage ``page`` is a view of (kept for the last one)."""
+        storage = page.untyped_storage()
+        at = (storage.data_ptr(), storage.nbytes())
+        if self._storage is None or self._storage[0] != at:
+            flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+            self._storage = (at, memoryview(flat.numpy()))  # type: ignore[arg-type]
+        return self._storage[1]
 
     async def _held_each(self, names: list[str]) -> list[bool]:
         await self.store.sync()
@@ -228,9 +248,9 @@ class PageIO:
             out = [h or bool(next(found)) for h in out]
         return out
 
-    async def _put_all(self, items: list[tuple[str, Any]]) -> list[bool]:
+    async def _put_all(self, items: list[tuple[str, list[memoryview | bytes]]]) -> list[bool]:
         got = await asyncio.gather(
-            *(self.store.put_object(n, s, self_checked=True) for n, s in items),
+            *(self.store.put_object(n, bufs, self_checked=True) for n, bufs in items),
             return_exceptions=True,
         )
         return [r is True for r in got]

@@ -39,7 +39,6 @@ from hurray_store.format import checksum, plan_layer
 from hurray_store.format.layout import Placeholder
 from hurray_store.format.wire import blob_descriptor
 from hurray_store.records import chunk_record_bytes, chunk_record_of, parse_chunk_record
-from hurray_store.tiers import SelfChecked
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 
@@ -152,7 +151,6 @@ class PageCodec:
             self._template[-1] += self.record_descriptor
         else:
             self._template.append(self.record_descriptor)
-        self._sum_at = [t if isinstance(t, int) else None for t in self._template]
         # Where the pools sit, as strides over the object's bytes (role, layer), when the
         # layers' descriptors are all of one length (they are, up to layer 2**7 here):
         # a read page is then copied out in one strided copy.
@@ -204,20 +202,35 @@ class PageCodec:
             for r in (0, 1)
         ]
 
-    def encode(self, pages: memoryview, j: int, fingerprint: bytes) -> SelfChecked:
-        """The object of staging page ``j`` of ``pages`` (``staging_bytes``; its pools
-        are views of it, which must stay unchanged until the put returns), closed by
-        its record; each pool is hashed where the object is written."""
-        views = self.pool_views(pages, j)
-        parts = [views[t] if isinstance(t, int) else t for t in self._template]
-        n, size, pools, record_of = self.page_size, self.size, self.pools, self._record_of
+    def encode(self, pools: Sequence[memoryview], fingerprint: bytes) -> list[memoryview | bytes]:
+        """The buffers of the object of a page whose pools are ``pools`` (layer 0 K,
+        layer 0 V, ...: ``pool_views`` of a staging page, or ``direct_pools`` of the
+        host pool's), which must stay unchanged until the put returns. Each pool is
+        hashed now, on the calling thread: right after it was copied into staging its
+        bytes are still in the CPU's cache, and the store's threads are left the write."""
+        sums = [checksum(v) for v in pools]
+        parts: list[memoryview | bytes] = [
+            pools[t] if isinstance(t, int) else t for t in self._template
+        ]
+        parts.append(self._record_of(fingerprint, self.page_size, self.size, self.pools, sums))
+        return parts
 
-        def closing(sums: list[int]) -> list[bytes]:
-            return [record_of(fingerprint, n, size, pools, sums)]
-
-        return SelfChecked(
-            parts, self._sum_at, [0] * (2 * self.layers), closing, self.record_bytes, checksum
-        )
+    def direct_pools(self, page: torch.Tensor, storage: memoryview) -> list[memoryview] | None:
+        """The 2 x layers byte views (layer 0 K, layer 0 V, ...) of ``page``, a ``[2,
+        layers, page_size, heads, head_dim]`` view (``page_view``) into the bytes
+        ``storage`` of its tensor's storage, when each pool of it is contiguous there
+        (SGLang's ``layer_first`` and ``page_first_direct`` layouts): the object is
+        then written from the host pool with no copy. None when they are not."""
+        _, L, P, H, D = self.shape
+        st = page.stride()
+        if tuple(page.shape) != self.shape or st[2:] != (H * D, D, 1) or page.dtype != self.dtype:
+            return None
+        isz, nb = self.dtype.itemsize, self.pool_bytes
+        at = page.storage_offset() * isz
+        if at < 0 or at + ((L - 1) * st[1] + st[0]) * isz + nb > len(storage):
+            return None
+        starts = [at + (li * st[1] + r * st[0]) * isz for li in range(L) for r in (0, 1)]
+        return [storage[a : a + nb] for a in starts]
 
     def check(
         self, record: memoryview | bytes | bytearray, fingerprint: bytes, sums: Sequence[int]

@@ -175,6 +175,12 @@ class TieredStore:
         self.cascade.reads.drain_reads_now()
         await self.cascade.flush()
 
+    def help_writes(self) -> bool:
+        """From a thread that would otherwise wait for its puts (never the store's
+        loop): run one batch of writes queued for a tier's writer threads here. False
+        when none was queued."""
+        return any(t.help_write() for t in self.tiers)
+
     def others_changed(self) -> bool:
         """Whether another process sharing a tier's medium may have committed or
         removed something ``sync`` has not read yet: from any thread, with no effect

@@ -279,6 +279,16 @@ class Tier(ABC):
         just before its write starts (so the next is built while the last is being
         written: a disk write runs in a worker thread), then the last. False, or an
         exception, leaves none of them in the tier."""
+        if len(objects) == 1:  # one object: its own commit point, no tasks to run
+            obj = objects[0]
+            try:
+                if await self._put_object(obj, self._buffers_of(obj)):
+                    return True
+            except BaseException:
+                await self.delete_many([obj.key])
+                raise
+            await self.delete_many([obj.key])
+            return False
         ok = False
         try:
             for batch in (objects[:-1], objects[-1:]):
@@ -303,6 +313,12 @@ class Tier(ABC):
         finally:
             if not ok:
                 await self.delete_many([o.key for o in objects])
+
+    def help_write(self) -> bool:
+        """Run one batch of this tier's queued writes on the calling thread (not the
+        loop's), one that would otherwise wait for them; False: none queued (a tier
+        without writer threads of its own has none)."""
+        return False
 
     async def confirm(self, objects: Sequence[GroupObject]) -> bool:
         """Before a group's last object (its commit point) is written: the others are

@@ -51,6 +51,7 @@ from hurray_store.tiers.files import (
     GATHER,
     HELPERS,
     IO_CHUNK,
+    IOV_MAX,
     OPEN_AT_ONCE,
     POOL_THREADS,
     SPLIT_BYTES,
@@ -64,6 +65,8 @@ from hurray_store.tiers.files import (
     pread_into,
     read_ranges,
     scan_objects,
+    skip,
+    write_all,
 )
 from hurray_store.tiers.folder import ORPHAN_AGE_S, SharedFolder
 from hurray_store.tiers.helpers import check_into, shared_run
@@ -71,6 +74,7 @@ from hurray_store.tiers.journal import Journal
 from hurray_store.tiers.registry import register
 from hurray_store.tiers.self_checked import SelfCheckedObject
 from hurray_store.tiers.types import Blob, Buffer, Range, RangeIn, ReadInto
+from hurray_store.tiers.write_jobs import WriteJobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -103,12 +107,13 @@ class DiskTier(Tier):
         self._helpers: ThreadPoolExecutor | None = ThreadPoolExecutor(
             min(HELPERS, POOL_THREADS), f"hurray-disk-{self.name}-h"
         )
-        self._put = self._off(self._put_sync, self._writers)
+        self._writes = WriteJobs(self._put_sync, self._writers, self.write_threads)
+        self._put = self._writes.put
         self._read = self._off(self._read_sync)
         self._ranges = self._off(self._ranges_sync)
         self._scan = self._off(scan_objects)
         self._read_many = self._off(self._read_many_sync)
-        self._made: set[Path] = set()  # shard folders this tier has seen exist
+        self._made: set[str] = set()  # shard folders this tier has seen exist
         self.folder = SharedFolder(self.name, self.root, self.objects)  # its locks, journal
 
     def _off(
@@ -187,55 +192,62 @@ class DiskTier(Tier):
 
     # ------------------------------------------------------------------ sync bodies
 
-    def _create(self, tmp: Path) -> int:
-        """A new file ``tmp``, open for writing; its shard folder made the first time
-        (a mkdir per put cost two system calls and an exception), and again if it has
-        gone since (removed by hand)."""
+    def _create(self, folder: str, tmp: str) -> int:
+        """A new file ``tmp`` in ``folder``, open for writing; the (shard) folder made
+        the first time (a mkdir per put cost two system calls and an exception), and
+        again if it has gone since (removed by hand). Paths as strings: pathlib's
+        operations were a visible part of a page-sized put."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        if tmp.parent in self._made:
+        if folder in self._made:
             try:
                 return os.open(tmp, flags, 0o644)
             except FileNotFoundError:
-                self._made.discard(tmp.parent)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        self._made.add(tmp.parent)
+                self._made.discard(folder)
+        os.makedirs(folder, exist_ok=True)
+        self._made.add(folder)
         return os.open(tmp, flags, 0o644)
 
-    def _put_sync(self, key: str, buffers: Iterable[Buffer]) -> bool:
+    def _put_sync(self, key: str, buffers: Iterable[Buffer], nbytes: int | None = None) -> bool:
         """Write ``buffers`` as ``key``'s file, whole or not at all. Buffers made as
         they are taken (a self-checked object's, hashed on the way) go out in groups of about
         ``GATHER`` bytes (a group goes once it reaches them), each written while its
-        bytes are still in the CPU's cache."""
+        bytes are still in the CPU's cache. A list of at most ``GATHER`` bytes in all
+        (``nbytes``, when the caller knows it) goes in one ``writev`` as it is."""
         try:
             dst = self.path_of(key)
         except KeyTooLongError as e:
             log.warning("disk tier %s: write of %s skipped: %s", self.name, key[:80], e.strerror)
             return False
-        tmp = dst.with_name(f"{TMP_PREFIX}{os.getpid()}.{next(_counter)}.{dst.name[:100]}")
+        folder, name = os.path.split(dst)
+        tmp = f"{folder}/{TMP_PREFIX}{os.getpid()}.{next(_counter)}.{name[:100]}"
         try:
-            fd = self._create(tmp)
+            fd = self._create(folder, tmp)
             try:
                 # About IO_CHUNK per system call (a gathered group goes once it
                 # reaches it, a large buffer in pieces of at most that): one 100 MB
                 # write() stalls in the kernel's dirty-page throttling far longer than
                 # 8 MiB pieces do.
                 most = IO_CHUNK if isinstance(buffers, Sequence) else GATHER
-                for views in pieces(buffers, most):
-                    while views:
-                        n = os.writev(fd, views)
-                        if n <= 0:
-                            raise OSError(errno.EIO, "writev wrote nothing")
-                        while views and n >= len(views[0]):
-                            n -= len(views.pop(0))
-                        if n:
-                            views[0] = views[0][n:]
+                done = 0
+                if (
+                    nbytes is not None
+                    and nbytes <= GATHER
+                    and isinstance(buffers, list | tuple)
+                    and len(buffers) <= IOV_MAX
+                ):
+                    done = os.writev(fd, buffers)  # the common case: no view made
+                if done != nbytes:
+                    for views in pieces(buffers, most):
+                        done -= skip(views, done)  # what a short writev wrote already
+                        if views:
+                            write_all(fd, views)
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, dst)
             if self.fsync:
-                dfd = os.open(dst.parent, os.O_RDONLY)
+                dfd = os.open(folder, os.O_RDONLY)
                 try:
                     os.fsync(dfd)
                 finally:
@@ -306,9 +318,15 @@ class DiskTier(Tier):
         return obj.written() if isinstance(obj, SelfCheckedObject) else obj.buffers()
 
     async def _put_object(self, obj: GroupObject, bufs: Iterable[Buffer]) -> bool:
-        if isinstance(obj, SelfCheckedObject) and obj.reservation is None:
-            return bool(await self._put(obj.key, bufs))
-        return await super()._put_object(obj, bufs)
+        res = obj.reservation
+        reserved = res is not None and res.tier is self and not res.committed
+        if reserved or (type(self).put is not DiskTier.put and isinstance(bufs, Sequence)):
+            return await super()._put_object(obj, bufs)  # a subclass's put sees every write
+        # Its size known: a page-sized object of small buffers goes in one writev.
+        return bool(await self._put(obj.key, bufs, obj.nbytes))
+
+    def help_write(self) -> bool:
+        return self._writes.help()
 
     async def get(self, key: str) -> Blob | None:
         got: bytearray | None = await self._read(key)

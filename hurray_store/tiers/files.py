@@ -73,6 +73,13 @@ def pieces(buffers: Iterable[Buffer], most: int = IO_CHUNK) -> Iterator[list[mem
     A list is handed out as soon as it is full, before the next buffer is taken: taking
     a self-checked object's buffer hashes it (``SelfCheckedObject.written``), and a buffer hashed
     a list ahead of its write would have left the CPU's cache by then."""
+    if isinstance(buffers, Sequence) and len(buffers) <= IOV_MAX:
+        # The common case in one pass: an object of small buffers within one list.
+        whole = [mv for b in buffers if (mv := memoryview(b).cast("B")).nbytes]
+        if sum(mv.nbytes for mv in whole) <= min(most, GATHER):
+            if whole:
+                yield whole
+            return
     views: list[memoryview] = []
     pos = 0  # where the next byte goes in the file
     for b in buffers:
@@ -102,6 +109,33 @@ def pieces(buffers: Iterable[Buffer], most: int = IO_CHUNK) -> Iterator[list[mem
             views = []
     if views:
         yield views
+
+
+def skip(views: list[memoryview], n: int) -> int:
+    """Drop the first ``n`` bytes of ``views`` (byte views, ``pieces``) from it, up to
+    all of them; how many were dropped."""
+    dropped = 0
+    while views and dropped < n:
+        v = views[0]
+        if v.nbytes <= n - dropped:
+            dropped += views.pop(0).nbytes
+        else:
+            views[0] = v[n - dropped :]
+            dropped = n
+    return dropped
+
+
+def write_all(fd: int, views: list[memoryview]) -> None:
+    """Every byte of ``views`` (byte views, ``pieces``) written to ``fd``, in order."""
+    left = sum(v.nbytes for v in views)
+    while True:
+        n = os.writev(fd, views)
+        if n == left:
+            return
+        if n <= 0:
+            raise OSError(errno.EIO, "writev wrote nothing")
+        left -= n
+        skip(views, n)  # a short write: what is left of the views
 
 
 def pread_into(fd: int, view: memoryview, offset: int) -> bool:

@@ -21,6 +21,7 @@ from hurray_store.adapters.sglang_io import PageIO
 from hurray_store.adapters.sglang_pages import LAYOUTS, PageCodec, page_fingerprint, page_view
 from hurray_store.adapters.store_thread import StoreThread
 from hurray_store.config import DiskTierConfig
+from hurray_store.store import open_store
 from hurray_store.tiers import Buffer
 from hurray_store.tiers.disk import DiskTier
 from hurray_store.tiers.files import skip, write_all
@@ -87,6 +88,46 @@ async def test_writes_after_the_pool_is_shut_down_fail_with_a_runtime_error() ->
     jobs = WriteJobs(lambda k, b, n: True, pool, threads=1)
     with pytest.raises(RuntimeError):
         await jobs.put("a", [b"x"])
+
+
+async def test_a_waiting_thread_runs_the_newest_queued_job_itself() -> None:
+    gate = threading.Event()
+    ran: list[tuple[str, str]] = []
+
+    def write(key: str, buffers: Iterable[Buffer], nbytes: int | None) -> bool:
+        if key == "first":
+            gate.wait(10)  # the one writer thread is held on this
+        ran.append((key, threading.current_thread().name))
+        return True
+
+    pool = ThreadPoolExecutor(1, "w")
+    jobs = WriteJobs(write, pool, threads=1)
+    try:
+        first = asyncio.ensure_future(jobs.put("first", [b"x"]))
+        await asyncio.sleep(0.05)  # handed over: the writer holds it
+        later = [asyncio.ensure_future(jobs.put(f"k{i}", [b"x"])) for i in range(3)]
+        await asyncio.sleep(0.05)  # queued behind it
+        helped = await asyncio.to_thread(lambda: (jobs.help(), jobs.help()))
+        assert helped == (True, False)  # the one queued job, then none
+        assert await asyncio.gather(*later) == [True] * 3
+        gate.set()
+        assert await first
+    finally:
+        gate.set()
+        pool.shutdown(wait=True)
+    helpers = {t for k, t in ran if k != "first"}
+    assert helpers and not any(t.startswith("w") for t in helpers)
+
+
+async def test_the_store_has_no_write_to_help_with_when_none_is_queued(tmp_path: Path) -> None:
+    cfg = {"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 20}]}
+    store = await open_store(cfg)
+    try:
+        assert store.help_writes() is False
+        assert await store.put_object("a", b"x" * 10)
+        assert store.help_writes() is False  # written already
+    finally:
+        await store.close()
 
 
 # ------------------------------------------------------------------ the disk tier's writes

@@ -13,10 +13,12 @@ published by ``os.replace`` (atomic on POSIX), then the folder is fsynced when
 ``fsync`` is on. Readers never see a partial object. I/O goes in pieces of at most
 8 MiB per system call (see ``IO_CHUNK``); a write gathers an object's buffers into
 those pieces (``writev``). ``open`` removes temp files a killed process left behind.
-Each operation is one trip to a thread pool of the tier's own (``aiofiles.os.wrap``):
-writes to one of ``write_threads`` threads, by default one fewer than the machine's
-cores (with ``fsync``, the CPU count + 4, as Python's default pool), everything else to
-one of the CPU count + 4; a trip costs tens of microseconds, so never one per page.
+Writes go to ``write_threads`` threads, by default one fewer than the machine's cores
+(with ``fsync``, the CPU count + 4, as Python's default pool): those asked for in one
+turn of the loop as a few jobs (``tiers/write_jobs.py``), which a caller that would only
+wait for them may also run (``help_write``). Everything else is one trip to a pool of
+the CPU count + 4 threads (``aiofiles.os.wrap``); a trip costs tens of microseconds, so
+never one per page.
 
 Several processes may open one folder at once (vLLM's scheduler and workers, several
 engines on a host): ``tiers/folder.py`` holds the folder's locks and journal, through

@@ -22,10 +22,11 @@ head_dim]`` view (no copy), for the layouts SGLang's MHA host pool has:
 - ``page_first_direct`` ``(2, pages, layers, page_size, heads, head_dim)``
 - ``page_head``         ``(2, pages, heads, page_size, layers, head_dim)``
 
-(``page_unified`` interleaves K and V inside head groups: not supported.) A page is
-copied between that view and a contiguous staging page (one ``copy_``): the object's
-pools are per layer, and a page read is checked in the staging buffer before any byte
-of it reaches the pool.
+(``page_unified`` interleaves K and V inside head groups: not supported.) The object's
+pools are per layer. A page set is written from that view where each pool is contiguous
+in it (``direct_pools``: ``layer_first``, ``page_first_direct``), else from a contiguous
+staging page it is copied into. A page read is checked in a staging buffer before any
+byte of it reaches the pool.
 """
 
 from __future__ import annotations

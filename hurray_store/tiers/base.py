@@ -279,17 +279,14 @@ class Tier(ABC):
         just before its write starts (so the next is built while the last is being
         written: a disk write runs in a worker thread), then the last. False, or an
         exception, leaves none of them in the tier."""
-        if len(objects) == 1:  # one object: its own commit point, no tasks to run
-            obj = objects[0]
-            try:
-                if await self._put_object(obj, self._buffers_of(obj)):
-                    return True
-            except BaseException:
-                await self.delete_many([obj.key])
-                raise
-            await self.delete_many([obj.key])
-            return False
         ok = False
+        if len(objects) == 1:  # one object: its own commit point, no tasks to run
+            try:
+                ok = bool(await self._put_object(objects[0], self._buffers_of(objects[0])))
+                return ok
+            finally:
+                if not ok:
+                    await self.delete_many([objects[0].key])
         try:
             for batch in (objects[:-1], objects[-1:]):
                 tasks: list[asyncio.Future[bool]] = []

@@ -1,5 +1,5 @@
 """Objects whose bytes end in a record of checksums of some of them (the LMCache
-plugin's chunks, the L2 adapter's objects, SGLang's pages). It lives with the tiers, not
+plugin's chunks, the L2 adapter's objects). It lives with the tiers, not
 an adapter: a tier that writes from a worker thread hashes each part there, just before
 it writes it (``SelfCheckedObject.written``)."""
 

@@ -34,6 +34,8 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from dataclasses import dataclass, field
 
 Group = Hashable
+# A ledger watcher: ``(kind, tier, group, reason)`` (``Ledger.watch``).
+Watcher = Callable[[str, int, Group, str], None]
 # Pins let go that wait to be counted off before a pin counts them (a write's eviction
 # counts them first, whatever their number): a lookup right after another then does
 # not pay for counting off the other's unpins, each one a cache miss.
@@ -99,6 +101,28 @@ class Ledger:
         # ``unpin`` of one group: the deque's own append, a C call with no Python frame.
         self.unpin_one: Callable[[Group], None] = self._released.append
         self.lock = threading.RLock()
+        # Called under ``lock`` for every group that becomes READY in a tier or leaves
+        # it READY: ``(kind, tier, group, reason)``, kind ``stored`` or ``removed``
+        # (``watch``). Kept cheap: a watcher only notes the change.
+        self._watchers: list[Watcher] = []
+
+    def watch(self, fn: Watcher) -> Callable[[], None]:
+        """Call ``fn(kind, tier, group, reason)`` for every group that becomes READY in
+        a tier (``stored``: ``write``, ``found``) or leaves one READY (``removed``:
+        ``evict``, ``rewrite``, or ``forget``'s reason), under ``lock``; the call that
+        stops it."""
+        with self.lock:
+            self._watchers = [*self._watchers, fn]
+
+        def stop() -> None:
+            with self.lock:
+                self._watchers = [w for w in self._watchers if w is not fn]
+
+        return stop
+
+    def _changed(self, kind: str, tier: int, group: Group, reason: str) -> None:
+        for fn in self._watchers:
+            fn(kind, tier, group, reason)
 
     # ------------------------------------------------------------------ readers' view
 
@@ -210,13 +234,13 @@ class Ledger:
         group's room is taken (WRITING; readers do not see it yet)."""
         with self.lock:
             for g in victims:
-                self._drop(tier, g)
+                self._drop(tier, g, "evict")
             self.begin_write(tier, group, sizes, depth)
 
     def begin_write(self, tier: int, group: Group, sizes: Mapping[str, int], depth: int) -> None:
         """The group's room is taken in ``tier``; readers do not see it yet."""
         with self.lock:
-            self._drop(tier, group)
+            self._drop(tier, group, "rewrite")
             self._add(tier, group, dict(sizes), depth, ready=False)
 
     def complete_write(self, tier: int, group: Group, ok: bool) -> None:
@@ -227,21 +251,29 @@ class Ledger:
                 return
             if ok:
                 e.ready = True
+                if self._watchers:
+                    self._changed("stored", tier, group, "write")
             else:
-                self._drop(tier, group)
+                self._drop(tier, group)  # never READY: no reader saw it
 
     def add_ready(
         self, tier: int, group: Group, sizes: Mapping[str, int], *, depth: int = 0
     ) -> None:
         """Note a READY group found in a tier (restart scan, discovery)."""
         with self.lock:
-            self._drop(tier, group)
+            was = self._tiers[tier].groups.get(group)
+            same = was is not None and was.ready and was.sizes == sizes
+            known = was is not None and was.ready and not same
+            self._drop(tier, group, "rewrite" if known else "")
             self._add(tier, group, dict(sizes), depth, ready=True)
+            if self._watchers and not same:
+                self._changed("stored", tier, group, "found")
 
-    def forget(self, tier: int, group: Group) -> dict[str, int]:
-        """The group left the tier (evicted, deleted, found missing); its sizes."""
+    def forget(self, tier: int, group: Group, reason: str = "lost") -> dict[str, int]:
+        """The group left the tier (evicted, deleted, found missing: ``reason``, one of
+        ``metrics.MOVE_REASONS``, for the watchers); its sizes."""
         with self.lock:
-            e = self._drop(tier, group)
+            e = self._drop(tier, group, reason)
         return e.sizes if e else {}
 
     def touch(self, groups: Iterable[Group]) -> None:
@@ -346,10 +378,14 @@ class Ledger:
                 was.moved = True  # its handles of ``k`` are stale
             b.key_group[k] = group
 
-    def _drop(self, tier: int, group: Group) -> Entry | None:
+    def _drop(self, tier: int, group: Group, reason: str = "") -> Entry | None:
+        """Take ``group`` out of ``tier``; a READY one is a ``removed`` change for
+        ``reason`` ("": none is told, the caller tells its own)."""
         b = self._tiers[tier]
         e = b.groups.pop(group, None)
         if e is not None:
+            if e.ready and reason and self._watchers:
+                self._changed("removed", tier, group, reason)
             e.ready = False  # for the handles still holding it (``KeyRef``)
             b.used -= e.nbytes
             for k in e.sizes:

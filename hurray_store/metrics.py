@@ -48,6 +48,8 @@ MOVE_REASONS = {
     "journal, the S3 change log)",
     "quota": "its tenant's quota needed the room (the cache server)",
     "delete": "a caller deleted it",
+    "rejected": "an engine read it and its own check found it is not the object its name "
+    "says (a page or chunk record that differs): deleted",
 }
 
 

@@ -42,6 +42,7 @@ def backends(
     heads: int = HEADS,
     page_size: int | None = None,
     lower: str | None = None,
+    model_path: Path | None = None,
 ) -> Any:
     """LMCache's backends with the plugin; its tiers are cpu, then ``lower`` (a tier
     entry in YAML flow style; default: a disk tier under ``tmp_path``)."""
@@ -55,6 +56,8 @@ def backends(
     }
     if page_size:
         extra["storage_plugin.hurray.page_size"] = page_size
+    if model_path is not None:
+        extra["storage_plugin.hurray.model_path"] = str(model_path)
     cfg = LMCacheEngineConfig.from_dict(
         {
             "chunk_size": chunk,
@@ -117,6 +120,41 @@ def chunk(b: Any, tokens: int, seed: int, heads: int = HEADS) -> Any:
 
 def key(h: int) -> CacheEngineKey:
     return CacheEngineKey("tiny", 1, 0, h, torch.float16)
+
+
+def test_two_checkpoints_served_under_one_model_name_never_share_a_chunk(
+    opened: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LMCache names chunks by its ``model_name``; with ``model_path`` the plugin keys
+    them by the weights too: another checkpoint under the same name finds nothing, the
+    same weights copied to another folder find everything."""
+    import shutil
+
+    from hurray_store.tiny_model import build_tiny_model
+
+    build_tiny_model(str(tmp_path / "m1"), layers=1, seed=1)
+    build_tiny_model(str(tmp_path / "m2"), layers=1, seed=2)
+    shutil.copytree(tmp_path / "m1", tmp_path / "m1-copy")
+    a = opened(model_path=tmp_path / "m1")
+    pa = plugin_of(a)
+    objs = [chunk(a, 64, 21), chunk(a, 64, 22)]
+    want = [o.tensor.clone() for o in objs]
+    pa.batched_submit_put_task([key(21), key(22)], objs)
+    pa.flush()
+    other = plugin_of(opened(model_path=tmp_path / "m2"))
+    assert other.batched_contains([key(21), key(22)]) == 0
+    assert other.get_blocking(key(21)) is None
+    same = plugin_of(opened(model_path=tmp_path / "m1-copy"))
+    assert same.batched_contains([key(21), key(22)]) == 2
+    got = same.batched_get_blocking([key(21), key(22)])
+    assert all(g is not None for g in got)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.tensor, w)
+        g.ref_count_down()
+    # no model_path and a name that is no folder: keyed by the name, with a warning
+    with caplog.at_level("WARNING"):
+        plugin_of(opened())
+    assert "would share KV" in caplog.text
 
 
 def test_put_get_bit_exact_and_restart(opened: Any) -> None:

@@ -18,9 +18,15 @@ import pytest
 import torch
 
 from hurray_store.adapters.sglang_io import PageIO
-from hurray_store.adapters.sglang_pages import LAYOUTS, PageCodec, page_fingerprint, page_view
-from hurray_store.adapters.store_thread import StoreThread
+from hurray_store.adapters.sglang_pages import (
+    LAYOUTS,
+    TOKEN_MAJOR,
+    PageCodec,
+    page_fingerprint,
+    page_view,
+)
 from hurray_store.config import DiskTierConfig
+from hurray_store.engine import EnginePort
 from hurray_store.store import open_store
 from hurray_store.tiers import Buffer
 from hurray_store.tiers.disk import DiskTier
@@ -197,21 +203,64 @@ def host_pool(layout: str, pages: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(shape).to(dtype)
 
 
+def codec_for(layout: str, dtype: torch.dtype = torch.bfloat16) -> PageCodec:
+    """The codec the backend builds for a host pool in ``layout``."""
+    return PageCodec(L, H, D, P, dtype, token_major=layout in TOKEN_MAJOR)
+
+
+def storage_of(kv: torch.Tensor) -> memoryview:
+    return memoryview(torch.empty(0, dtype=torch.uint8).set_(kv.untyped_storage()).numpy())
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_direct_pools_are_the_pages_own_bytes_where_each_pool_is_contiguous(layout: str) -> None:
-    codec = PageCodec(L, H, D, P, torch.bfloat16)
+    codec = codec_for(layout)
     kv = host_pool(layout, 3, torch.bfloat16)
-    storage = memoryview(torch.empty(0, dtype=torch.uint8).set_(kv.untyped_storage()).numpy())
     page = page_view(kv, layout, P, 2 * P)
-    pools = codec.direct_pools(page, storage)
-    if layout in ("page_first", "page_head"):
+    pools = codec.direct_pools(page, storage_of(kv))
+    if layout == "page_head":
         assert pools is None  # a pool is spread over the page: copied into staging
         return
-    assert pools is not None and len(pools) == 2 * L
+    assert pools is not None
+    if layout == "page_first":  # token-major: the page's K, then its V, all layers
+        assert len(pools) == 2
+        for r in (0, 1):
+            want = page[r].permute(1, 0, 2, 3).contiguous().view(torch.uint8)
+            assert bytes(pools[r]) == want.numpy().tobytes()
+        return
+    assert len(pools) == 2 * L
     for li in range(L):
         for r in (0, 1):
             want = page[r, li].contiguous().view(torch.uint8).numpy().tobytes()
             assert bytes(pools[2 * li + r]) == want
+
+
+def test_a_token_major_codec_refuses_a_per_layer_page_and_the_other_way_round() -> None:
+    kv = host_pool("layer_first", 2, torch.bfloat16)
+    page = page_view(kv, "layer_first", P, 0)
+    assert codec_for("page_first").direct_pools(page, storage_of(kv)) is None
+    tm = host_pool("page_first", 2, torch.bfloat16)
+    page = page_view(tm, "page_first", P, P)
+    assert codec_for("layer_first").direct_pools(page, storage_of(tm)) is None
+
+
+def test_a_token_major_page_object_is_one_key_and_one_value_descriptor_in_token_order() -> None:
+    import hurray
+
+    codec = codec_for("page_first", torch.float32)
+    kv = host_pool("page_first", 2, torch.float32)
+    page = page_view(kv, "page_first", P, P)
+    pools = codec.direct_pools(page, storage_of(kv))
+    assert pools is not None
+    raw = b"".join(bytes(b) for b in codec.encode(pools, page_fingerprint("x", "k")))
+    assert len(raw) == codec.size
+    tensors = list(hurray.StreamReader(raw))
+    assert len(tensors) == 3  # K, V, then the record
+    assert [t.layout.kv_role for t in tensors[:2]] == ["key", "value"]
+    for r in (0, 1):
+        assert tuple(tensors[r].shape) == (P, L * H, D)  # one page of every layer's heads
+        pool = torch.from_dlpack(tensors[r].buffer(0)).view(torch.float32).view(P, L * H, D)
+        assert torch.equal(pool, kv[r, P : 2 * P].reshape(P, L * H, D))
 
 
 def test_direct_pools_refuses_a_page_of_another_dtype_or_shape() -> None:
@@ -228,30 +277,29 @@ def test_direct_pools_refuses_a_page_of_another_dtype_or_shape() -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pages_written_by_page_io_read_back_bit_exact(tmp_path: Path, layout: str) -> None:
-    codec = PageCodec(L, H, D, P, torch.bfloat16)
+    codec = codec_for(layout)
     n = 40  # more than one step of SET_STEP pages
     kv = host_pool(layout, n, torch.bfloat16)
     disk = {"type": "disk", "path": str(tmp_path / "d"), "capacity_bytes": 1 << 30}
-    st = StoreThread({"tiers": [disk]}, "t")
+    port = EnginePort({"tiers": [disk]}, name="t")
     counts = {"pages_written": 0, "pages_deduplicated": 0, "pages_read": 0, "pages_rejected": 0}
     errors: list[BaseException] = []
-    io = PageIO(st, codec, "prefix", counts, lambda what, e: errors.append(e))
+    io = PageIO(port, codec, "prefix", counts, lambda what, e: errors.append(e))
     try:
         keys = [f"p{i}" for i in range(n)]
         srcs = [page_view(kv, layout, P, i * P) for i in range(n)]
         assert io.write_pages(keys, srcs) == [True] * n
         assert errors == [] and counts["pages_written"] == n
         # Written from the host pool where its pools are contiguous: no staging copy.
-        assert (io._set_staging is None) == (layout in ("layer_first", "page_first_direct"))
+        assert (io._set_staging is None) == (layout != "page_head")
         want = kv.clone()
         kv.zero_()
         assert io.read_pages(keys, [page_view(kv, layout, P, i * P) for i in range(n)]) == n
         assert torch.equal(kv, want)
         # Each object is the page's: its record checks against its own name only.
-        obj = memoryview(st.call(st.store.get_object(io.name_of("p7"))))
+        obj = memoryview(port.call(port.store.get_object(io.name_of("p7"))))
         rec = obj[codec.size - codec.record_bytes :]
         assert codec.check(rec, page_fingerprint("prefix", "p7"), codec.pool_sums(obj)) == ""
         assert codec.check(rec, page_fingerprint("prefix", "p8"), codec.pool_sums(obj)) != ""
     finally:
-        io.close()
-        st.close()
+        port.close()

@@ -23,6 +23,7 @@ from tests.server_helpers import ServerProc
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+PER_LAYER = [x for x in LAYOUTS if x != "page_first"]  # page_first's objects are token-major
 DTYPES = ["float16", "bfloat16", "float32"]
 
 pytestmark = pytest.mark.skipif(
@@ -76,6 +77,14 @@ def keys(tag: str, n: int) -> list[str]:
     return [f"{tag}{i:02d}" for i in range(n)]
 
 
+def reader_of(layout: str, shift: int) -> str:
+    """A layout to read pages written in ``layout`` in: another of the per-layer
+    layouts, or ``page_first`` itself (its pages are named apart)."""
+    if layout not in PER_LAYER:
+        return layout
+    return PER_LAYER[(PER_LAYER.index(layout) + shift) % len(PER_LAYER)]
+
+
 @pytest.fixture
 def served(tmp_path: Path) -> Any:
     srv = ServerProc(tmp_path / "server").start()
@@ -89,15 +98,16 @@ def served(tmp_path: Path) -> Any:
 
 def _matrix(cfg: str, mdl: str) -> None:
     """Pages set by one process in each layout, dtype and page size are read bit-exact
-    by a fresh process in every layout; ``batch_exists`` counts the leading run."""
+    by a fresh process (in another layout of the same object form); ``batch_exists``
+    counts the leading run."""
     sets, gets = [], []
     for dt in DTYPES:
         for P in (16, 64):
-            for i, layout in enumerate(LAYOUTS):
+            for layout in LAYOUTS:
                 k = keys(f"{dt[:2]}{P}{layout[:6]}", 3)
                 sets.append({"op": "set", "keys": k, "layout": layout, "dtype": dt, "page_size": P})
                 # read in another layout than it was written in, then one key absent
-                other = LAYOUTS[(i + 1) % 4]
+                other = reader_of(layout, 1)
                 gets.append(
                     {
                         "op": "get",
@@ -213,13 +223,55 @@ def test_two_models_of_one_geometry_and_two_tp_ranks_never_share_a_page(tmp_path
     assert all(all(r["untouched"]) for r in got[1:])
 
 
+def test_page_first_pages_are_a_miss_in_a_per_layer_layout_and_the_other_way_round(
+    tmp_path: Path,
+) -> None:
+    base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1)}
+    tm, pl = keys("tm", 2), keys("pl", 2)
+    wrote = sglang(
+        {
+            **base,
+            "op": "batch",
+            "runs": [
+                {"op": "set", "keys": tm, "layout": "page_first"},
+                {"op": "set", "keys": pl, "layout": "layer_first"},
+            ],
+        }
+    )["runs"]
+    assert [r["set"] for r in wrote] == [[True, True]] * 2
+    got = sglang(
+        {
+            **base,
+            "op": "batch",
+            "runs": [
+                {"op": "get", "keys": tm, "layout": layout}
+                for layout in ("layer_first", "page_first_direct", "page_head")
+            ]
+            + [
+                {"op": "get", "keys": pl, "layout": "page_first"},
+                {"op": "get", "keys": tm, "layout": "page_first"},
+            ],
+        }
+    )["runs"]
+    for r in got[:4]:  # the other form's pages: misses, the pool untouched
+        assert r["exists"] == 0 and r["get"] == [False, False] and all(r["untouched"]), r
+    assert got[4]["get"] == [True, True] and got[4]["equal"] == [True, True]
+    # The page_first object is one K and one V descriptor of every layer's heads.
+    files = page_files(tmp_path)
+    objs = [f for n in got[4]["names"] for f in files if f.name.endswith(n.replace("/", "%2F"))]
+    assert len(objs) == 2
+    tensors = list(hurray.StreamReader(objs[0].read_bytes()))
+    assert len(tensors) == 3 and tuple(tensors[0].shape) == (16, 3 * 2, 16)
+    assert "chunk object" in inspect_bytes(objs[0].read_bytes())
+
+
 def test_the_legacy_flat_page_calls_round_trip_in_every_layout(tmp_path: Path) -> None:
     base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1), "legacy": True}
     runs = []
     for i, layout in enumerate(LAYOUTS):
         k = keys(f"lg{i}", 2)
         runs.append({"op": "set", "keys": k, "layout": layout})
-        runs.append({"op": "get", "keys": [*k, "nope"], "layout": LAYOUTS[(i + 2) % 4]})
+        runs.append({"op": "get", "keys": [*k, "nope"], "layout": reader_of(layout, 2)})
     got = sglang({**base, "op": "batch", "runs": runs})["runs"]
     for s, g in zip(got[::2], got[1::2], strict=True):
         assert s["set"] is True

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hurray_store import PagedKVPool, load_config, open_store
-from hurray_store.adapters.store_thread import StoreThread, held_prefix, pin_held_prefix
 from hurray_store.config import DiskTierConfig
+from hurray_store.engine.thread import StoreThread
 from hurray_store.format import Manifest, ManifestLayer, ManifestSeq, page_checksum, plan_layer
 from hurray_store.keys import SegmentKey, page_hashes
 from hurray_store.page_io import (
@@ -71,31 +71,6 @@ async def test_an_object_group_is_not_contained_until_a_get_finds_it(tmp_path: P
         assert store.has_object(key) and await store.contains_object(key)
         got = await store.get_object(key)
         assert got is not None and bytes(got) == want
-    await store.close()
-
-
-async def test_a_prefix_lookup_takes_no_key_past_the_first_miss(tmp_path: Path) -> None:
-    """What engines' lookups count on (a new prompt's names are made as they are asked
-    for): with no shared tier, neither the count nor the pins take a key past the
-    first miss."""
-    cfg = load_config(
-        {"tiers": [{"type": "disk", "path": str(tmp_path / "d"), "capacity_bytes": 1 << 20}]}
-    )
-    store = await open_store(cfg)
-    for k in ("a", "b"):
-        assert await store.put_object(k, b"x" * 10)
-    taken: list[str] = []
-
-    def keys() -> Iterator[str]:
-        for k in ("a", "b", "nowhere", "a"):
-            taken.append(k)
-            yield k
-
-    assert await held_prefix(store, keys()) == 2 and taken == ["a", "b", "nowhere"]
-    taken.clear()
-    pins = await pin_held_prefix(store, keys())
-    assert len(pins) == 2 and taken == ["a", "b", "nowhere"]
-    store.unpin(pins)
     await store.close()
 
 

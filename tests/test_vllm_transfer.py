@@ -25,9 +25,9 @@ import redis
 import torch
 
 from hurray_store import KVSpec
-from hurray_store.adapters.store_thread import StoreThread
 from hurray_store.adapters.vllm_layout import LAYOUTS
 from hurray_store.adapters.vllm_transfer import BlockTransfers, Transfer
+from hurray_store.engine.thread import StoreThread
 from hurray_store.testing.services import RedisProc
 from tests.test_vllm_layout import _views
 

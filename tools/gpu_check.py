@@ -51,9 +51,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hurray_store import KVSpec, PagedKVPool  # noqa: E402
-from hurray_store.adapters.store_thread import StoreThread  # noqa: E402
 from hurray_store.adapters.vllm_layout import LAYOUTS, allocate, pages_of, write_pages  # noqa: E402
 from hurray_store.adapters.vllm_transfer import BlockTransfers, Transfer  # noqa: E402
+from hurray_store.engine.thread import StoreThread  # noqa: E402
 from hurray_store.store import open_store  # noqa: E402
 
 # Qwen2.5-0.5B: 24 layers, hidden 896, 14 query heads, 2 KV heads of 64.

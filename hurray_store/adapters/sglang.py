@@ -20,8 +20,11 @@ Every page is one object (``sglang_pages``); its name is SGLang's page key after
 prefix that hashes everything else the page's bytes depend on: the model's identity
 from its weights and config (``identity.model_identity``, the rule vLLM's connector and
 the transformers adapter follow), the salt, the KV geometry (layers, heads, head size,
-page size, dtype) and the ranks (TP, PP, attention CP). The host pool's layout is not in
-it: a page object is the same whichever layout wrote it.
+page size, dtype), the ranks (TP, PP, attention CP) and, for ``page_first``, the
+object's token-major form (``sglang_pages.TOKEN_MAJOR``). Pages are shared between
+instances of the per-layer layouts (``layer_first``, ``page_first_direct``,
+``page_head``), whichever of them wrote it; a ``page_first`` instance's pages are named
+apart from theirs (a miss across, never wrong data).
 
 What SGLang relies on: ``batch_exists`` counts the leading run the ledger (or a shared
 tier) hold; a get checks every page in a staging buffer before it copies it into the
@@ -37,7 +40,6 @@ import json
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,42 +49,19 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from hurray_store.adapters.sglang_io import TIMEOUT_S, PageIO, unsupported_pool
+from hurray_store.adapters.sglang_io import PageIO, unsupported_pool
 from hurray_store.adapters.sglang_pages import (
+    TOKEN_MAJOR,
     PageCodec,
     PageLayoutError,
     flat_page_view,
     page_view,
 )
-from hurray_store.adapters.store_thread import StoreThread, held_prefix
-from hurray_store.identity import checkpoint_id, model_identity
+from hurray_store.engine import EnginePort
+from hurray_store.engine.identity import folder_identity
 
 log = logging.getLogger(__name__)
 _WARN_EVERY_S = 10.0  # a failing store is logged at most this often
-
-
-def _identity(model_path: str | None, model_name: str | None) -> str:
-    """The model's identity from its folder (weights and KV-shaping config)."""
-    folder = model_path or model_name or ""
-    if not folder:
-        raise ValueError(
-            "HurrayHiCacheStorage: no model to key by: set model_path in "
-            "--hicache-storage-backend-extra-config"
-        )
-    cfg: dict[str, Any] = {}
-    p = Path(folder)
-    if p.is_dir() and (p / "config.json").is_file():
-        try:
-            cfg = json.loads((p / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"HurrayHiCacheStorage: {p / 'config.json'}: {e}") from e
-    elif not model_path:
-        log.warning(
-            "HurrayHiCacheStorage: model_name %r is not a model folder; set model_path "
-            "so the key names the weights",
-            folder,
-        )
-    return model_identity(checkpoint_id(folder), cfg)
 
 
 class HurrayHiCacheStorage(HiCacheStorage):
@@ -103,9 +82,11 @@ class HurrayHiCacheStorage(HiCacheStorage):
                 "heterogeneous TP) is not supported"
             )
         self.storage_config = storage_config
-        self.identity = _identity(extra.get("model_path"), storage_config.model_name)
-        self.st = StoreThread(extra.get("config"), "hurray-sglang")
-        self.store = self.st.store
+        self.identity = folder_identity(
+            extra.get("model_path"), storage_config.model_name, "HurrayHiCacheStorage"
+        )
+        self.port = EnginePort(extra.get("config"), name="hurray-sglang")
+        self.store = self.port.store
         self.salt = str(extra.get("salt", "")) or self.store.config.salt
         c = storage_config
         self.ranks = (
@@ -147,6 +128,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
             int(pool.head_dim),
             int(pool.page_size),
             pool.dtype,
+            token_major=self.layout in TOKEN_MAJOR,
         )
         fields = {
             "model": self.identity,
@@ -158,10 +140,10 @@ class HurrayHiCacheStorage(HiCacheStorage):
             "dtype": str(self.codec.dtype),
             "ranks": self.ranks,
         }
+        if self.codec.token_major:  # the per-layer form's names are those stored before
+            fields["pages"] = "token_major"
         self.prefix = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        if self.io is not None:
-            self.io.close()
-        self.io = PageIO(self.st, self.codec, self.prefix, self.counts, self._failed)
+        self.io = PageIO(self.port, self.codec, self.prefix, self.counts, self._failed)
         self.disabled = ""
         log.info(
             "HurrayHiCacheStorage: host pool %s, %d layers x %d heads x %d, pages of %d "
@@ -216,8 +198,8 @@ class HurrayHiCacheStorage(HiCacheStorage):
         if self.disabled or not keys:
             return 0
         try:
-            names = [self.name_of(k) for k in keys]
-            return int(self.st.call(held_prefix(self.store, names), TIMEOUT_S))
+            assert self.io is not None
+            return self.io.held(keys)
         except Exception as e:  # noqa: BLE001 - a miss, never an error into SGLang
             self._failed("exists", e)
             return 0
@@ -346,9 +328,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Write what is pending, then close the store."""
-        self.st.close()
-        if self.io is not None:
-            self.io.close()
+        self.port.close()
 
 
 def cpu_host_pool(

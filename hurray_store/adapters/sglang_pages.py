@@ -6,12 +6,12 @@ to the pages before it, and asks for pages by those names: which of a batch exis
 (``batch_exists``: the leading run), then a get or a set of up to 128 pages at once, and
 a later call may name any run of them again. A page is therefore the unit that is
 looked up, written once and evicted alone; a batch's pages are read concurrently. The
-object of a page is the same stream as an LMCache chunk object (``records``): per layer
-a key and a value block-paged descriptor, each with its pool (one page of
-``[page_size, heads, head_dim]``), then the chunk record (``HSLC``), the commit point,
-with the xxh3-64 of each pool. The record's fingerprint is the page's own
-(``page_fingerprint``: the layout, the model, the ranks and the page's name), so an
-object read under another name or layout is refused, never copied into the pool.
+object of a page is the same stream as an LMCache chunk object (``records``): key and
+value block-paged descriptors, each with its pool (one page), then the chunk record
+(``HSLC``), the commit point, with the xxh3-64 of each pool. The record's fingerprint
+is the page's own (``page_fingerprint``: the object's form, the model, the geometry,
+the ranks and the page's name), so an object read under another name or form is
+refused, never copied into the pool.
 
 **The host pool's layouts.** ``page_view(kv_buffer, layout, page_size, index)`` is one
 page of SGLang's ``MHATokenToKVPoolHost.kv_buffer`` as a ``[2, layers, page_size, heads,
@@ -22,11 +22,18 @@ head_dim]`` view (no copy), for the layouts SGLang's MHA host pool has:
 - ``page_first_direct`` ``(2, pages, layers, page_size, heads, head_dim)``
 - ``page_head``         ``(2, pages, heads, page_size, layers, head_dim)``
 
-(``page_unified`` interleaves K and V inside head groups: not supported.) The object's
-pools are per layer. A page set is written from that view where each pool is contiguous
-in it (``direct_pools``: ``layer_first``, ``page_first_direct``), else from a contiguous
-staging page it is copied into. A page read is checked in a staging buffer before any
-byte of it reaches the pool.
+(``page_unified`` interleaves K and V inside head groups: not supported.)
+
+**Two forms of a page object.** Per layer (``layer_first``, ``page_first_direct``,
+``page_head``): per layer a K and a V descriptor of ``[page_size, heads, head_dim]``,
+which are contiguous in ``layer_first`` and ``page_first_direct`` pools. Token-major
+(``page_first``, ``TOKEN_MAJOR``): one K and one V descriptor of ``[page_size, layers *
+heads, head_dim]``, the page's tokens with every layer's heads side by side, which is how
+``page_first`` holds a page (its K, then its V, each one contiguous run). Either way a
+page set is written from the host pool's own bytes where its pools are contiguous there
+(``direct_pools``), else from a contiguous staging page it is copied into; a page read
+is checked in a staging buffer before any byte of it reaches the pool. The form is part
+of a page's name (``adapters/sglang.py``): an object is only ever read in its own form.
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ from hurray_store.format.wire import blob_descriptor
 from hurray_store.records import chunk_record_bytes, chunk_record_of, parse_chunk_record
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+# Host layouts whose pages are token-major objects: one K and one V pool of the page's
+# tokens, all layers' heads side by side, as the layout holds them (two parts to write
+# and two pools to hash per page, no copy; per layer it took a transposing copy).
+TOKEN_MAJOR = frozenset({"page_first"})
 
 
 class PageLayoutError(ValueError):
@@ -102,17 +113,30 @@ def page_fingerprint(prefix: str, name: str) -> bytes:
 
 class PageCodec:
     """The byte layout of a page object of ``layers`` layers of ``[page_size, heads,
-    head_dim]`` keys and values of ``dtype``: where each pool sits, the object's size,
-    the object of a staging page, where a read object's pools are, and its check."""
+    head_dim]`` keys and values of ``dtype``, per layer or token-major (``token_major``:
+    one ``[page_size, layers * heads, head_dim]`` K and V): where each pool sits, the
+    object's size, the object of a staging page, where a read object's pools are, and
+    its check. A page is handed over as a ``[2, layers, page_size, heads, head_dim]``
+    view (``shape``) in both forms."""
 
     def __init__(
-        self, layers: int, heads: int, head_dim: int, page_size: int, dtype: torch.dtype
+        self,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        token_major: bool = False,
     ) -> None:
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
-        self.page_size, self.dtype = page_size, dtype
-        self.shape = (2, layers, page_size, heads, head_dim)  # a staging page
-        self.pool_bytes = page_size * heads * head_dim * dtype.itemsize  # one layer's K or V
-        self.page_bytes = 2 * layers * self.pool_bytes
+        self.page_size, self.dtype, self.token_major = page_size, dtype, token_major
+        self.shape = (2, layers, page_size, heads, head_dim)  # a page, as page_view gives it
+        # The object's own layers and heads (its descriptors, records and pools)
+        self.obj_layers, self.obj_heads = (1, layers * heads) if token_major else (layers, heads)
+        # a staging page: the object's pools in order (K, then V; per layer, or per token)
+        self.staging_shape = (2, page_size, layers, heads, head_dim) if token_major else self.shape
+        self.pool_bytes = page_size * self.obj_heads * head_dim * dtype.itemsize  # one K or V
+        self.page_bytes = 2 * self.obj_layers * self.pool_bytes
         one = torch.zeros(1, dtype=torch.int64)
         self.plans = [
             plan_layer(
@@ -121,15 +145,15 @@ class PageCodec:
                 torch.tensor([0, 1]),
                 num_pages=1,
                 page_size=page_size,
-                heads=heads,
+                heads=self.obj_heads,
                 dim=head_dim,
                 dtype=dtype,
             )
-            for li in range(layers)
+            for li in range(self.obj_layers)
         ]
-        self.record_bytes = chunk_record_bytes(layers)
+        self.record_bytes = chunk_record_bytes(self.obj_layers)
         self.record_descriptor = blob_descriptor(self.record_bytes)
-        self._record_of = chunk_record_of(layers)
+        self._record_of = chunk_record_of(self.obj_layers)
         self.pools: list[tuple[int, int]] = []  # per layer, where its K and V pools start
         pos = 0
         for plan in self.plans:
@@ -156,7 +180,7 @@ class PageCodec:
         # layers' descriptors are all of one length (they are, up to layer 2**7 here):
         # a read page is then copied out in one strided copy.
         k0, v0 = self.pools[0]
-        step = self.pools[1][0] - k0 if layers > 1 else 0
+        step = self.pools[1][0] - k0 if self.obj_layers > 1 else 0
         self.strides: tuple[int, int] | None = (v0 - k0, step)
         if any(p != (k0 + li * step, v0 + li * step) for li, p in enumerate(self.pools)):
             self.strides = None
@@ -169,6 +193,12 @@ class PageCodec:
         isz, at = self.dtype.itemsize, obj.storage_offset()
         row = (self.page_size, self.heads, self.head_dim * isz)
         inner = (self.heads * self.head_dim * isz, self.head_dim * isz, 1)
+        if self.token_major:  # K [page_size, layers, heads, ...], then V: seen layer first
+            (k0, v0), hd = self.pools[0], self.head_dim * isz
+            view = obj.as_strided(
+                (2, self.layers, *row), (v0 - k0, inner[0], self.layers * inner[0], hd, 1), at + k0
+            )
+            return [(view, -1, -1)]
         if self.strides is not None:
             kv, step = self.strides
             view = obj.as_strided((2, self.layers, *row), (kv, step, *inner), at + self.pools[0][0])
@@ -185,21 +215,27 @@ class PageCodec:
         return [checksum(obj[off : off + nb]) for pair in self.pools for off in pair]
 
     def staging_bytes(self, staging: torch.Tensor) -> memoryview:
-        """The bytes of a contiguous buffer of staging pages ``[n, *shape]`` (taken once
-        per batch: a tensor operation hands the GIL over, and with the store's threads
-        busy it took milliseconds to get it back)."""
-        if tuple(staging.shape[1:]) != self.shape or not staging.is_contiguous():
-            raise PageLayoutError(f"staging pages are a contiguous [n, {self.shape}]")
+        """The bytes of a contiguous buffer of staging pages ``[n, *staging_shape]``
+        (taken once per batch: a tensor operation hands the GIL over, and with the
+        store's threads busy it took milliseconds to get it back)."""
+        if tuple(staging.shape[1:]) != self.staging_shape or not staging.is_contiguous():
+            raise PageLayoutError(f"staging pages are a contiguous [n, {self.staging_shape}]")
         return memoryview(staging.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
+    def staging_page(self, staging: torch.Tensor, j: int) -> torch.Tensor:
+        """Staging page ``j`` of ``staging`` (``[n, *staging_shape]``) as a ``[2, layers,
+        page_size, heads, head_dim]`` view, to copy a page into."""
+        page = staging[j]
+        return page.permute(0, 2, 1, 3, 4) if self.token_major else page
+
     def pool_views(self, pages: memoryview, j: int) -> list[memoryview]:
-        """The 2 x layers byte views of staging page ``j`` of ``pages``
+        """The 2 x object layers byte views of staging page ``j`` of ``pages``
         (``staging_bytes``), layer 0 K, layer 0 V, layer 1 K, ..."""
-        nb, half = self.pool_bytes, self.layers * self.pool_bytes
+        nb, half = self.pool_bytes, self.obj_layers * self.pool_bytes
         at = j * self.page_bytes
         return [
             pages[at + r * half + li * nb : at + r * half + (li + 1) * nb]
-            for li in range(self.layers)
+            for li in range(self.obj_layers)
             for r in (0, 1)
         ]
 
@@ -217,33 +253,41 @@ class PageCodec:
         return parts
 
     def direct_pools(self, page: torch.Tensor, storage: memoryview) -> list[memoryview] | None:
-        """The 2 x layers byte views (layer 0 K, layer 0 V, ...) of ``page``, a ``[2,
-        layers, page_size, heads, head_dim]`` view (``page_view``) into the bytes
+        """The 2 x object layers byte views (layer 0 K, layer 0 V, ...) of ``page``, a
+        ``[2, layers, page_size, heads, head_dim]`` view (``page_view``) into the bytes
         ``storage`` of its tensor's storage, when each pool of it is contiguous there
-        (SGLang's ``layer_first`` and ``page_first_direct`` layouts): the object is
-        then written from the host pool with no copy. None when they are not."""
+        (per layer: SGLang's ``layer_first`` and ``page_first_direct``; token-major:
+        ``page_first``): the object is then written from the host pool with no copy.
+        None when they are not."""
         _, L, P, H, D = self.shape
         st = page.stride()
-        if tuple(page.shape) != self.shape or st[2:] != (H * D, D, 1) or page.dtype != self.dtype:
+        if tuple(page.shape) != self.shape or page.dtype != self.dtype:
             return None
         isz, nb = self.dtype.itemsize, self.pool_bytes
         at = page.storage_offset() * isz
-        if at < 0 or at + ((L - 1) * st[1] + st[0]) * isz + nb > len(storage):
+        if self.token_major:  # [P, L, H, D] of K, of V
+            if st[1:] != (H * D, L * H * D, D, 1):
+                return None
+            starts = [at, at + st[0] * isz]
+        else:  # [P, H, D] of each layer's K, V
+            if st[2:] != (H * D, D, 1):
+                return None
+            starts = [at + (li * st[1] + r * st[0]) * isz for li in range(L) for r in (0, 1)]
+        if at < 0 or max(starts) + nb > len(storage):
             return None
-        starts = [at + (li * st[1] + r * st[0]) * isz for li in range(L) for r in (0, 1)]
         return [storage[a : a + nb] for a in starts]
 
     def check(
         self, record: memoryview | bytes | bytearray, fingerprint: bytes, sums: Sequence[int]
     ) -> str:
-        """Why the page read (``sums``: the xxh3-64 of each pool as read, layer 0 K
-        first; ``record``: the record's bytes) is not this page's object; "" when it is."""
+        """Why the page read (``sums``: the xxh3-64 of each of its pools as read, layer
+        0 K first; ``record``: the record's bytes) is not this page's object; "" when it is."""
         want = self._record_of(fingerprint, self.page_size, self.size, self.pools, sums)
         if bytes(record) == want:
             return ""
         try:
             _, size, layers = parse_chunk_record(
-                record, fingerprint, self.layers, self.page_size, self._token_bytes
+                record, fingerprint, self.obj_layers, self.page_size, self._token_bytes
             )
         except ValueError as e:  # FormatError
             return str(e)
@@ -257,4 +301,4 @@ class PageCodec:
         return "record differs"
 
     def _token_bytes(self, n: int) -> int:
-        return n * self.heads * self.head_dim * self.dtype.itemsize
+        return n * self.obj_heads * self.head_dim * self.dtype.itemsize

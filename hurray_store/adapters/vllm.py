@@ -70,12 +70,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from hurray_store.adapters.store_thread import StoreThread
 from hurray_store.adapters.vllm_layout import LayoutError
 from hurray_store.adapters.vllm_probe import check_views
 from hurray_store.adapters.vllm_scheduler import TIMEOUT_S, HurrayMetadata, SchedulerSide
 from hurray_store.adapters.vllm_spec import hit_source, spec_for_vllm, unkeyable
 from hurray_store.adapters.vllm_transfer import BlockTransfers, Loading, Transfer
+from hurray_store.engine import EnginePort
 from hurray_store.keys import check_salt
 from hurray_store.spec import KVSpec
 
@@ -131,7 +131,8 @@ class HurrayConnector(KVConnectorBase_V1):
             object.__setattr__(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
             if role == KVConnectorRole.SCHEDULER:
                 log.info("HurrayConnector: kv_load_failure_policy set to recompute")
-        self.st = StoreThread(extra["config"], f"hurray-{role.name.lower()}")
+        self.port = EnginePort(extra["config"], name=f"hurray-{role.name.lower()}")
+        self.st = self.port.thread  # the segments' way to the store, until they are on the port
         # The page salt of a request with nothing of its own: the connector's salt, else
         # the store config's; a request's cache_salt and adapter are mixed into it.
         base = str(extra.get("salt", "")) or self.st.store.config.salt
@@ -357,4 +358,4 @@ class HurrayConnector(KVConnectorBase_V1):
             lost = self.xfer.pending_bytes()
             log.warning("HurrayConnector: %d bytes of saves lost at shutdown", lost)
         self._dump_counts()
-        self.st.close()
+        self.port.close()

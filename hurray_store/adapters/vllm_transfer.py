@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from hurray_store.adapters.store_thread import StoreThread
 from hurray_store.adapters.vllm_layout import Packing, check_view, pages_of, write_pages
+from hurray_store.engine.thread import StoreThread
 from hurray_store.paging import PagedKVPool
 from hurray_store.spec import KVSpec
 

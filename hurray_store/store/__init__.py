@@ -374,9 +374,22 @@ class TieredStore:
         """Count these objects as used now, for eviction (no bytes move)."""
         self.objects.touch(keys)
 
-    async def delete_object(self, key: str) -> None:
+    async def delete_object(self, key: str, reason: str = "delete") -> None:
+        """Delete ``key`` everywhere (its group with it); ``reason``: ``delete``, or
+        ``rejected`` when a reader's own check failed (``metrics.MOVE_REASONS``)."""
         await self.sync()
-        await self.objects.delete(key)
+        await self.objects.delete(key, reason)
+
+    def watch(self, fn: Callable[[str, str, Any, str], None]) -> Callable[[], None]:
+        """Call ``fn(kind, tier_name, group, reason)`` for every group that becomes
+        readable in a tier (``stored``) or stops being (``removed``), from the thread
+        that made the change, while the ledger is locked (so: note it, nothing more).
+        ``group`` is an ``ObjectKey`` (``namespace``, ``name``) of the object level or a
+        ``SegmentKey``; ``reason`` one of ``metrics.MOVE_REASONS``, ``write`` (a put),
+        ``found`` (a restart scan, another process's write) or ``rewrite``. Returns the
+        call that stops it."""
+        names = [t.name for t in self.tiers]
+        return self.ledger.watch(lambda kind, i, g, why: fn(kind, names[i], g, why))
 
     # ------------------------------------------------------------------ stats
 

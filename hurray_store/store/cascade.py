@@ -320,7 +320,7 @@ class TierCascade:
             if self.ledger.is_writing(i, group):
                 self._deleted_while_writing.add((i, group))  # undone when its write ends
                 continue
-            sizes = self.ledger.forget(i, group)
+            sizes = self.ledger.forget(i, group, reason)
             await self.tiers[i].delete_many(list(sizes) or [key])
             self.tiers[i].log_changes(removed=[key])
             self.metrics.moved(reason, self.tiers[i].name, group, sum(sizes.values()))

@@ -203,10 +203,11 @@ class ObjectStore:
         first, at = self.cascade.ledger.first_group, self._stored
         return [first(at + n) or self.key(n) for n in names]
 
-    async def delete(self, name: str) -> None:
+    async def delete(self, name: str, reason: str = "delete") -> None:
         """Delete an object everywhere; an object stored with ``put_many`` takes its
-        whole group with it."""
-        await self.cascade.delete(self.key(name).stored)
+        whole group with it. ``reason``: ``delete``, or ``rejected`` (its reader's
+        check failed)."""
+        await self.cascade.delete(self.key(name).stored, reason)
 
     async def adopt(self, tier: int, obj: ObjectKey) -> None:
         """Another process stored the group ``obj`` ends (a single object, or the last

@@ -204,7 +204,7 @@ class TierReads:
         is writing it."""
         group = self.ledger.group_of(tier, key)
         if group is not None and not self.ledger.is_writing(tier, group):
-            sizes = self.ledger.forget(tier, group)
+            sizes = self.ledger.forget(tier, group, reason)
             self.metrics.moved(reason, self.tiers[tier].name, group, sum(sizes.values()))
             self._left(group)
 
@@ -216,7 +216,7 @@ class TierReads:
         log.warning(
             "tier %s: %s failed verification (%s); quarantined, treated as a miss", t.name, key, why
         )
-        sizes = self.ledger.forget(tier, group)
+        sizes = self.ledger.forget(tier, group, "quarantine")
         self.metrics.moved("quarantine", t.name, group, sum(sizes.values()))
         self._spawn(self._quarantine(tier, key, [k for k in sizes if k != key]))
         self._left(group)

@@ -7,17 +7,18 @@ the L2 adapter of ``lmcache server`` (this package is the only one that imports
 - ``l2.HurrayL2Adapter``: objects and their records, one group each.
 - ``hurray_store.records``: those records, packed and parsed (pure; SGLang's page
   objects end in the chunk record too).
-- ``store_thread.StoreThread``: the store on an event loop of its own thread.
+- ``hurray_store.engine.EnginePort``: the one way both reach the store.
 
 See docs/lmcache.md.
 """
 
 from hurray_store.adapters.lmcache.l2 import HurrayL2Adapter, HurrayL2AdapterConfig
 from hurray_store.adapters.lmcache.plugin import HurrayStoragePlugin
-from hurray_store.adapters.store_thread import StoreThread
+from hurray_store.engine import EnginePort, StoreThread
 from hurray_store.records import layout_fingerprint
 
 __all__ = [
+    "EnginePort",
     "HurrayL2Adapter",
     "HurrayL2AdapterConfig",
     "HurrayStoragePlugin",

@@ -12,7 +12,6 @@ with them.)
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -22,17 +21,13 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from hurray_store.adapters.lmcache.chunks import ChunkRegistry
 from hurray_store.adapters.lmcache.layout import ChunkLayout
-from hurray_store.adapters.store_thread import StoreThread
+from hurray_store.engine import EnginePort
 from hurray_store.errors import FormatError
 from hurray_store.format import checksum
 from hurray_store.records import parse_chunk_record
-from hurray_store.store import TieredStore
 from hurray_store.tiers import RangeIn
 
 log = logging.getLogger(__name__)
-# Chunks read at once on the store's loop: each is one ranged read of many ranges, and
-# more at once only queue behind each other on the tier's threads.
-GETS_IN_FLIGHT = 2
 
 
 class ChunkGets:
@@ -40,39 +35,30 @@ class ChunkGets:
     (``allocator``, LMCache's local CPU backend)."""
 
     def __init__(
-        self,
-        store: TieredStore,
-        runner: StoreThread,
-        chunks: ChunkRegistry,
-        layout: ChunkLayout,
-        allocator: Any,
+        self, port: EnginePort, chunks: ChunkRegistry, layout: ChunkLayout, allocator: Any
     ) -> None:
-        self.store, self.runner, self.chunks = store, runner, chunks
+        self.port, self.chunks = port, chunks
         self.layout, self.allocator = layout, allocator
 
     def get_many(self, keys: Sequence[Any]) -> list[MemoryObj | None]:
-        """The chunks of ``keys``, None where missing, read on the calling thread
-        (LMCache's; never the store's loop). Chunks on a disk tier or a single Redis
-        are read from here with no trip to the store's loop (``read_objects_into_now``),
-        as LMCache's own disk backend reads, each range hashed as it comes in; the others
-        are read on the loop, all at once, and checked here. Any mismatch is a miss and leaves."""
+        """The chunks of ``keys``, None where missing, read through the port
+        (``EnginePort.read``: on a disk tier or a single Redis from this thread, as
+        LMCache's own disk backend reads, each range hashed as it comes in; else on the
+        store's loop) and checked here. Any mismatch is a miss, and the chunk leaves."""
         out: list[MemoryObj | None] = [None] * len(keys)
         gets: list[_ChunkGet] = []
         try:
             for j, key in enumerate(keys):
                 if (g := self._prepare(key, j)) is not None:
                     gets.append(g)
-            now = self.store.read_objects_into_now(
+            read = self.port.read(
                 [(g.name, g.ranges, g.into) for g in gets], self._hash_range(gets)
             )
-            later = [g for g, ok in zip(gets, now, strict=True) if not ok]
-            if later:
-                read = self.runner.call(self._read_all(later))
-                for g, ok in zip(later, read, strict=True):
-                    if ok:
-                        g.sums = [checksum(d) for d in g.dst]
-                    else:
-                        g.release()  # gone since the ledger said so
+            for g, ok in zip(gets, read, strict=True):
+                if not ok:
+                    g.release()  # gone since the ledger said so
+                elif None in g.sums:  # read on the store's loop: hashed here
+                    g.sums = [checksum(d) for d in g.dst]
             for g in gets:
                 if g.out is not None:
                     out[g.index] = g.finish(self)
@@ -95,23 +81,12 @@ class ChunkGets:
 
         return hashed
 
-    async def _read_all(self, gets: list[_ChunkGet]) -> list[bool]:
-        at_once = asyncio.Semaphore(GETS_IN_FLIGHT)
-
-        async def one(g: _ChunkGet) -> bool:
-            async with at_once:
-                return await self.store.read_object_into(g.name, g.ranges, g.into)
-
-        return list(await asyncio.gather(*(one(g) for g in gets)))
-
     def _prepare(self, key: Any, index: int) -> _ChunkGet | None:
         """What a get of ``key`` (``index`` in its batch) reads where: from its object's
         size in the ledger (the loop asks shared tiers when they do not know it), its
         page count, and LMCache's buffer for its tokens. None: a miss."""
         k = self.chunks.name(key)
-        size = self.store.known_object_size(k)
-        if size is None:
-            size = self.runner.call(self.store.object_size(k))
+        size = self.port.size(k)
         if size is None:
             return None
         pages = self.layout.pages_of(size)
@@ -134,7 +109,7 @@ class ChunkGets:
     def drop_chunk(self, key: Any, name: str, why: str) -> None:
         """A chunk object that failed verification: deleted, a miss (a get's seam)."""
         log.warning("hurray plugin: %s failed verification (%s); a miss", key, why)
-        self.runner.call(self.store.delete_object(name))
+        self.port.reject(name, why)
 
     def pool_views(self, obj: MemoryObj) -> list[memoryview]:
         """Byte views of a chunk's token rows, per layer its keys then its values."""

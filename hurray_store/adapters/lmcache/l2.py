@@ -23,8 +23,9 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from hurray_store.adapters.store_thread import StoreThread
 from hurray_store.batches import batches
+from hurray_store.engine import EnginePort
+from hurray_store.engine.identity import folder_identity, identity_tag
 from hurray_store.errors import FormatError
 from hurray_store.format import checksum
 from hurray_store.records import (
@@ -46,11 +47,16 @@ class HurrayL2AdapterConfig(L2AdapterConfigBase):
     - ``config`` (str, required): path of a hurray_store YAML (its tiers).
     - ``max_capacity_gb`` (float, optional): the capacity reported to LMCache for its
       global eviction; 0 (default) leaves eviction to hurray_store's own budgets.
+    - ``model_path`` (str, optional): the model's folder; objects are then keyed by its
+      weights and KV-shaping config, not by LMCache's model name alone.
     """
 
-    def __init__(self, config: str, max_capacity_gb: float = 0.0) -> None:
+    def __init__(
+        self, config: str, max_capacity_gb: float = 0.0, model_path: str | None = None
+    ) -> None:
         self.config = config
         self.max_capacity_gb = max_capacity_gb
+        self.model_path = model_path
 
     @classmethod
     def from_dict(cls, d: dict) -> HurrayL2AdapterConfig:
@@ -60,14 +66,18 @@ class HurrayL2AdapterConfig(L2AdapterConfigBase):
         cap = d.get("max_capacity_gb", 0.0)
         if not isinstance(cap, int | float) or isinstance(cap, bool) or cap < 0:
             raise ValueError("max_capacity_gb must be a number >= 0")
-        return cls(path, float(cap))
+        model_path = d.get("model_path")
+        if model_path is not None and (not isinstance(model_path, str) or not model_path):
+            raise ValueError("model_path must be the path of the model's folder")
+        return cls(path, float(cap), model_path)
 
     @classmethod
     def help(cls) -> str:
         return (
             "hurray_store L2 adapter config fields:\n"
             "- config (str): path of a hurray_store YAML (required)\n"
-            "- max_capacity_gb (float): capacity reported to LMCache (optional, default 0)"
+            "- max_capacity_gb (float): capacity reported to LMCache (optional, default 0)\n"
+            "- model_path (str): the model's folder, to key objects by its weights (optional)"
         )
 
 
@@ -90,17 +100,31 @@ class HurrayL2Adapter(L2AdapterInterface):
         self._looked: dict[L2TaskId, Bitmap] = {}
         self._loaded: dict[L2TaskId, Bitmap] = {}
         self._locks: dict[str, list[Pin]] = {}  # the store's pins of each locked key
-        self._runner = StoreThread(cfg.config, "hurray-store-l2")
-        self.store: TieredStore = self._runner.store
+        self.port = EnginePort(cfg.config, name="hurray-store-l2")
+        self._runner = self.port.thread  # LMCache's tasks run on the store's loop
+        self.store: TieredStore = self.port.store
+        # "l2o/": objects that end in their record (older "l2/" groups are never read);
+        # then the weights' tag where the model's folder is known.
+        self._prefix = "l2o/"
+        if cfg.model_path:
+            tag = identity_tag(folder_identity(cfg.model_path, None, "HurrayL2Adapter"))
+            self._prefix = f"l2o/{tag}/"
+        else:
+            log.warning(
+                "HurrayL2Adapter: no model_path: objects are keyed by LMCache's model name "
+                "alone, so two checkpoints served under one name would share KV; set "
+                "model_path to key by the weights"
+            )
 
     # ------------------------------------------------------------------ plumbing
 
-    @staticmethod
-    def _key(key: Any) -> str:
+    def _key(self, key: Any) -> str:
         salt = getattr(key, "cache_salt", "")
         group = getattr(key, "object_group_id", 0)
-        # "l2o/": objects that end in their record (older "l2/" groups are never read).
-        return f"l2o/{key.model_name}@{key.kv_rank}@{group}@{bytes(key.chunk_hash).hex()}@{salt}"
+        return (
+            f"{self._prefix}{key.model_name}@{key.kv_rank}@{group}"
+            f"@{bytes(key.chunk_hash).hex()}@{salt}"
+        )
 
     def _task(self) -> L2TaskId:
         with self._lock:
@@ -338,7 +362,7 @@ class HurrayL2Adapter(L2AdapterInterface):
 
     def close(self) -> None:
         try:
-            self._runner.close()
+            self.port.close()
         finally:
             for efd in (self._store_efd, self._lookup_efd, self._load_efd):
                 efd.close()

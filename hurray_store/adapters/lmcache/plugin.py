@@ -1,5 +1,4 @@
-"""hurray_store as an LMCache 0.5.6 storage plugin (the only module that
-imports ``lmcache``).
+"""hurray_store as an LMCache 0.5.6 storage plugin.
 
 LMCache hands over chunks, not token ids: a ``MemoryObj`` in ``KV_2LTD`` format,
 ``[2, num_layers, num_tokens, heads * head_dim]``, under a ``CacheEngineKey``. The plugin
@@ -24,8 +23,14 @@ hash, dtype) and from a layout fingerprint of LMCache's metadata (layers, kv hea
 size, chunk size, dtype, MLA, page size). A layout change is then a different key: a
 miss, never scrambled KV.
 
+The chunk names also carry the model's identity (``engine.identity``): with
+``...model_path`` (or a model name that is a folder) the weights' and KV-shaping
+config's, so two checkpoints served under one ``model_name`` never share a chunk;
+without, LMCache's model name alone, with one warning.
+
 Plugin settings: ``extra_config["storage_plugin.<name>.config"]`` (a hurray_store YAML,
-required) and ``...page_size`` (default 16). See docs/lmcache.md.
+required), ``...page_size`` (default 16) and ``...model_path`` (the model's folder;
+recommended). See docs/lmcache.md.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from hurray_store.adapters.lmcache.gets import ChunkGets
 from hurray_store.adapters.lmcache.layout import ChunkLayout
 from hurray_store.adapters.lmcache.lookups import ChunkLookups
 from hurray_store.adapters.lmcache.puts import ChunkPuts
-from hurray_store.adapters.store_thread import StoreThread
+from hurray_store.engine import EnginePort
+from hurray_store.engine.identity import folder_identity, identity_tag
 from hurray_store.store import TieredStore
 
 
@@ -86,13 +92,21 @@ class HurrayStoragePlugin(StoragePluginInterface):
         )
         self.page_size, self.chunk_size, self.num_layers = page_size, chunk_size, num_layers
         self.fingerprint = self.layout.fingerprint
-        self._runner = StoreThread(path, "hurray-store-plugin")
-        self.store: TieredStore = self._runner.store
+        # The model's identity: its weights where the folder is known (model_path, or
+        # LMCache's model name when that is a folder), else its name, with a warning.
+        self.identity = folder_identity(
+            extra.get(f"storage_plugin.{name}.model_path"), metadata.model_name, "hurray plugin"
+        )
+        prefix = f"lmc/{self.fingerprint[:8].hex()}/"  # the chunk's names name the model too
+        if not self.identity.startswith("name:"):
+            prefix = f"lmc/{self.fingerprint[:8].hex()}.{identity_tag(self.identity)}/"
+        self.port = EnginePort(path, name="hurray-store-plugin")
+        self.store: TieredStore = self.port.store
         # The chunks this engine named lately, and its pins on them.
-        self.chunks = ChunkRegistry(f"lmc/{self.fingerprint[:8].hex()}/", self.store.object_ref)
-        self.lookups = ChunkLookups(self.store, self._runner, self.chunks)
-        self.puts = ChunkPuts(self.lookups, self.layout)
-        self.gets = ChunkGets(self.store, self._runner, self.chunks, self.layout, local_cpu_backend)
+        self.chunks = ChunkRegistry(prefix, self.port.ref)
+        self.lookups = ChunkLookups(self.port, self.chunks)
+        self.puts = ChunkPuts(self.port, self.chunks, self.layout)
+        self.gets = ChunkGets(self.port, self.chunks, self.layout, local_cpu_backend)
         self._closed = False
 
     @staticmethod
@@ -135,7 +149,6 @@ class HurrayStoragePlugin(StoragePluginInterface):
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
         """How many of ``keys``, from the first, a get will find: what LMCache's engine
         asks on every lookup (vLLM's with ``pin``): ``lookups.py``."""
-        self.lookups.sync_others()
         return self.lookups.count(keys, pin)
 
     async def batched_async_contains(
@@ -144,7 +157,6 @@ class HurrayStoragePlugin(StoragePluginInterface):
         return await self.lookups.count_async(keys, pin)
 
     def pin(self, key: CacheEngineKey) -> bool:
-        self.lookups.sync_others()
         return self.lookups.pin_prefix([key]) == 1
 
     def unpin(self, key: CacheEngineKey) -> bool:
@@ -187,4 +199,4 @@ class HurrayStoragePlugin(StoragePluginInterface):
         try:
             self.flush()
         finally:
-            self._runner.close()
+            self.port.close()

@@ -1,0 +1,323 @@
+"""The engine port: the one way every engine adapter reaches the store.
+
+A small synchronous, thread-safe object in the spirit of vLLM's offloading manager
+(docs/engine.md). It owns what every engine needs and none should rebuild: the store's
+thread, the read route (on the caller's thread where a tier reads there, else on the
+store's loop), what other processes sharing a medium changed (read before the ledger
+is), the pins of a lookup, the bounded backlog of saves, the help a waiting thread
+gives the tiers' writers, and the feed of what was stored and removed. Names are the
+engine's object names (a page object, a chunk object); the adapters make them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hurray_store.engine.events import EVENTS_KEPT, EventFeed, StoreEvent
+from hurray_store.engine.reads import Check, OrderedLoads, Take
+from hurray_store.engine.saves import Save, SaveBacklog, write_lent
+from hurray_store.engine.thread import StoreThread
+from hurray_store.keys import object_stored
+from hurray_store.ledger import KeyRef
+from hurray_store.store import Pin, TieredStore
+from hurray_store.store.objects import Data
+from hurray_store.tiers import Range, RangeIn
+
+log = logging.getLogger(__name__)
+TIMEOUT_S = 60.0  # the longest a call waits for the store's loop
+SAVE_BACKLOG_BYTES = 1 << 30  # saves handed over and not yet written, at most
+SAVES_IN_FLIGHT = 64  # saves written at once
+READS_IN_FLIGHT = 2  # ranged reads at once on the loop (each many ranges of one object)
+
+__all__ = ["EnginePort", "Held", "Save", "StoreEvent"]
+
+
+@dataclass(slots=True)
+class Held:
+    """A lookup's answer: ``n`` leading objects are held; with ``pin``, ``pins`` keep
+    them (one per object, in order) until given to ``EnginePort.release``."""
+
+    n: int
+    pins: Sequence[Pin] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class EnginePort:
+    """A store opened from ``config`` on a thread of its own, behind the port's calls.
+
+    ``save_backlog_bytes``/``saves_in_flight`` bound ``save``; ``events_kept`` the
+    events waiting for ``take_events``; ``timeout_s`` a call's wait for the loop."""
+
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        name: str = "hurray-engine",
+        save_backlog_bytes: int = SAVE_BACKLOG_BYTES,
+        saves_in_flight: int = SAVES_IN_FLIGHT,
+        events_kept: int = EVENTS_KEPT,
+        timeout_s: float = TIMEOUT_S,
+    ) -> None:
+        self.thread = StoreThread(config, name)
+        # The store's public face, for what is not yet on the port (the vLLM connector's
+        # segments): adapters use the port's calls for everything else.
+        self.store: TieredStore = self.thread.store
+        self.timeout = timeout_s
+        self._events = EventFeed(self.store.namespace, events_kept)
+        self._unwatch = self.store.watch(self._events.note)
+        self._saves = SaveBacklog(self.thread, save_backlog_bytes, saves_in_flight)
+        self._loads = OrderedLoads(self.thread, timeout_s)
+        self.release_one = self.store.unpin_one  # one pin, any thread, no lock
+        self._stored = len(object_stored(self.store.namespace, ""))  # a ref's key: this + name
+        self.counts = {"lookups": 0, "objects_held": 0, "loaded": 0, "rejected": 0}
+        self._closed = False
+
+    def call(self, coro: Any) -> Any:
+        """Run a coroutine of the store's public face on its loop and wait for it."""
+        return self.thread.call(coro, self.timeout)
+
+    # ------------------------------------------------------------------ lookups
+
+    def sync_others(self) -> None:
+        """Before the ledger is read on this thread: what other processes sharing a
+        medium (a disk folder) committed or removed, read on the store's loop. Asking
+        costs one ``fstat`` a disk tier; the trip is made only when there is news."""
+        if self.store.others_changed():
+            self.call(self.store.sync())
+
+    def lookup(self, keys: Iterable[str] | Iterable[KeyRef], *, pin: bool = False) -> Held:
+        """How many of ``keys`` (object names, or ``ref``'s handles), from the first, a
+        load will find; with ``pin``, pinned until ``release``. Without a shared tier
+        the ledger answers on this thread and ``keys`` is taken lazily, none past the
+        first miss; a shared tier (a cache server) is asked on the store's loop about
+        those the ledger lacks, all at once."""
+        self.sync_others()
+        if self.store.shared:
+            return self._counted(self.call(_held_shared(self.store, self._names(keys), pin)))
+        return self._counted(self._held_here(keys, pin))
+
+    async def lookup_async(
+        self, keys: Iterable[str] | Iterable[KeyRef], *, pin: bool = False
+    ) -> Held:
+        """``lookup`` from an engine's event loop, which it never blocks."""
+        if self.store.shared or self.store.others_changed():
+            fut = self.thread.submit(_held_shared(self.store, self._names(keys), pin))
+            return self._counted(await asyncio.wrap_future(fut))
+        return self._counted(self._held_here(keys, pin))
+
+    def _held_here(self, keys: Iterable[str] | Iterable[KeyRef], pin: bool) -> Held:
+        it: Iterator[Any] = iter(keys)
+        first = next(it, None)
+        if first is None:
+            return Held(0)
+        lazy: Iterator[Any] = itertools.chain((first,), it)
+        if isinstance(first, KeyRef):
+            if pin:
+                pins = self.store.pin_held_refs(lazy)
+                return Held(len(pins), pins)
+            lazy = self._names(lazy)
+        if pin:
+            pins = self.store.pin_held_objects(lazy)
+            return Held(len(pins), pins)
+        has, n = self.store.has_object, 0
+        for k in lazy:
+            if not has(k):
+                break
+            n += 1
+        return Held(n)
+
+    def _names(self, keys: Iterable[str] | Iterable[KeyRef]) -> Iterator[str]:
+        """Object names of ``keys``, lazily (a handle's key is the stored one)."""
+        at = self._stored
+        for k in keys:
+            yield k.key[at:] if isinstance(k, KeyRef) else k
+
+    def _counted(self, held: Held) -> Held:
+        self.counts["lookups"] += 1
+        self.counts["objects_held"] += held.n
+        return held
+
+    def held_each(self, names: Sequence[str]) -> list[bool]:
+        """Whether a load will find each of ``names`` (not only the leading ones)."""
+        self.sync_others()
+        out = [self.store.has_object(n) for n in names]
+        if self.store.shared and not all(out):
+            asks = [n for n, h in zip(names, out, strict=True) if not h]
+            found = iter(self.call(_contains_all(self.store, asks)))
+            out = [h or next(found) for h in out]
+        return out
+
+    def ref(self, name: str) -> KeyRef:
+        """A handle on ``name`` that ``lookup`` pins by with no key looked up while
+        the copy it last found stays (an engine that pins the same objects again and
+        again keeps one per object)."""
+        return self.store.object_ref(name)
+
+    def release(self, held: Held | Sequence[Pin]) -> None:
+        """Let go of a lookup's pins (any thread)."""
+        self.store.unpin(held.pins if isinstance(held, Held) else held)
+
+    # ------------------------------------------------------------------ loads
+
+    def size(self, name: str) -> int | None:
+        """``name``'s size in bytes (the ledger's, else a shared tier's); None: absent."""
+        n = self.store.known_object_size(name)
+        if n is None and self.store.shared:
+            n = self.call(self.store.object_size(name))
+        return n
+
+    def read(
+        self,
+        items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]],
+        each: RangeIn | None = None,
+    ) -> list[bool]:
+        """Read each ``(name, ranges, buffers)``: where the fastest tier holding it reads
+        on this thread, here, ``each(j, i, sum)`` called as range ``i`` of item ``j`` is
+        in (its checksum taken while in the CPU's cache); the others on the store's
+        loop, a few at a time, with no ``each``. Per item, read or not (a miss). The
+        caller checks what was read before it trusts it; what fails, it ``reject``s."""
+        got = self.store.read_objects_into_now(items, each)
+        later = [j for j, ok in enumerate(got) if not ok]
+        if later:
+            more = self.call(_read_all(self.store, [items[j] for j in later]))
+            for j, ok in zip(later, more, strict=True):
+                got[j] = ok
+        return got
+
+    def load(self, names: Sequence[str], size: int, check: Check, take: Take) -> int:
+        """Read objects ``names`` (each ``size`` bytes) whole and in order, ``check(j,
+        bytes)`` each (why it is not object ``j``; "" when it is), then ``take(j,
+        tensor)`` it into the engine's memory: nothing reaches the engine unchecked.
+        Stops at the first not held or not right (that one is ``reject``ed); how many
+        were taken. ``engine/reads.py`` says which thread reads what."""
+        n, why = self._loads.run(names, size, check, take)
+        self.counts["loaded"] += n
+        if why:
+            self.reject(names[n], why)
+        return n
+
+    def reject(self, name: str, why: str) -> None:
+        """Object ``name`` was read and failed its check: a miss, and it leaves the
+        store (a ``removed`` event, reason ``rejected``)."""
+        self.counts["rejected"] += 1
+        log.warning("engine port: %s failed its check (%s); deleted, a miss", name, why)
+        self.call(self.store.delete_object(name, "rejected"))
+
+    def delete(self, name: str) -> bool:
+        """Delete ``name`` everywhere; whether a load would have found it."""
+        return bool(self.call(_delete(self.store, name)))
+
+    # ------------------------------------------------------------------ saves
+
+    def save(self, saves: Iterable[Save]) -> None:
+        """Store each object behind the engine; returns at once. The object's bytes
+        must stay as they are until its ``on_done`` runs. Bounded by the backlog
+        (``SaveBacklog``): over it, the oldest waiting saves are dropped (``on_done``
+        False), counted, never waited for."""
+        self._saves.add(saves)
+
+    def saving(self, name: str) -> bool:
+        """A ``save`` of ``name`` waits or is being written."""
+        return self._saves.pending(name)
+
+    def save_lent(self, steps: Iterable[list[tuple[str, Data]]]) -> list[bool]:
+        """Store objects whose bytes the engine lends only until this returns (its
+        host pages): a step's writes start while the caller makes the next, and this
+        thread helps the tiers' writers while it waits; it returns once every object
+        is written through every tier. Per object, stored or not."""
+        return write_lent(self.thread, steps, self.timeout)
+
+    def refresh(self, ref: KeyRef) -> None:
+        """Point ``ref`` at the copy a load finds now (after a save of its object)."""
+        self.store.refresh_ref(ref)
+
+    # ------------------------------------------------------------------ the rest
+
+    def take_events(self) -> list[StoreEvent]:
+        """Every object (and segment) stored in a tier or removed from one since the
+        last call, oldest first, with the tier and the reason."""
+        return self._events.take()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for every save handed over, then for write-through below the top tier."""
+        if not self._saves.wait(self.timeout if timeout is None else timeout):
+            raise TimeoutError("engine port: saves still pending")
+        self.call(self.store.flush())
+
+    def stats(self) -> dict[str, Any]:
+        """The store's stats, and the port's: lookups, loads, saves (saved, failed,
+        dropped, pending bytes) and events dropped."""
+        return {
+            **self.store.stats(),
+            "port": {
+                **self.counts,
+                **{f"saves_{k}": v for k, v in self._saves.counts.items()},
+                "saves_pending_bytes": self._saves.nbytes,
+                "events_dropped": self._events.dropped,
+            },
+        }
+
+    def close(self) -> None:
+        """Write what is pending, then close the store and its thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._saves.wait(self.timeout)
+        finally:
+            self._saves.closed = True
+            self._unwatch()
+            self._loads.close()
+            self.thread.close()
+
+
+async def _held_shared(store: TieredStore, keys: Iterable[str], pin: bool) -> Held:
+    """On the store's loop: ``EnginePort.lookup`` with a shared tier (or news from
+    other processes to read first). The ledger first; a shared tier is asked about
+    the keys from the first the ledger lacks, all at once."""
+    await store.sync()
+    if pin and not store.shared:
+        pins = store.pin_held_objects(keys)
+        return Held(len(pins), pins)
+    names, n = list(keys), 0
+    for k in names:
+        if not store.has_object(k):
+            break
+        n += 1
+    if n < len(names) and store.shared:
+        rest = await _contains_all(store, names[n:])
+        n += rest.index(False) if False in rest else len(rest)
+    return Held(n, store.pin_objects(names[:n])) if pin else Held(n)
+
+
+async def _contains_all(store: TieredStore, names: Sequence[str]) -> list[bool]:
+    return list(await asyncio.gather(*(store.contains_object(n) for n in names)))
+
+
+async def _read_all(
+    store: TieredStore, items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]]
+) -> list[bool]:
+    at_once = asyncio.Semaphore(READS_IN_FLIGHT)
+
+    async def one(name: str, ranges: Sequence[Range], into: Sequence[memoryview]) -> bool:
+        async with at_once:
+            try:
+                return await store.read_object_into(name, ranges, into)
+            except Exception as e:  # noqa: BLE001 - a read that failed is a miss
+                log.warning("engine port: read of %s failed: %r", name, e)
+                return False
+
+    return list(await asyncio.gather(*(one(*it) for it in items)))
+
+
+async def _delete(store: TieredStore, name: str) -> bool:
+    had = await store.contains_object(name)
+    await store.delete_object(name)
+    return had

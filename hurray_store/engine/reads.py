@@ -1,0 +1,152 @@
+"""The port's loads of whole objects in order (``load_in_order``): read, checked by the
+engine, then copied into its memory, up to the first that is not held or not right.
+
+Objects a tier reads on the calling thread (a disk tier, a single Redis) are read one at
+a time on a helper thread (``ReadAhead``) while the caller checks and copies the ones
+before them: a page's bytes are still in the CPU's cache when they are hashed and
+copied, and reads, hashes and copies (which all let the GIL go) run on two cores. From
+the first object no such tier holds, the rest are read on the store's loop, all at
+once, into a staging buffer, then checked and copied in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from hurray_store.engine.thread import StoreThread
+
+NOT_HERE = "not read on the calling thread"  # an object ``ReadAhead`` leaves to the loop
+# check(j, object bytes) -> why object j is not right ("" when it is)
+Check = Callable[[int, memoryview], str]
+# take(j, object as a uint8 tensor): copy object j into the engine's memory
+Take = Callable[[int, torch.Tensor], None]
+
+
+class ReadAhead:
+    """Reads of whole objects of one size on a thread of its own, each into one of a
+    few reused buffers, while the caller takes the ones before it, in order."""
+
+    def __init__(self, object_bytes: int, buffers: int = 3) -> None:
+        self.object_bytes = object_bytes
+        self.pool = ThreadPoolExecutor(1, "hurray-read-ahead")
+        self.buffers = [torch.empty(object_bytes, dtype=torch.uint8) for _ in range(buffers)]
+
+    def run(
+        self,
+        n: int,
+        read: Callable[[int, memoryview], str | None],
+        take: Callable[[int, torch.Tensor], None],
+    ) -> tuple[int, str | None]:
+        """``read(j, into)`` of objects ``0 .. n - 1`` in order on the helper thread
+        (None: read and right, else why not), ``take(j, buffer)`` of each right one on
+        the caller's, in order, up to the first that is not: how many were taken, and
+        why the next one was not (None: all were)."""
+        free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        ready: queue.SimpleQueue[tuple[int, int, str | None] | BaseException] = queue.SimpleQueue()
+        for i in range(len(self.buffers)):
+            free.put(i)
+        stop = threading.Event()
+        views = [memoryview(b.numpy()) for b in self.buffers]  # type: ignore[arg-type]
+
+        def reader() -> None:
+            try:
+                for j in range(n):
+                    i = free.get()
+                    if stop.is_set():
+                        return
+                    why = read(j, views[i])
+                    ready.put((j, i, why))
+                    if why is not None:
+                        return
+            except BaseException as e:  # handed to the caller
+                ready.put(e)
+
+        done = self.pool.submit(reader)
+        taken, why = 0, None
+        try:
+            while taken < n:
+                got = ready.get()
+                if isinstance(got, BaseException):
+                    raise got
+                j, i, why = got
+                if why is not None:
+                    break
+                take(j, self.buffers[i])
+                free.put(i)
+                taken += 1
+        finally:
+            stop.set()
+            free.put(0)  # wakes a reader waiting for a buffer; it sees stop
+            done.result()
+        return taken, why
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class OrderedLoads:
+    """``load_in_order`` for one port: its read-ahead thread and staging buffer."""
+
+    def __init__(self, st: StoreThread, timeout: float) -> None:
+        self.st, self.store, self.timeout = st, st.store, timeout
+        self._ahead: ReadAhead | None = None
+        self._staging: torch.Tensor | None = None  # objects read on the loop (uint8)
+        self._lock = threading.Lock()  # one load at a time uses the buffers
+
+    def run(self, names: Sequence[str], size: int, check: Check, take: Take) -> tuple[int, str]:
+        """Objects ``names`` (each ``size`` bytes), in order, read whole, ``check``ed,
+        then ``take``n, up to the first not held or not right: how many were taken,
+        and why the next was not ("" when all were, or it was not held)."""
+        with self._lock:
+            return self._run(names, size, check, take)
+
+    def _run(self, names: Sequence[str], size: int, check: Check, take: Take) -> tuple[int, str]:
+        n, whole = len(names), [(0, size)]
+        if self._ahead is None or self._ahead.object_bytes != size:
+            if self._ahead is not None:
+                self._ahead.close()
+            self._ahead = ReadAhead(size)
+
+        def read(j: int, into: memoryview) -> str | None:
+            if not self.store.read_objects_into_now([(names[j], whole, [into])])[0]:
+                return NOT_HERE
+            return check(j, into) or None
+
+        at, why = self._ahead.run(n, read, take)
+        if why != NOT_HERE:
+            return at, why or ""
+        # the rest on the store's loop, all at once, then checked and taken in order
+        objs = self._objects(n - at, size)
+        mvs = [memoryview(objs[i].numpy()) for i in range(n - at)]  # type: ignore[arg-type]
+        got = self.st.call(self._read_all(names[at:], size, mvs), self.timeout)
+        for i, ok in enumerate(got):
+            if not ok:
+                return at + i, ""
+            if why := check(at + i, mvs[i]):
+                return at + i, why
+            take(at + i, objs[i])
+        return n, ""
+
+    def _objects(self, n: int, size: int) -> torch.Tensor:
+        buf = self._staging
+        if buf is None or buf.shape[0] < n or buf.shape[1] != size:
+            buf = self._staging = torch.empty((max(n, 8), size), dtype=torch.uint8)
+        return buf
+
+    async def _read_all(self, names: Sequence[str], size: int, mvs: list[memoryview]) -> list[bool]:
+        whole = [(0, size)]
+        got = await asyncio.gather(
+            *(self.store.read_object_into(n, whole, [m]) for n, m in zip(names, mvs, strict=True)),
+            return_exceptions=True,
+        )
+        return [r is True for r in got]
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()

@@ -1,0 +1,186 @@
+"""The port's saves: objects an engine handed over, written behind it under one bounded
+backlog (``SaveBacklog``), and a batch written from memory the engine lends until the
+call returns (``write_lent``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+
+from hurray_store.engine.thread import StoreThread
+from hurray_store.store.objects import Data
+
+log = logging.getLogger(__name__)
+HELP_POLL_S = 0.0005  # how often a lent write that waits looks for a queued write to run
+
+
+@dataclass(slots=True, eq=False)
+class Save:
+    """One object to store under ``name``; ``on_done(ok)`` runs once it is stored
+    (True), failed or was dropped (False), on the store's thread or the caller's."""
+
+    name: str
+    data: Data
+    nbytes: int
+    on_done: Callable[[bool], None] | None = None
+
+
+class SaveBacklog:
+    """Saves waiting for the store, at most ``max_bytes`` of them (written or waiting):
+    a save that does not fit drops the oldest that wait (never one being written), and
+    is dropped itself if it still does not fit (at once if it is larger than the
+    bound). At most ``in_flight`` are written at once, each a worker on the store's
+    loop that takes the next when it is done. Never blocks the engine, never grows
+    past its bound; each drop is counted."""
+
+    def __init__(self, st: StoreThread, max_bytes: int, in_flight: int) -> None:
+        if max_bytes < 1 or in_flight < 1:
+            raise ValueError("a save backlog needs room for one byte and one writer")
+        self.st, self.store = st, st.store
+        self.max_bytes, self.in_flight = int(max_bytes), int(in_flight)
+        self._waiting: deque[Save] = deque()
+        self._pending: dict[str, Save] = {}  # by name: waiting or being written
+        self._bytes = self._workers = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self.counts = {"saved": 0, "failed": 0, "dropped": 0}
+        self.closed = False  # the store is closed: a save fails at once
+
+    def pending(self, name: str) -> bool:
+        """A save of ``name`` waits or is being written."""
+        return name in self._pending
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def add(self, saves: Iterable[Save]) -> None:
+        if self.closed:
+            for s in saves:
+                with self._lock:
+                    self.counts["failed"] += 1
+                _done(s, False)
+            return
+        dropped: list[Save] = []
+        with self._lock:
+            for s in saves:
+                if s.name in self._pending:
+                    continue  # the one waiting stores the same object
+                if s.nbytes > self.max_bytes:  # could never fit: dropped alone
+                    dropped.append(s)
+                    self.counts["dropped"] += 1
+                    continue
+                self._waiting.append(s)
+                self._pending[s.name] = s
+                self._bytes += s.nbytes
+                while self._bytes > self.max_bytes and self._waiting:
+                    dropped.append(old := self._waiting.popleft())
+                    self._forget(old)
+                    self.counts["dropped"] += 1
+            start = min(self.in_flight - self._workers, len(self._waiting))
+            self._workers += start
+        for s in dropped:
+            _done(s, False)
+        if dropped:
+            log.warning(
+                "engine port: %d saves dropped: the save backlog (%d bytes) is full",
+                len(dropped),
+                self.max_bytes,
+            )
+        if start:
+            try:
+                self.st.loop.call_soon_threadsafe(self._start, start)
+            except RuntimeError:  # the store is closed: these are never written
+                with self._lock:
+                    self._workers -= start
+                self._fail_waiting()
+
+    def _forget(self, s: Save) -> None:
+        """Under the lock: ``s`` is no longer pending."""
+        self._bytes -= s.nbytes
+        if self._pending.get(s.name) is s:
+            del self._pending[s.name]
+        if not self._pending:
+            self._idle.notify_all()
+
+    def _start(self, n: int) -> None:
+        for _ in range(n):
+            self.st.loop.create_task(self._worker())
+
+    async def _worker(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    self._workers -= 1
+                    return
+                s = self._waiting.popleft()
+            ok = False
+            try:
+                ok = await self.store.put_object(s.name, s.data, self_checked=True)
+            except Exception as e:  # noqa: BLE001 - a failed save is a future miss
+                log.warning("engine port: save of %s failed: %r", s.name, e)
+            finally:
+                with self._lock:
+                    self._forget(s)
+                    self.counts["saved" if ok else "failed"] += 1
+                _done(s, ok)
+
+    def _fail_waiting(self) -> None:
+        with self._lock:
+            left = list(self._waiting)
+            self._waiting.clear()
+            for s in left:
+                self._forget(s)
+                self.counts["failed"] += 1
+        for s in left:
+            _done(s, False)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until no save waits or is being written; False: ``timeout`` passed."""
+        with self._lock:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
+
+
+def _done(s: Save, ok: bool) -> None:
+    if s.on_done is not None:
+        try:
+            s.on_done(ok)
+        except Exception as e:  # noqa: BLE001 - the engine's callback, logged
+            log.warning("engine port: completion of %s raised %r", s.name, e)
+
+
+def write_lent(
+    st: StoreThread, steps: Iterable[list[tuple[str, Data]]], timeout: float
+) -> list[bool]:
+    """Store each step's ``(name, data)`` objects, whose bytes the engine lends until
+    this returns: a step's writes start on the store's loop as soon as it is made, while
+    the caller makes the next (``steps`` may be lazy); then this thread, which would
+    only wait, runs writes queued for the tiers' writer threads itself
+    (``help_writes``); it returns once every write ended and the store flushed (written
+    through every tier): the engine may reuse the memory. Per object, stored or not."""
+    store = st.store
+    futs: list[Future[list[bool]]] = []
+    try:
+        for step in steps:
+            futs.append(st.submit(_put_all(st, step)))
+        while left := [f for f in futs if not f.done()]:
+            if not store.help_writes():  # none queued yet: look again soon
+                wait(left, HELP_POLL_S, return_when=FIRST_COMPLETED)
+    finally:
+        # Every write that started ends before the engine reuses its memory.
+        done = [f.result(timeout) for f in futs]
+    st.call(store.flush(), timeout)
+    return [ok for d in done for ok in d]
+
+
+async def _put_all(st: StoreThread, items: list[tuple[str, Data]]) -> list[bool]:
+    got = await asyncio.gather(
+        *(st.store.put_object(n, data, self_checked=True) for n, data in items),
+        return_exceptions=True,
+    )
+    return [r is True for r in got]

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from hurray_store import transport as tp
 from hurray_store.errors import FormatError, ProtocolError
 from hurray_store.format import Manifest, decode_layer, encode_layer
+from hurray_store.format.records import parse_chunk_record, parse_l2_record
 from hurray_store.keys import decode_member_list
-from hurray_store.records import parse_chunk_record, parse_l2_record
 from tests.helpers import make_layer
 from tests.test_manifest import _rechecksum, sample
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hurray_store.adapters.lmcache.layout import ChunkLayout
-from hurray_store.records import chunk_record_bytes
+from hurray_store.format.records import chunk_record_bytes
 
 LAYERS, HEADS, DIM, CHUNK, PAGE = 3, 2, 8, 40, 16  # chunks of 40 tokens: 3 pages, the last partial
 
@@ -20,7 +20,7 @@ def test_pools_lie_in_order_inside_the_object_and_the_record_ends_it() -> None:
     lay = _layout()
     page_bytes = PAGE * HEADS * DIM * 2
     for pages in (1, 2, 3):
-        pools, size = lay.layers_of(pages)
+        pools, size = lay.layout(pages)
         assert len(pools) == LAYERS
         flat = [off for pair in pools for off in pair]
         assert flat == sorted(flat) and len(set(flat)) == len(flat)
@@ -34,7 +34,7 @@ def test_a_get_reads_each_pool_s_tokens_then_the_record() -> None:
     lay = _layout()
     for pages, tokens in ((1, 16), (2, 32), (3, CHUNK)):
         ranges = lay.ranges_of(pages)
-        pools, size = lay.layers_of(pages)
+        pools, size = lay.layout(pages)
         assert len(ranges) == 2 * LAYERS + 1
         assert [off for off, _ in ranges[:-1]] == [off for pair in pools for off in pair]
         assert {n for _, n in ranges[:-1]} == {lay.token_bytes(tokens)}
@@ -43,7 +43,7 @@ def test_a_get_reads_each_pool_s_tokens_then_the_record() -> None:
 
 def test_an_object_s_size_names_its_page_count_and_no_other_size_does() -> None:
     lay = _layout()
-    sizes = {lay.layers_of(p)[1]: p for p in (1, 2, 3)}
+    sizes = {lay.layout(p)[1]: p for p in (1, 2, 3)}
     assert len(sizes) == 3
     for size, pages in sizes.items():
         assert lay.pages_of(size) == pages

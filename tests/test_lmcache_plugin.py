@@ -465,7 +465,7 @@ def test_a_chunk_record_is_the_documented_layout_and_parses_back() -> None:
 
     import xxhash
 
-    from hurray_store.records import chunk_record_of, parse_chunk_record
+    from hurray_store.format.records import chunk_record_of, parse_chunk_record
 
     rng = random.Random(7)
     fp = bytes(rng.randrange(256) for _ in range(32))
@@ -503,7 +503,7 @@ def test_pin_remove_and_a_corrupt_chunk_is_a_miss(opened: Any, tmp_path: Path) -
     assert len(tensors) == 2 * LAYERS + 1
     assert [t.layout.kv_role for t in tensors[:2]] == ["key", "value"]
     assert tensors[0].layout.page_size == 16
-    from hurray_store.records import chunk_record_bytes, parse_chunk_record
+    from hurray_store.format.records import chunk_record_bytes, parse_chunk_record
 
     assert tuple(tensors[-1].shape) == (chunk_record_bytes(LAYERS),)
     _, size, layers = parse_chunk_record(
@@ -530,7 +530,7 @@ def test_batched_gets_from_several_threads_read_disk_at_once_and_a_corrupt_chunk
     p.flush()
     p.close()
     # Chunk 3's object: a byte of its last layer's values flipped on disk.
-    from hurray_store.records import chunk_record_bytes, parse_chunk_record
+    from hurray_store.format.records import chunk_record_bytes, parse_chunk_record
 
     objects = (tmp_path / "cache" / "objects").rglob("*%2Fc")
     victim = next(f for f in objects if f"{3:016x}%40" in f.name)  # chunk hash 3
@@ -672,7 +672,7 @@ def test_l2_adapter_verifies_every_load_in_lmcaches_buffer(tmp_path: Path) -> No
     from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
 
     from hurray_store.adapters.lmcache import HurrayL2Adapter
-    from hurray_store.records import L2_RECORD_BYTES, l2_layout
+    from hurray_store.format.records import L2_RECORD_BYTES, l2_layout
 
     (tmp_path / "h.yaml").write_text(
         f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"

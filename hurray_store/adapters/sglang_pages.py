@@ -43,10 +43,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hurray_store.format import checksum, plan_layer
-from hurray_store.format.layout import Placeholder
-from hurray_store.format.wire import blob_descriptor
-from hurray_store.records import chunk_record_bytes, chunk_record_of, parse_chunk_record
+from hurray_store.format import checksum
+from hurray_store.format.chunk import ChunkFormat
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 # Host layouts whose pages are token-major objects: one K and one V pool of the page's
@@ -137,45 +135,12 @@ class PageCodec:
         self.staging_shape = (2, page_size, layers, heads, head_dim) if token_major else self.shape
         self.pool_bytes = page_size * self.obj_heads * head_dim * dtype.itemsize  # one K or V
         self.page_bytes = 2 * self.obj_layers * self.pool_bytes
-        one = torch.zeros(1, dtype=torch.int64)
-        self.plans = [
-            plan_layer(
-                li,
-                one,
-                torch.tensor([0, 1]),
-                num_pages=1,
-                page_size=page_size,
-                heads=self.obj_heads,
-                dim=head_dim,
-                dtype=dtype,
-            )
-            for li in range(self.obj_layers)
-        ]
-        self.record_bytes = chunk_record_bytes(self.obj_layers)
-        self.record_descriptor = blob_descriptor(self.record_bytes)
-        self._record_of = chunk_record_of(self.obj_layers)
-        self.pools: list[tuple[int, int]] = []  # per layer, where its K and V pools start
-        pos = 0
-        for plan in self.plans:
-            self.pools.append((pos + plan.key_pool_offset, pos + plan.value_pool_offset))
-            pos += plan.nbytes
-        self.size = pos + len(self.record_descriptor) + self.record_bytes
-        # The object's parts as a template: each pool by its index in ``pool_views``
-        # (layer 0 K, layer 0 V, ...), the bytes between two pools (descriptors, the
-        # same for every page) joined into one: a part costs the writer a buffer.
-        self._template: list[int | bytes] = []
-        for li, plan in enumerate(self.plans):
-            for part in plan.parts:
-                if isinstance(part, Placeholder):
-                    self._template.append(2 * li + (0 if part.role == "key" else 1))
-                elif self._template and isinstance(self._template[-1], bytes):
-                    self._template[-1] += bytes(part)
-                else:
-                    self._template.append(bytes(part))
-        if isinstance(self._template[-1], bytes):
-            self._template[-1] += self.record_descriptor
-        else:
-            self._template.append(self.record_descriptor)
+        # The object: a chunk object of one page (``format/chunk.py``)
+        self.format = ChunkFormat(
+            self.obj_layers, self.obj_heads, head_dim, page_size, dtype, page_size
+        )
+        self.pools, self.size = self.format.layout(1)  # per layer where its K and V start
+        self.record_bytes = self.format.record_bytes
         # Where the pools sit, as strides over the object's bytes (role, layer), when the
         # layers' descriptors are all of one length (they are, up to layer 2**7 here):
         # a read page is then copied out in one strided copy.
@@ -246,10 +211,8 @@ class PageCodec:
         hashed now, on the calling thread: right after it was copied into staging its
         bytes are still in the CPU's cache, and the store's threads are left the write."""
         sums = [checksum(v) for v in pools]
-        parts: list[memoryview | bytes] = [
-            pools[t] if isinstance(t, int) else t for t in self._template
-        ]
-        parts.append(self._record_of(fingerprint, self.page_size, self.size, self.pools, sums))
+        parts: list[memoryview | bytes] = self.format.parts(1, pools)
+        parts.append(self.format.record(fingerprint, self.page_size, 1, sums))
         return parts
 
     def direct_pools(self, page: torch.Tensor, storage: memoryview) -> list[memoryview] | None:
@@ -282,23 +245,4 @@ class PageCodec:
     ) -> str:
         """Why the page read (``sums``: the xxh3-64 of each of its pools as read, layer
         0 K first; ``record``: the record's bytes) is not this page's object; "" when it is."""
-        want = self._record_of(fingerprint, self.page_size, self.size, self.pools, sums)
-        if bytes(record) == want:
-            return ""
-        try:
-            _, size, layers = parse_chunk_record(
-                record, fingerprint, self.obj_layers, self.page_size, self._token_bytes
-            )
-        except ValueError as e:  # FormatError
-            return str(e)
-        if size != self.size:
-            return f"an object of {size} bytes, a page has {self.size}"
-        for li, lay in enumerate(layers):
-            if (lay.key_tokens_checksum, lay.value_tokens_checksum) != tuple(
-                sums[2 * li : 2 * li + 2]
-            ):
-                return f"layer {li}: checksum differs"
-        return "record differs"
-
-    def _token_bytes(self, n: int) -> int:
-        return n * self.obj_heads * self.head_dim * self.dtype.itemsize
+        return self.format.check(record, fingerprint, self.page_size, 1, sums)

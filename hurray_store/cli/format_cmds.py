@@ -14,7 +14,7 @@ from hurray_store import FormatError
 from hurray_store.errors import TensorCountError
 from hurray_store.format import Manifest, decode_layer, encode_layer, parse_chunk, parse_layer
 from hurray_store.format.manifest import MANIFEST_MAGIC
-from hurray_store.records import describe_chunk_record
+from hurray_store.format.records import describe_chunk_record
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -244,25 +244,32 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
-def _outside_tier(spec: str, label: str) -> type:
-    """The config class of a tier named ``module:Class`` (a ``Tier`` subclass of another
-    package, with its ``config_cls``), registered so that stores open it."""
-    from hurray_store.tiers import Tier, register  # the tiers build on the config, not back
+# Tiers of other packages named by ``module:Class`` in a config, by kind: the tiers
+# layer (``tiers.open_tier``) checks each is a Tier and registers it. The config names
+# them and imports their module, but never the tiers (they build on the config).
+OUTSIDE_TIERS: dict[str, type] = {}
 
+
+def _outside_tier(spec: str, label: str) -> type:
+    """The config class of a tier named ``module:Class`` (a tier class of another
+    package, with its ``config_cls``), kept in ``OUTSIDE_TIERS`` for the tiers."""
     module, _, name = spec.partition(":")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{label}.type: cannot load the tier {spec!r}: {e}") from None
     config_cls = getattr(cls, "config_cls", None)
-    if not (isinstance(cls, type) and issubclass(cls, Tier)) or not hasattr(
-        config_cls, "__dataclass_fields__"
+    kind = getattr(config_cls, "kind", None)
+    if (
+        not isinstance(cls, type)
+        or not hasattr(config_cls, "__dataclass_fields__")
+        or not isinstance(kind, str)
     ):
         raise ConfigError(
             f"{label}.type: {spec!r} is not a tier (a hurray_store.tiers.Tier subclass "
             "with a config_cls dataclass)"
         )
-    register(cls)
+    OUTSIDE_TIERS[kind] = cls
     assert isinstance(config_cls, type)
     return config_cls
 

@@ -30,17 +30,13 @@ verify and to read any single page without touching the rest of an object. Byte 
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
+from hurray_store.format import manifest_codec as codec
 from hurray_store.format.checksums import object_checksum, page_checksum
+from hurray_store.format.manifest_codec import MANIFEST_MAGIC, MANIFEST_VERSION
 
-MANIFEST_MAGIC = b"HSMF"
-MANIFEST_VERSION = 1
-HEADER = struct.Struct("<4sHHQ")
-QUANT_CODES = {None: 0, "int8": 1}
-QUANT_NAMES = {v: k for k, v in QUANT_CODES.items()}
-MAX_HASH_LEN = 64
+__all__ = ["MANIFEST_MAGIC", "MANIFEST_VERSION", "Manifest", "ManifestLayer", "ManifestSeq"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,24 +148,16 @@ class Manifest:
     def encoded_size(self) -> int:
         """``len(self.to_bytes())``, from the counts alone (the checksums and token
         values do not change it), so a writer can reserve room before it has them."""
-        from hurray_store.format.manifest_codec import encoded_size
-
-        return encoded_size(self)
+        return codec.encoded_size(self)
 
     def to_bytes(self) -> bytes:
-        from hurray_store.format.manifest_codec import encode_manifest
-
-        return encode_manifest(self)
+        return codec.encode_manifest(self)
 
     def validate(self) -> None:
         """The manifest's own invariants; ``from_bytes`` and ``to_bytes`` both enforce them."""
-        from hurray_store.format.manifest_codec import validate_manifest
-
-        validate_manifest(self)
+        codec.validate_manifest(self)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> Manifest:
         """Parse and verify a manifest. Raises only FormatError subclasses."""
-        from hurray_store.format.manifest_codec import decode_manifest
-
-        return decode_manifest(data)
+        return codec.decode_manifest(data, cls, ManifestSeq, ManifestLayer)

@@ -5,23 +5,23 @@ and its parsing, which checks before it trusts or allocates."""
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hurray_store import errors
 from hurray_store.format.checksums import checksum
 from hurray_store.format.cursor import Cursor
-from hurray_store.format.manifest import (
-    HEADER,
-    MANIFEST_MAGIC,
-    MANIFEST_VERSION,
-    MAX_HASH_LEN,
-    QUANT_CODES,
-    QUANT_NAMES,
-    Manifest,
-    ManifestLayer,
-    ManifestSeq,
-)
+
+if TYPE_CHECKING:  # the types only: ``manifest`` builds on this module, not back
+    from hurray_store.format.manifest import Manifest, ManifestLayer, ManifestSeq
+
+MANIFEST_MAGIC = b"HSMF"
+MANIFEST_VERSION = 1
+HEADER = struct.Struct("<4sHHQ")
+QUANT_CODES = {None: 0, "int8": 1}
+QUANT_NAMES = {v: k for k, v in QUANT_CODES.items()}
+MAX_HASH_LEN = 64
 
 
 def encoded_size(m: Manifest) -> int:
@@ -160,7 +160,12 @@ def validate_manifest(m: Manifest) -> None:
             )
 
 
-def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
+def decode_manifest(
+    data: bytes | bytearray | memoryview,
+    manifest: type[Manifest],
+    seq: type[ManifestSeq],
+    layer: type[ManifestLayer],
+) -> Manifest:
     """Parse and verify a manifest. Raises only FormatError subclasses."""
     mv = memoryview(data)
     if mv.ndim != 1 or mv.itemsize != 1:
@@ -213,7 +218,7 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
             (n_pages,) = r.unpack("<I")
             bt = r.array("<u4", n_pages)
             seqs.append(
-                ManifestSeq(tuple(tokens.tolist()), first_page, seq_len, hashes, tuple(bt.tolist()))
+                seq(tuple(tokens.tolist()), first_page, seq_len, hashes, tuple(bt.tolist()))
             )
         layers = []
         for _ in range(r.count("<I", 4 + 2 + 48)):
@@ -223,7 +228,7 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
             kc = r.array("<u8", num_pages)
             vc = r.array("<u8", num_pages)
             layers.append(
-                ManifestLayer(
+                layer(
                     layer_index,
                     key,
                     size,
@@ -242,7 +247,7 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
             )
     except UnicodeDecodeError as e:
         raise errors.ManifestError(f"manifest: object key is not UTF-8: {e}") from e
-    m = Manifest(
+    m = manifest(
         fingerprint=bytes(fingerprint),
         segment_id=bytes(segment_id),
         quantization=QUANT_NAMES[qcode],

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 
 from hurray_store.config import TierConfig
+from hurray_store.config.loader import OUTSIDE_TIERS
+from hurray_store.errors import ConfigError
 from hurray_store.tiers.base import (
     Capabilities,
     GroupObject,
@@ -35,6 +37,11 @@ def open_tier(cfg: TierConfig, namespace: str | None = None) -> Tier:
     kind = cfg.kind
     if kind not in TIER_TYPES and kind in LAZY_TIERS:
         importlib.import_module(LAZY_TIERS[kind])
+    if kind not in TIER_TYPES and kind in OUTSIDE_TIERS:  # named module:Class in a config
+        cls = OUTSIDE_TIERS[kind]
+        if not issubclass(cls, Tier):
+            raise ConfigError(f"{cls.__qualname__} is not a hurray_store.tiers.Tier subclass")
+        register(cls)
     return TIER_TYPES[kind](cfg, namespace)
 
 

@@ -1,31 +1,16 @@
-"""Objects whose bytes end in a record of checksums of some of them (the LMCache
-plugin's chunks, the L2 adapter's objects). It lives with the tiers, not
-an adapter: a tier that writes from a worker thread hashes each part there, just before
-it writes it (``SelfCheckedObject.written``)."""
+"""A ``SelfChecked`` object (``format/self_checked.py``) as a tier writes it: a tier that
+writes from a worker thread hashes each part there, just before it writes it
+(``SelfCheckedObject.written``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 
+from hurray_store.format.self_checked import SelfChecked
 from hurray_store.tiers.base import GroupObject
 from hurray_store.tiers.types import Buffer
 
-
-@dataclass(frozen=True, slots=True)
-class SelfChecked:
-    """An object's bytes that end in a record of checksums of some of them (the LMCache
-    plugin's chunks): ``parts`` in order, ``sum_at[i]`` where part ``i``'s checksum goes
-    in the record's list (None: not hashed), ``sums`` that list with the entries known
-    already, and ``record_of(sums)`` the buffers that close the object (``record_bytes``
-    long). ``hash`` hashes one part."""
-
-    parts: Sequence[Buffer]
-    sum_at: Sequence[int | None]
-    sums: Sequence[int]
-    record_of: Callable[[list[int]], Sequence[Buffer]]
-    record_bytes: int
-    hash: Callable[[Buffer], int]
+__all__ = ["SelfChecked", "SelfCheckedObject"]
 
 
 class SelfCheckedObject(GroupObject):

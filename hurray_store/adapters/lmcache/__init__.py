@@ -5,7 +5,7 @@ the L2 adapter of ``lmcache server`` (this package is the only one that imports
 - ``plugin.HurrayStoragePlugin``: chunks through the store's object level, per-layer
   block-paged objects plus a checksummed chunk record (the commit point).
 - ``l2.HurrayL2Adapter``: objects and their records, one group each.
-- ``hurray_store.records``: those records, packed and parsed (pure; SGLang's page
+- ``hurray_store.format.records``: those records, packed and parsed (pure; SGLang's page
   objects end in the chunk record too).
 - ``hurray_store.engine.EnginePort``: the one way both reach the store.
 
@@ -15,7 +15,7 @@ See docs/lmcache.md.
 from hurray_store.adapters.lmcache.l2 import HurrayL2Adapter, HurrayL2AdapterConfig
 from hurray_store.adapters.lmcache.plugin import HurrayStoragePlugin
 from hurray_store.engine import EnginePort, StoreThread
-from hurray_store.records import layout_fingerprint
+from hurray_store.format.records import layout_fingerprint
 
 __all__ = [
     "EnginePort",

@@ -2,8 +2,8 @@
 adapters through non-blocking submit/query calls signalled on three eventfds. The
 adapter below keeps each of LMCache's objects as one object of hurray_store's object
 level: a Hurray stream of two rank-1 ``uint8`` tensors, the bytes and then a record (the
-commit point, last) with their offset, size and xxh3-64 checksum (``hurray_store.records``). Every
-tier writes an object whole or not at all, so no record exists without its bytes. A
+commit point, last) with their offset, size and xxh3-64 checksum (``format/records.py``).
+Every tier writes an object whole or not at all, so no record exists without its bytes. A
 load reads the bytes straight into LMCache's buffer and the record beside them, in one
 ranged read, and checks the record against the buffer there; anything else is a 0 in
 the result bitmap, never wrong bytes.
@@ -28,7 +28,7 @@ from hurray_store.engine import EnginePort
 from hurray_store.engine.identity import folder_identity, identity_tag
 from hurray_store.errors import FormatError
 from hurray_store.format import checksum
-from hurray_store.records import (
+from hurray_store.format.records import (
     L2_RECORD_BYTES,
     l2_layout,
     pack_l2_object,

@@ -8,9 +8,11 @@ stores each chunk through the store's object level as one object, one Hurray str
   its page pool: one sequence, the chunk's tokens cut into pages of ``page_size``). The
   pools are views of LMCache's buffer; a partial last page is the only copy
   (zero-padded);
-- then the chunk record, the commit point, last (``hurray_store.records``). It holds the layout
-  fingerprint, the token count, the object's size, and per layer where its pools start
-  and the xxh3-64 of the chunk's key and value token bytes (each byte hashed once).
+- then the chunk record, the commit point, last (``format/records.py``). It holds the
+  layout fingerprint, the token count, the object's size, and per layer where its pools
+  start and the xxh3-64 of the chunk's key and value token bytes (each byte hashed once).
+
+That is the chunk object of ``format/chunk.py``, SGLang's page objects' format too.
 
 The object's size (from the store's ledger) gives its page count, hence where every pool
 and the record sit. The plugin wires four parts to LMCache's interface: the layout

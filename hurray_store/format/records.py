@@ -1,4 +1,5 @@
-"""The records that end the LMCache adapters' objects (pure: bytes in and out).
+"""The records that end chunk and page objects and the L2 adapter's objects (pure:
+bytes in and out).
 
 Each adapter object is one Hurray stream whose last tensor, a rank-1 ``uint8`` tensor,
 is its record: the object's commit point, written in the same object (every tier writes
@@ -40,9 +41,9 @@ from typing import Any
 import torch
 
 from hurray_store.errors import FormatError
-from hurray_store.format import checksum
+from hurray_store.format.checksums import checksum
+from hurray_store.format.self_checked import SelfChecked
 from hurray_store.format.wire import blob_descriptor
-from hurray_store.tiers import SelfChecked
 
 CHUNK_MAGIC = b"HSLC"
 CHUNK_VERSION = 4

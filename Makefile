@@ -7,11 +7,11 @@ STAMP  := $(VENV)/.hurray-setup
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.hurray-setup
 
-# vLLM 0.33's Python sources (its wheel has no CPU build): a test checks the connector
-# against 0.33's connector interface, imported from here by the vLLM environment's
+# vLLM 0.34's Python sources (its wheel has no CPU build): a test checks the connector
+# against 0.34's connector interface, imported from here by the vLLM environment's
 # Python. Only the wheel's .py files are kept (57 MB); the flock lets .ci/run fetch it
 # in the background while `make test` waits for it.
-VLLM_NEXT     ?= 0.33.0
+VLLM_NEXT     ?= 0.34.0
 VLLM_NEXT_SRC ?= .vllm-src-$(VLLM_NEXT)
 
 # SGLang's HiCache classes (host pools, backend factory, HiCacheStorage) for the SGLang

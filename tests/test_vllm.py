@@ -153,36 +153,41 @@ def test_the_connector_learns_each_cpu_kernels_packing_from_the_kernel(tmp_path:
     assert p.stdout.count("LEARNED") >= 3 and "REFUSED nope" in p.stdout, p.stdout
 
 
-VLLM_NEXT_SRC = ROOT / ".vllm-src-0.33.0"
+VLLM_NEXT_SRC = ROOT / ".vllm-src-0.34.0"
 
-_VLLM_033_CHECK = """
+_VLLM_NEXT_CHECK = """
 import inspect, sys
 import vllm
 from vllm._version import __version__
-assert vllm.__file__.startswith(sys.argv[1]), vllm.__file__  # 0.33, not the installed 0.32
-assert __version__.startswith("0.33."), __version__
+assert vllm.__file__.startswith(sys.argv[1]), vllm.__file__  # 0.34, not the installed 0.32
+assert __version__.startswith("0.34."), __version__
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as Base
 from hurray_store.adapters.vllm import HurrayConnector as H
 
 assert not getattr(H, "__abstractmethods__", ()), H.__abstractmethods__
-assert Base.__abstractmethods__, "0.33's base class names its abstract methods"
+assert Base.__abstractmethods__, "0.34's base class names its abstract methods"
 for name in sorted(Base.__abstractmethods__):
-    assert name in H.__dict__, f"{name}: abstract in 0.33, not implemented"
+    assert name in H.__dict__, f"{name}: abstract in 0.34, not implemented"
 checked = []
 for name, m in inspect.getmembers(Base):
     if name.startswith("_") or name not in H.__dict__:
         continue
     b, h = inspect.getattr_static(Base, name), inspect.getattr_static(H, name)
-    assert type(b) is type(h), f"{name}: {type(b).__name__} in 0.33, {type(h).__name__} here"
+    assert type(b) is type(h), f"{name}: {type(b).__name__} in 0.34, {type(h).__name__} here"
     if isinstance(b, property):
         continue
     sb, sh = inspect.signature(getattr(Base, name)), inspect.signature(getattr(H, name))
     pb = [(p.name, p.kind, p.default) for p in sb.parameters.values()]
     ph = [(p.name, p.kind, p.default) for p in sh.parameters.values()]
-    assert pb == ph, f"{name}: 0.33 {sb}, HurrayConnector {sh}"
+    assert pb == ph, f"{name}: 0.34 {sb}, HurrayConnector {sh}"
     checked.append(name)
 for name in ("supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"):
     assert name in checked, f"{name}: new in 0.33, not implemented"
+for name in ("may_load_async", "kv_cache_access", "supports_lookahead_block_hashes"):
+    assert name in checked, f"{name}: new in 0.34, not implemented"
+from vllm.config.kv_transfer import KVCacheAccess
+assert H.kv_cache_access(None) == KVCacheAccess.IN_PROCESS
+assert H.supports_lookahead_block_hashes(None) is False
 # What the connector imports from vLLM when it runs, and the fields it reads.
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -197,15 +202,16 @@ print("CHECKED", len(checked), " ".join(checked))
 """
 
 
-@pytest.mark.skipif(not VLLM_NEXT_SRC.exists(), reason="make test fetches vLLM 0.33's sources")
-def test_the_connector_implements_vllm_033s_connector_interface(tmp_path: Path) -> None:
-    """vLLM 0.33 has no CPU build: its connector interface is imported from the wheel's
+@pytest.mark.skipif(not VLLM_NEXT_SRC.exists(), reason="make test fetches vLLM 0.34's sources")
+def test_the_connector_implements_vllm_034s_connector_interface(tmp_path: Path) -> None:
+    """vLLM 0.34 has no CPU build: its connector interface is imported from the wheel's
     Python sources (``make vllm-next-src``) by the vLLM environment's Python, with the
     connector on top: every abstract method implemented, every method the connector
-    overrides with 0.33's parameters, the sleep-mode hooks there, and what the connector
-    reads from vLLM present."""
+    overrides with 0.34's parameters, the sleep-mode hooks (0.33) and 0.34's
+    ``may_load_async``, ``kv_cache_access`` and ``supports_lookahead_block_hashes``
+    there, and what the connector reads from vLLM present."""
     script = tmp_path / "check.py"
-    script.write_text(_VLLM_033_CHECK)
+    script.write_text(_VLLM_NEXT_CHECK)
     env = {**os.environ, "PYTHONPATH": f"{VLLM_NEXT_SRC}{os.pathsep}{ROOT}"}
     env["VLLM_LOGGING_LEVEL"] = "ERROR"
     p = subprocess.run(

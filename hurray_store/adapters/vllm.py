@@ -175,6 +175,26 @@ class HurrayConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         self.scheduler.salt_of(request)
 
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM 0.34: never; a hit loads within the step that computes the rest of the
+        prompt (``get_num_new_matched_tokens`` returns ``load_kv_async=False``)."""
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34: the workers reach the KV cache with torch copies in this process
+        only (``IN_PROCESS``): any allocation of it works."""
+        from vllm.config.kv_transfer import KVCacheAccess  # 0.34 on; 0.32 never asks
+
+        return KVCacheAccess.IN_PROCESS
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.34: no. Pages are keyed by their own tokens; with EAGLE's block drop a
+        block's drafter KV reads tokens past it, which no key here names, so vLLM keeps
+        lookahead hashing off while this connector runs."""
+        return False
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

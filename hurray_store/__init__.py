@@ -10,10 +10,10 @@ from hurray_store.errors import (
     PoolExhaustedError,
     SpecError,
 )
-from hurray_store.index import PageLocation, PrefixIndex, PrefixMatch
 from hurray_store.paging import PagedKVPool, Snapshot, restore, snapshot
 from hurray_store.spec import KVSpec
 from hurray_store.store import PutResult, RetrievedLayer, RetrieveResult, TieredStore, open_store
+from hurray_store.store.index import PageLocation, PrefixIndex, PrefixMatch
 
 __version__ = "0.1.0"
 

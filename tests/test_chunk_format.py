@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hurray_store.adapters.lmcache.layout import ChunkLayout
-from hurray_store.adapters.sglang_pages import PageCodec, page_fingerprint
+from hurray_store.adapters.sglang.pages import PageCodec, page_fingerprint
 from hurray_store.format import checksum
 from hurray_store.format.chunk import ChunkFormat
 

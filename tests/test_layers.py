@@ -13,8 +13,11 @@ OWNERS = {
     "hurray": ["format/*.py"],
     "lmcache": ["adapters/lmcache/*.py"],
     "redis": ["tiers/redis.py", "tiers/redis_*.py"],
-    "vllm": ["adapters/vllm.py", "adapters/vllm_*.py"],
-    "sglang": ["adapters/sglang.py"],
+    # the connector's modules; its data path (layout.py, transfer.py) needs torch alone
+    "vllm": [
+        f"adapters/vllm/{m}.py" for m in ("connector", "probe", "scheduler", "spec", "warmup")
+    ],
+    "sglang": ["adapters/sglang/backend.py"],
     # the S3 tier, and the test kit's raw client of a bucket (around the tier, for the
     # medium contract)
     "obstore": ["tiers/s3.py", "tiers/s3_*.py", "testing/services.py"],
@@ -67,9 +70,9 @@ LAYER_OF = {
     "tiny_model": 1,
     "paging": 2,
     "page_io": 2,
-    "index": 2,
-    "ledger": 2,
-    "policy": 2,
+    "store.index": 2,
+    "store.ledger": 2,
+    "store.policy": 2,
     "tiers.base": 2,
     "tiers.types": 2,
     "tiers.helpers": 2,

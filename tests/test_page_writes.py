@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hurray_store.adapters.sglang_io import PageIO
-from hurray_store.adapters.sglang_pages import (
+from hurray_store.adapters.sglang.page_io import PageIO
+from hurray_store.adapters.sglang.pages import (
     LAYOUTS,
     TOKEN_MAJOR,
     PageCodec,

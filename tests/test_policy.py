@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from hurray_store import ledger as ledger_module
-from hurray_store.ledger import KeyRef, Ledger
-from hurray_store.policy import Admission, Policy, TierInfo
+from hurray_store.store import ledger as ledger_module
+from hurray_store.store.ledger import KeyRef, Ledger
+from hurray_store.store.policy import Admission, Policy, TierInfo
 
 MEM = TierInfo("cpu", 100, False)
 DISK = TierInfo("disk", 1000, True)

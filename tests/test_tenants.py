@@ -15,8 +15,8 @@ import pytest
 from hurray_store import PagedKVPool
 from hurray_store.config import load_config
 from hurray_store.errors import ConfigError
-from hurray_store.policy import quota_victims
 from hurray_store.store import TieredStore
+from hurray_store.store.policy import quota_victims
 from hurray_store.tiers.remote import RemoteTier
 from hurray_store.transport import EXTENSION, Err, Hello, Msg
 from tests import server_client as sc

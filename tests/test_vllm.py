@@ -102,7 +102,7 @@ def _vllm(
 _PACKING_CHECK = """
 import torch
 from vllm import _custom_ops as ops
-from hurray_store.adapters.vllm_probe import learn_packing as _learn_packing
+from hurray_store.adapters.vllm.probe import learn_packing as _learn_packing
 from hurray_store.spec import KVSpec
 
 kernels = [("vec", torch.float32, 64), ("vec", torch.bfloat16, 64), ("vec16", torch.float32, 48)]
@@ -194,7 +194,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.config.cache import CacheConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from hurray_store.adapters.vllm_layout import LAYOUTS
+from hurray_store.adapters.vllm.layout import LAYOUTS
 assert "kv_cache_layout" in KVCacheConfig.__dataclass_fields__
 assert "kv_cache_layout" in CacheConfig.__dataclass_fields__
 assert sorted(m.name for m in KVCacheLayout) == sorted(LAYOUTS)

@@ -182,7 +182,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from hurray_store.adapters.vllm import HurrayConnector
-from hurray_store.adapters.vllm_spec import kv_dtype as _kv_dtype, spec_for_vllm, unkeyable
+from hurray_store.adapters.vllm.spec import kv_dtype as _kv_dtype, spec_for_vllm, unkeyable
 
 model, cfg, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 kvt = KVTransferConfig(kv_connector="HurrayConnector", kv_role="kv_both",

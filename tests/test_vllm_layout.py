@@ -1,4 +1,4 @@
-"""``hurray_store.adapters.vllm_layout``: vLLM's per-layer KV views in every layout,
+"""``hurray_store.adapters.vllm.layout``: vLLM's per-layer KV views in every layout,
 read as pages and written back. Views are built as vLLM builds them (one buffer in the
 layout's memory order, seen through the logical ``[L, B, H, N, C]`` axes; in the vLLM
 environment, by vLLM's own ``create_kv_cache_views``), filled with values that encode
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hurray_store.adapters.vllm_layout import (
+from hurray_store.adapters.vllm.layout import (
     LAYOUTS,
     LayoutError,
     allocate,
@@ -137,7 +137,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec, KVCacheTensor, compute_layout_strides, create_kv_cache_views,
 )
-from hurray_store.adapters.vllm_layout import LAYOUTS, pages_of, write_pages
+from hurray_store.adapters.vllm.layout import LAYOUTS, pages_of, write_pages
 
 assert {m.name: m.value for m in KVCacheLayout} == LAYOUTS, "vLLM's layouts changed"
 spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float16)

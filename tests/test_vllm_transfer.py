@@ -1,4 +1,4 @@
-"""``hurray_store.adapters.vllm_transfer``: the vLLM connector's data path without vLLM,
+"""``hurray_store.adapters.vllm.transfer``: the vLLM connector's data path without vLLM,
 on KV views built as vLLM builds them (``tests.test_vllm_layout``), against real stores
 (a disk folder, a real redis-server).
 
@@ -25,8 +25,8 @@ import redis
 import torch
 
 from hurray_store import KVSpec
-from hurray_store.adapters.vllm_layout import LAYOUTS
-from hurray_store.adapters.vllm_transfer import BlockTransfers, Transfer
+from hurray_store.adapters.vllm.layout import LAYOUTS
+from hurray_store.adapters.vllm.transfer import BlockTransfers, Transfer
 from hurray_store.engine.thread import StoreThread
 from hurray_store.testing.services import RedisProc
 from tests.test_vllm_layout import _views

@@ -12,11 +12,11 @@ wheels of pyhurray, redis-py and aiofiles in ``build/gpu-wheels``; there::
 
 Checks, each a PASS or FAIL line (the exit status is 1 if any failed):
 
-1. ``layouts``: ``vllm_layout.pages_of`` / ``write_pages`` on the device, for every
+1. ``layouts``: ``vllm/layout.py: pages_of`` / ``write_pages`` on the device, for every
    ``KVCacheLayout``, fp16/bf16/fp32, kernel blocks smaller than manager blocks and a V
    of another head size, against the same calls on a CPU copy: identical pages, and the
    whole buffer identical after the writes.
-2. ``transfers``: the connector's data path (``vllm_transfer.BlockTransfers``: side
+2. ``transfers``: the connector's data path (``vllm/transfer.py: BlockTransfers``: side
    stream, pinned host buffers, events) on device KV views of Qwen2.5-0.5B's geometry
    in FlashAttention's layout (LBNHC): saves written to a cpu + disk store behind the
    caller, a fresh store loads them into other blocks of views in FlashInfer's layout
@@ -51,8 +51,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hurray_store import KVSpec, PagedKVPool  # noqa: E402
-from hurray_store.adapters.vllm_layout import LAYOUTS, allocate, pages_of, write_pages  # noqa: E402
-from hurray_store.adapters.vllm_transfer import BlockTransfers, Transfer  # noqa: E402
+from hurray_store.adapters.vllm.layout import LAYOUTS, allocate, pages_of, write_pages  # noqa: E402
+from hurray_store.adapters.vllm.transfer import BlockTransfers, Transfer  # noqa: E402
 from hurray_store.engine.thread import StoreThread  # noqa: E402
 from hurray_store.store import open_store  # noqa: E402
 

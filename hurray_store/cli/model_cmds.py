@@ -127,7 +127,7 @@ def _warmup_vllm(args: argparse.Namespace) -> int:
     (one output token per prompt), and the connector saves every full prompt block."""
     from transformers import AutoConfig
 
-    from hurray_store.adapters.vllm_warmup import warm_with_vllm
+    from hurray_store.adapters.vllm.warmup import warm_with_vllm
 
     vocab = int(AutoConfig.from_pretrained(args.model).vocab_size)
     prompts = _read_corpus(args.prompts, vocab, args.strict)

@@ -23,8 +23,8 @@ from hurray_store.engine.reads import Check, OrderedLoads, Take
 from hurray_store.engine.saves import Save, SaveBacklog, write_lent
 from hurray_store.engine.thread import StoreThread
 from hurray_store.keys import object_stored
-from hurray_store.ledger import KeyRef
 from hurray_store.store import Pin, TieredStore
+from hurray_store.store.ledger import KeyRef
 from hurray_store.store.objects import Data
 from hurray_store.tiers import Range, RangeIn
 

@@ -18,11 +18,11 @@ from typing import Any
 from hurray_store.errors import ChecksumError, FormatError
 from hurray_store.format import Manifest
 from hurray_store.keys import SegmentKey
-from hurray_store.ledger import Group
 from hurray_store.server.access import ServedKey
 from hurray_store.server.tenants import Tenant, Tenants, charge
 from hurray_store.store import TieredStore
 from hurray_store.store.catalog import depth
+from hurray_store.store.ledger import Group
 from hurray_store.tiers import Blob, Buffer, Range, Reservation, StoredObject
 
 # Sequences of one lookup matched (or claim-checked) between two turns of the event loop.

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 from hurray_store.config import ServerConfig
 from hurray_store.keys import ObjectKey, SegmentKey
-from hurray_store.ledger import Group
-from hurray_store.policy import quota_victims
 from hurray_store.store.cascade import TierCascade
+from hurray_store.store.ledger import Group
+from hurray_store.store.policy import quota_victims
 
 log = logging.getLogger(__name__)
 # What the server keeps per stored object besides its bytes (its entries in each tier,

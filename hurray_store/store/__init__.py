@@ -34,15 +34,15 @@ from typing import Any
 
 from hurray_store.buffers import BufferPool
 from hurray_store.config import StoreConfig, load_config
-from hurray_store.ledger import Entry, Group, KeyRef, Ledger, TierInfo
 from hurray_store.metrics import StoreMetrics
 from hurray_store.paging import PagedKVPool
-from hurray_store.policy import Policy
 from hurray_store.spec import KVSpec
 from hurray_store.store.cascade import TierCascade
 from hurray_store.store.catalog import SegmentCatalog
 from hurray_store.store.discovery import Discovery
+from hurray_store.store.ledger import Entry, Group, KeyRef, Ledger, TierInfo
 from hurray_store.store.objects import Data, ObjectStore
+from hurray_store.store.policy import Policy
 from hurray_store.store.reader import SegmentReader
 from hurray_store.store.results import PutResult, RetrievedLayer, RetrieveResult
 from hurray_store.store.writer import SegmentWriter

@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from hurray_store.ledger import Group, Ledger
 from hurray_store.metrics import StoreMetrics
-from hurray_store.policy import Admission, Policy, Victim
 from hurray_store.store.copies import BackgroundCopies
+from hurray_store.store.ledger import Group, Ledger
+from hurray_store.store.policy import Admission, Policy, Victim
 from hurray_store.store.reads import TierReads
 from hurray_store.tiers import (
     Reservation,

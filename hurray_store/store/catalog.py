@@ -26,11 +26,11 @@ import numpy as np
 
 from hurray_store.errors import FormatError
 from hurray_store.format import Manifest
-from hurray_store.index import PrefixIndex, PrefixMatch
 from hurray_store.keys import SegmentKey
-from hurray_store.ledger import Group
 from hurray_store.spec import KVSpec
 from hurray_store.store.cascade import TierCascade
+from hurray_store.store.index import PrefixIndex, PrefixMatch
+from hurray_store.store.ledger import Group
 from hurray_store.tiers import Blob, host_view
 from hurray_store.tiers.base import SharedTier
 

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-from hurray_store.ledger import Group
+from hurray_store.store.ledger import Group
 
 
 class BackgroundCopies:

@@ -24,8 +24,8 @@ import torch
 
 from hurray_store.format import checksum
 from hurray_store.keys import ObjectKey, decode_member_list, encode_member_list, object_stored
-from hurray_store.ledger import Entry, Group, KeyRef
 from hurray_store.store.cascade import TierCascade
+from hurray_store.store.ledger import Entry, Group, KeyRef
 from hurray_store.tiers import Blob, Buffer, Range, RangeIn, host_view
 from hurray_store.tiers.base import GroupObject, StoredObject
 from hurray_store.tiers.self_checked import SelfChecked, SelfCheckedObject

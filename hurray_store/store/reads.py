@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from typing import Any, TypeVar
 
-from hurray_store.ledger import Group, Ledger
 from hurray_store.metrics import StoreMetrics
+from hurray_store.store.ledger import Group, Ledger
 from hurray_store.tiers import Blob, NowRead, Range, RangeIn, Tier, Unhashed, blob_nbytes, host_view
 from hurray_store.tiers.types import ReadInto
 

@@ -1,7 +1,7 @@
 """The SGLang backend's page I/O (no SGLang import): pages read through the engine port,
 checked, and copied into the host pool (``PageIO.read_pages``), and pages stored once
 from it (``PageIO.write_pages``), with the staging buffer a set uses.
-``adapters/sglang.py`` wires it to SGLang's HiCache interface."""
+``adapters/sglang/backend.py`` wires it to SGLang's HiCache interface."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import xxhash
 
-from hurray_store.adapters.sglang_pages import LAYOUTS, PageCodec, page_fingerprint
+from hurray_store.adapters.sglang.pages import LAYOUTS, PageCodec, page_fingerprint
 from hurray_store.engine import EnginePort
 from hurray_store.store.objects import Data
 

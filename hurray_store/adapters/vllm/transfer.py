@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from hurray_store.adapters.vllm_layout import Packing, check_view, pages_of, write_pages
+from hurray_store.adapters.vllm.layout import Packing, check_view, pages_of, write_pages
 from hurray_store.engine.thread import StoreThread
 from hurray_store.paging import PagedKVPool
 from hurray_store.spec import KVSpec
@@ -89,7 +89,7 @@ class BlockTransfers:
     """Saves and loads between one engine's per-layer KV views and a store.
 
     ``views``: one tensor per layer, logically ``[blocks, kv_heads, tokens, C]`` in
-    ``layout`` (``vllm_layout``), all on one device; ``spec``: the store's KVSpec of
+    ``layout`` (``vllm/layout.py``), all on one device; ``spec``: the store's KVSpec of
     these pages (``page_size`` is the engine's block size); ``packing``: the CPU
     backend's packing within C; ``counts``: a dict this adds its counts to;
     ``on_written``: called on the store's thread after each step's saves are written.

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from hurray_store.adapters.vllm_transfer import Transfer
+from hurray_store.adapters.vllm.transfer import Transfer
 from hurray_store.engine.thread import StoreThread
 from hurray_store.identity import adapter_id
 from hurray_store.keys import request_salt

@@ -16,12 +16,12 @@ Loaded by SGLang's backend factory::
   SGLang's ``model_name`` when it is a folder, else the name, with a warning).
   ``salt``: a namespace of its own in the key (absent: the store config's).
 
-Every page is one object (``sglang_pages``); its name is SGLang's page key after a
+Every page is one object (``adapters/sglang/pages.py``); its name is SGLang's page key after a
 prefix that hashes everything else the page's bytes depend on: the model's identity
 from its weights and config (``identity.model_identity``, the rule vLLM's connector and
 the transformers adapter follow), the salt, the KV geometry (layers, heads, head size,
 page size, dtype), the ranks (TP, PP, attention CP) and, for ``page_first``, the
-object's token-major form (``sglang_pages.TOKEN_MAJOR``). Pages are shared between
+object's token-major form (``pages.TOKEN_MAJOR``). Pages are shared between
 instances of the per-layer layouts (``layer_first``, ``page_first_direct``,
 ``page_head``), whichever of them wrote it; a ``page_first`` instance's pages are named
 apart from theirs (a miss across, never wrong data).
@@ -49,8 +49,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from hurray_store.adapters.sglang_io import PageIO, unsupported_pool
-from hurray_store.adapters.sglang_pages import (
+from hurray_store.adapters.sglang.page_io import PageIO, unsupported_pool
+from hurray_store.adapters.sglang.pages import (
     TOKEN_MAJOR,
     PageCodec,
     PageLayoutError,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hurray_store.adapters.vllm_layout import LAYOUTS, Packing
+from hurray_store.adapters.vllm.layout import LAYOUTS, Packing
 from hurray_store.spec import KVSpec
 
 

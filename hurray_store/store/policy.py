@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from hurray_store.ledger import Group, Ledger, TierInfo
+from hurray_store.store.ledger import Group, Ledger, TierInfo
 
 WriteMode = Literal["through", "back"]
 

@@ -70,11 +70,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from hurray_store.adapters.vllm_layout import LayoutError
-from hurray_store.adapters.vllm_probe import check_views
-from hurray_store.adapters.vllm_scheduler import TIMEOUT_S, HurrayMetadata, SchedulerSide
-from hurray_store.adapters.vllm_spec import hit_source, spec_for_vllm, unkeyable
-from hurray_store.adapters.vllm_transfer import BlockTransfers, Loading, Transfer
+from hurray_store.adapters.vllm.layout import LayoutError
+from hurray_store.adapters.vllm.probe import check_views
+from hurray_store.adapters.vllm.scheduler import TIMEOUT_S, HurrayMetadata, SchedulerSide
+from hurray_store.adapters.vllm.spec import hit_source, spec_for_vllm, unkeyable
+from hurray_store.adapters.vllm.transfer import BlockTransfers, Loading, Transfer
 from hurray_store.engine import EnginePort
 from hurray_store.keys import check_salt
 from hurray_store.spec import KVSpec

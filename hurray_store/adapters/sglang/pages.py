@@ -33,7 +33,7 @@ heads, head_dim]``, the page's tokens with every layer's heads side by side, whi
 page set is written from the host pool's own bytes where its pools are contiguous there
 (``direct_pools``), else from a contiguous staging page it is copied into; a page read
 is checked in a staging buffer before any byte of it reaches the pool. The form is part
-of a page's name (``adapters/sglang.py``): an object is only ever read in its own form.
+of a page's name (``adapters/sglang/backend.py``): an object is only ever read in its own form.
 """
 
 from __future__ import annotations

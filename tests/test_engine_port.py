@@ -246,3 +246,15 @@ def test_a_closed_port_refuses_saves_as_failures_not_hangs(ports: list[EnginePor
     seen: list[bool] = []
     port.save([Save("late", b"x", 1, seen.append)])
     assert seen == [False]
+
+
+def test_a_closed_port_answers_calls_that_need_its_loop_with_an_error_at_once(
+    ports: list[EnginePort],
+) -> None:
+    port = open_port(ports, cpu())
+    saved(port, {"a": b"x" * 10})
+    port.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        port.read([("a", [(0, 10)], [memoryview(bytearray(10))])])  # a cpu tier: the loop's
+    with pytest.raises(RuntimeError, match="closed"):
+        port.delete("a")

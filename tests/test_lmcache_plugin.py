@@ -791,6 +791,28 @@ def test_l2_adapter_tasks_in_flight_at_once_and_unlock_while_loading(tmp_path: P
         a.close()
 
 
+def test_l2_adapter_task_that_fails_completes_as_a_failure(tmp_path: Path) -> None:
+    """A task whose store calls fail (here: the port closed under it) is still reported
+    to LMCache, as nothing loaded, never left pending."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from hurray_store.adapters.lmcache import HurrayL2Adapter
+
+    (tmp_path / "h.yaml").write_text("tiers:\n  - {type: cpu, capacity_bytes: 67108864}\n")
+    keys = [ObjectKey(bytes([i]) * 16, "tiny", 0) for i in range(2)]
+    a = HurrayL2Adapter({"config": str(tmp_path / "h.yaml")})
+    try:
+        a.submit_store_task(keys, [_l2_obj(1), _l2_obj(2)])
+        _l2_wait(a.get_store_event_fd())
+        a.port.close()  # the store's loop is gone: a load's reads fail
+        t = a.submit_load_task(keys, [_l2_obj(0), _l2_obj(0)])
+        _l2_wait(a.get_load_event_fd())
+        bm = a.query_load_result(t)
+        assert bm is not None and [bm.test(i) for i in range(2)] == [False, False]
+    finally:
+        a.close()
+
+
 def test_l2_adapter_touch_keeps_keys_from_eviction(tmp_path: Path) -> None:
     """submit_touch (LMCache 0.5.7) feeds the store's eviction order: a touched key
     outlives one stored after it."""

@@ -80,7 +80,11 @@ class EnginePort:
         self._closed = False
 
     def call(self, coro: Any) -> Any:
-        """Run a coroutine of the store's public face on its loop and wait for it."""
+        """Run a coroutine of the store's public face on its loop and wait for it;
+        RuntimeError at once once the port is closed (its loop is gone)."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("engine port: closed")
         return self.thread.call(coro, self.timeout)
 
     # ------------------------------------------------------------------ lookups
@@ -177,16 +181,17 @@ class EnginePort:
         self,
         items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]],
         each: RangeIn | None = None,
+        in_flight: int = READS_IN_FLIGHT,
     ) -> list[bool]:
         """Read each ``(name, ranges, buffers)``: where the fastest tier holding it reads
         on this thread, here, ``each(j, i, sum)`` called as range ``i`` of item ``j`` is
         in (its checksum taken while in the CPU's cache); the others on the store's
-        loop, a few at a time, with no ``each``. Per item, read or not (a miss). The
-        caller checks what was read before it trusts it; what fails, it ``reject``s."""
+        loop, ``in_flight`` at a time, with no ``each``. Per item, read or not (a miss).
+        The caller checks what was read before it trusts it; what fails, it ``reject``s."""
         got = self.store.read_objects_into_now(items, each)
         later = [j for j, ok in enumerate(got) if not ok]
         if later:
-            more = self.call(_read_all(self.store, [items[j] for j in later]))
+            more = self.call(_read_all(self.store, [items[j] for j in later], in_flight))
             for j, ok in zip(later, more, strict=True):
                 got[j] = ok
         return got
@@ -233,6 +238,10 @@ class EnginePort:
         thread helps the tiers' writers while it waits; it returns once every object
         is written through every tier. Per object, stored or not."""
         return write_lent(self.thread, steps, self.timeout)
+
+    def touch(self, names: Sequence[str]) -> None:
+        """Count these objects as used now, for eviction (no bytes move; any thread)."""
+        self.thread.loop.call_soon_threadsafe(self.store.touch_objects, list(names))
 
     def refresh(self, ref: KeyRef) -> None:
         """Point ``ref`` at the copy a load finds now (after a save of its object)."""
@@ -302,9 +311,11 @@ async def _contains_all(store: TieredStore, names: Sequence[str]) -> list[bool]:
 
 
 async def _read_all(
-    store: TieredStore, items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]]
+    store: TieredStore,
+    items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]],
+    in_flight: int,
 ) -> list[bool]:
-    at_once = asyncio.Semaphore(READS_IN_FLIGHT)
+    at_once = asyncio.Semaphore(in_flight)
 
     async def one(name: str, ranges: Sequence[Range], into: Sequence[memoryview]) -> bool:
         async with at_once:

@@ -1,5 +1,5 @@
-"""The ``redis`` tier: Redis or Redis Cluster through redis-py's asyncio clients (the
-only module that imports ``redis``).
+"""The ``redis`` tier: Redis or Redis Cluster through redis-py's asyncio clients (this
+module and its parts, ``tiers/redis_*.py``, are the only ones that import ``redis``).
 
 One object is one value written by one SET (atomic: a reader sees all of it or none).
 Range reads are GETRANGE, pipelined; keys carry the segment id inside ``{...}``, Redis

@@ -1,5 +1,6 @@
 """The ``s3`` tier: an S3 bucket, or any S3-compatible object store (MinIO, SeaweedFS,
-Ceph RGW, Cloudflare R2), through obstore (the only module that imports ``obstore``).
+Ceph RGW, Cloudflare R2), through obstore (with ``s3_log.py``, the only tier modules
+that import ``obstore``).
 
 Layout: ``<prefix>/objects/<key>`` for every object, ``<prefix>/quarantine/<key>`` for
 corrupt ones taken out of service, ``<prefix>/log/`` for the change log. One object is

@@ -11,11 +11,11 @@ the result bitmap, never wrong bytes.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
@@ -24,7 +24,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from hurray_store.batches import batches
-from hurray_store.engine import EnginePort
+from hurray_store.engine import EnginePort, Save
 from hurray_store.engine.identity import folder_identity, identity_tag
 from hurray_store.errors import FormatError
 from hurray_store.format import checksum
@@ -37,7 +37,6 @@ from hurray_store.format.records import (
 from hurray_store.store import Pin, TieredStore
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 _WAVE_BYTES = 256 << 20  # bytes of one task in flight at once
 
 
@@ -101,8 +100,10 @@ class HurrayL2Adapter(L2AdapterInterface):
         self._loaded: dict[L2TaskId, Bitmap] = {}
         self._locks: dict[str, list[Pin]] = {}  # the store's pins of each locked key
         self.port = EnginePort(cfg.config, name="hurray-store-l2")
-        self._runner = self.port.thread  # LMCache's tasks run on the store's loop
         self.store: TieredStore = self.port.store
+        # LMCache's tasks run here, in order, calling the port (which may wait for the
+        # store's loop): LMCache's thread only hands them over.
+        self._worker = ThreadPoolExecutor(1, "hurray-l2-tasks")
         # "l2o/": objects that end in their record (older "l2/" groups are never read);
         # then the weights' tag where the model's folder is known.
         self._prefix = "l2o/"
@@ -131,8 +132,31 @@ class HurrayL2Adapter(L2AdapterInterface):
             self._next += 1
             return self._next
 
-    def _submit(self, coro: Coroutine[Any, Any, None]) -> None:
-        self._runner.submit(coro)
+    def _submit(self, fn: Callable[..., None], tid: L2TaskId, *args: Any) -> None:
+        """Run a task on the adapter's worker thread (it calls the port, which may wait
+        for the store's loop: never on LMCache's thread, never on the loop). A task
+        that fails still completes, as a failure (nothing stored, found or loaded)."""
+
+        def run() -> None:
+            try:
+                fn(tid, *args)
+            except Exception as e:  # noqa: BLE001 - reported to LMCache as a failure
+                log.warning("hurray L2 adapter: task %d failed: %r", tid, e)
+                self._failed(fn, tid, args)
+
+        self._worker.submit(run)
+
+    def _failed(self, fn: Callable[..., None], tid: L2TaskId, args: tuple[Any, ...]) -> None:
+        n = len(args[0])
+        with self._lock:
+            if fn == self._store:
+                self._stored.setdefault(tid, L2StoreResult(False, 0))
+            elif fn == self._lookup:
+                self._looked.setdefault(tid, Bitmap(n))
+            else:
+                self._loaded.setdefault(tid, Bitmap(n))
+        efd = {self._store: self._store_efd, self._lookup: self._lookup_efd}.get(fn)
+        (efd or self._load_efd).notify()
 
     def get_store_event_fd(self) -> int:
         return int(self._store_efd.fileno())
@@ -151,45 +175,45 @@ class HurrayL2Adapter(L2AdapterInterface):
         # done (its StoreController calls finish_read only after
         # pop_completed_store_tasks), so the buffers stay valid and unchanged.
         # The task also keeps the objects referenced: a view of ``byte_array`` does not.
-        self._submit(self._store(tid, list(keys), list(objects)))
+        self._submit(self._store, tid, list(keys), list(objects))
         return tid
 
-    async def _store(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
-        """Every key of the task at once (bounded in bytes): per key one object, its
-        bytes then its record, written whole or not at all. What other processes sharing
-        a tier did is read first: a key one of them removed is written again."""
-        await self.store.sync()
-        views = [memoryview(o.byte_array).cast("B") for o in objects]
+    def _store(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
+        """Per key not held yet, one object, its bytes then its record, written whole or
+        not at all, saved through the port (its backlog bounds the bytes in flight);
+        the task is done once every save ended. A Hurray stream (pyhurray and
+        ``hurray-store inspect`` read it), its bytes hashed once, by the tier that
+        writes them."""
+        names = [self._key(k) for k in keys]
+        held = self.port.held_each(names)
+        todo = [
+            (k, n, memoryview(o.byte_array).cast("B"))
+            for k, n, o, h in zip(keys, names, objects, held, strict=True)
+            if not h
+        ]
+        # The task keeps LMCache's objects referenced until its saves end: a view of
+        # ``byte_array`` does not keep its buffer alive.
+        task = _StoreTask(len(todo), objects)
 
-        async def one(key: Any, data: memoryview) -> int | None:
-            k = self._key(key)
-            if self.store.has_object(k):
-                return None  # stored already
-            # A Hurray stream (any Hurray reader, pyhurray or `hurray-store inspect`,
-            # reads it) closed by its record: the bytes are hashed once, by the tier
-            # that writes them (a disk tier or a single Redis: on its writing thread,
-            # just before they go out).
-            if not await self.store.put_object(k, pack_l2_object(data), self_checked=True):
-                raise OSError(f"{k}: stored in no tier")
-            return len(data)
+        def done(key: Any, nbytes: int) -> Callable[[bool], None]:
+            def f(ok: bool) -> None:
+                if task.ended(key, nbytes, ok):
+                    self._stored_all(tid, task)
 
-        ok, total = True, 0
-        stored_keys, sizes = [], []
-        items = list(zip(keys, views, strict=True))
-        for wave in batches(items, lambda kv: len(kv[1]), _WAVE_BYTES):
-            got = await asyncio.gather(*(one(k, v) for k, v in wave), return_exceptions=True)
-            for (key, _), r in zip(wave, got, strict=True):
-                if isinstance(r, BaseException):
-                    log.warning("hurray L2 adapter: store task %d: %s", tid, r)
-                    ok = False
-                elif r is not None:
-                    total += r
-                    stored_keys.append(key)
-                    sizes.append(r)
+            return f
+
+        if not todo:
+            self._stored_all(tid, task)
+            return
+        self.port.save([Save(n, pack_l2_object(v), len(v), done(k, len(v))) for k, n, v in todo])
+
+    def _stored_all(self, tid: L2TaskId, task: _StoreTask) -> None:
+        if not task.ok:
+            log.warning("hurray L2 adapter: store task %d: some keys stored in no tier", tid)
         with self._lock:
-            self._stored[tid] = L2StoreResult(ok, total)
-        if stored_keys:
-            self._notify_keys_stored(stored_keys, sizes)
+            self._stored[tid] = L2StoreResult(task.ok, task.total)
+        if task.keys:
+            self._notify_keys_stored(task.keys, task.sizes)
         self._store_efd.notify()
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
@@ -203,22 +227,20 @@ class HurrayL2Adapter(L2AdapterInterface):
         self, keys: list[Any], group_layout_descs: Any = None
     ) -> L2TaskId:
         tid = self._task()
-        self._submit(self._lookup(tid, list(keys)))
+        self._submit(self._lookup, tid, list(keys))
         return tid
 
-    async def _lookup(self, tid: L2TaskId, keys: list[Any]) -> None:
-        # What other processes sharing a tier did, read once; then each key from the
-        # ledger, pinned in the same step of the loop as its check (nothing evicts it in
-        # between). A shared tier (a cache server) is asked about what the ledger lacks.
-        await self.store.sync()
+    def _lookup(self, tid: L2TaskId, keys: list[Any]) -> None:
+        """Each key found through the port (the ledger, or a shared tier for what it
+        lacks) and pinned in the same step (nothing evicts it in between)."""
         bitmap = Bitmap(len(keys))
         for i, key in enumerate(keys):
             k = self._key(key)
-            if self.store.has_object(k) or (
-                self.store.shared and await self.store.contains_object(k)
-            ):
+            held = self.port.lookup([k], pin=True)
+            if held.n:
                 bitmap.set(i)
-                self._locks.setdefault(k, []).extend(self.store.pin_objects([k]))
+                with self._lock:
+                    self._locks.setdefault(k, []).extend(held.pins)
         with self._lock:
             self._looked[tid] = bitmap
         self._lookup_efd.notify()
@@ -228,24 +250,21 @@ class HurrayL2Adapter(L2AdapterInterface):
             return self._looked.pop(task_id, None)
 
     def submit_unlock(self, keys: list[Any]) -> None:
-        def unlock() -> None:
-            for key in keys:
-                k = self._key(key)
+        for key in keys:
+            k = self._key(key)
+            with self._lock:
                 pins = self._locks.get(k)
                 if not pins:
                     continue
-                self.store.unpin((pins.pop(),))
+                pin = pins.pop()
                 if not pins:
                     del self._locks[k]
-
-        self._runner.loop.call_soon_threadsafe(unlock)
+            self.port.release_one(pin)
 
     def submit_touch(self, keys: list[Any]) -> None:
         """Keys LMCache used without loading them (LMCache 0.5.7): they count as used
         now in the store's eviction order, and in LMCache's."""
-        self._runner.loop.call_soon_threadsafe(
-            self.store.touch_objects, [self._key(key) for key in keys]
-        )
+        self.port.touch([self._key(key) for key in keys])
         self._notify_keys_accessed(list(keys))
 
     def get_memory_tags(self) -> Any:
@@ -258,8 +277,9 @@ class HurrayL2Adapter(L2AdapterInterface):
             MemoryTags,
         )
 
-        remote = any(t.kind in ("redis", "remote", "s3") for t in self.store.tiers)
-        memory_only = all(t.kind in ("cpu", "gpu") for t in self.store.tiers)
+        kinds = [t.kind for t in self.store.config.tiers]
+        remote = any(k in ("redis", "remote", "s3") for k in kinds)
+        memory_only = all(k in ("cpu", "gpu") for k in kinds)
         return MemoryTags(
             MemorySegment.DRAM if memory_only else MemorySegment.STORAGE,
             MemoryResidency.REMOTE if remote else MemoryResidency.LOCAL,
@@ -269,10 +289,10 @@ class HurrayL2Adapter(L2AdapterInterface):
 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
         tid = self._task()
-        self._submit(self._load(tid, list(keys), list(objects)))
+        self._submit(self._load, tid, list(keys), list(objects))
         return tid
 
-    async def _load(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
+    def _load(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
         """Every key at once (bounded in bytes), each read straight into LMCache's
         buffer and verified there against its record; a key that fails is a 0."""
         bitmap = Bitmap(len(keys))
@@ -280,7 +300,7 @@ class HurrayL2Adapter(L2AdapterInterface):
         items = list(zip(keys, objects, strict=True))
         pos = 0
         for wave in batches(items, lambda ko: int(ko[1].get_size()), _WAVE_BYTES):
-            got = await self._load_wave([_L2Load(self._key(k), o) for k, o in wave])
+            got = self._load_wave([_L2Load(self._key(k), o) for k, o in wave])
             for j, ok in enumerate(got):
                 if ok:
                     bitmap.set(pos + j)
@@ -292,39 +312,30 @@ class HurrayL2Adapter(L2AdapterInterface):
             self._loaded[tid] = bitmap
         self._load_efd.notify()
 
-    async def _load_wave(self, loads: list[_L2Load]) -> list[bool]:
-        # Objects on a disk tier or a single Redis are read off the loop, on a worker
-        # thread and the tier's helpers, each hashed by the tier as it comes in; the
-        # rest are read on the loop and hashed on workers (python-xxhash's one-shot
-        # xxh3 keeps the GIL while it hashes, so this keeps the loop's own turns short
-        # rather than hashing on every core).
+    def _load_wave(self, loads: list[_L2Load]) -> list[bool]:
+        """Read through the port (a disk tier or a single Redis on this thread, each
+        range hashed by the tier as it comes in; the rest on the store's loop, all at
+        once, hashed here), then each checked against its record."""
+
         def hashed(j: int, i: int, s: int) -> None:
             if i == 0:
                 loads[j].csum = s
 
-        now = await asyncio.to_thread(
-            self.store.read_objects_into_now, [(x.name, x.ranges, x.into) for x in loads], hashed
+        got = self.port.read(
+            [(x.name, x.ranges, x.into) for x in loads], hashed, in_flight=len(loads)
         )
-
-        async def rest(x: _L2Load) -> bool:
-            if not await self.store.read_object_into(x.name, x.ranges, x.into):
-                return False  # gone (or shorter than an object of this size)
-            x.csum = await asyncio.to_thread(checksum, x.dst)
-            return True
-
-        later = [x for x, ok in zip(loads, now, strict=True) if not ok]
-        read = dict(zip(map(id, later), await asyncio.gather(*map(rest, later)), strict=True))
         out = []
-        for x, ok in zip(loads, now, strict=True):
+        for x, ok in zip(loads, got, strict=True):
+            if not ok:
+                out.append(False)  # gone (or shorter than an object of this size)
+                continue
+            if x.csum is None:  # read on the store's loop
+                x.csum = checksum(x.dst)
             try:
-                if not (ok or read[id(x)]):
-                    out.append(False)
-                    continue
                 x.check()
                 out.append(True)
             except FormatError as e:
-                log.warning("hurray L2 adapter: %s failed verification (%s); a miss", x.name, e)
-                await self.store.delete_object(x.name)
+                self.port.reject(x.name, str(e))
                 out.append(False)
         return out
 
@@ -335,24 +346,18 @@ class HurrayL2Adapter(L2AdapterInterface):
     # ------------------------------------------------------------------ the rest
 
     def delete(self, keys: list[Any]) -> None:
-        async def drop() -> tuple[list[Any], list[int]]:
-            gone, sizes = [], []
-            for key in keys:
-                k = self._key(key)
-                size = await self.store.object_size(k)
-                if size is None:
-                    continue
-                await self.store.delete_object(k)
+        gone, sizes = [], []
+        for key in keys:
+            k = self._key(key)
+            size = self.port.size(k)
+            if size is not None and self.port.delete(k):
                 gone.append(key)
                 sizes.append(max(0, size - l2_layout(0)[2]))  # LMCache's bytes in it
-            return gone, sizes
-
-        gone, sizes = self._runner.call(drop())
         if gone:
             self._notify_keys_deleted(gone, sizes)
 
     def report_status(self) -> dict:
-        st = self.store.stats()
+        st = self.port.stats()
         return {
             "is_healthy": True,
             "type": "HurrayL2Adapter",
@@ -362,10 +367,36 @@ class HurrayL2Adapter(L2AdapterInterface):
 
     def close(self) -> None:
         try:
+            self._worker.shutdown(wait=True)
             self.port.close()
         finally:
             for efd in (self._store_efd, self._lookup_efd, self._load_efd):
                 efd.close()
+
+
+class _StoreTask:
+    """A store task's saves: how many are left, what was stored, whether all were."""
+
+    def __init__(self, n: int, objects: list[Any]) -> None:
+        self.left, self.ok, self.total = n, True, 0
+        self.objects: list[Any] | None = objects  # kept alive while their bytes are saved
+        self.keys: list[Any] = []
+        self.sizes: list[int] = []
+        self._lock = threading.Lock()
+
+    def ended(self, key: Any, nbytes: int, ok: bool) -> bool:
+        """One save ended; True for the last."""
+        with self._lock:
+            if ok:
+                self.keys.append(key)
+                self.sizes.append(nbytes)
+                self.total += nbytes
+            else:
+                self.ok = False
+            self.left -= 1
+            if self.left == 0:
+                self.objects = None
+            return self.left == 0
 
 
 class _L2Load:

@@ -258,3 +258,27 @@ def test_a_closed_port_answers_calls_that_need_its_loop_with_an_error_at_once(
         port.read([("a", [(0, 10)], [memoryview(bytearray(10))])])  # a cpu tier: the loop's
     with pytest.raises(RuntimeError, match="closed"):
         port.delete("a")
+
+
+def test_room_reserved_before_a_copy_out_drops_the_oldest_waiting_and_is_given_back(
+    ports: list[EnginePort],
+) -> None:
+    port = open_port(ports, cpu(), save_backlog_bytes=300, saves_in_flight=1)
+    seen: dict[str, bool] = {}
+    held = threading.Event()  # the store's loop held: no writer starts meanwhile
+    port.thread.loop.call_soon_threadsafe(held.wait, 10)
+    try:
+        port.save(
+            [Save(n, n.encode() * 100, 100, lambda ok, n=n: seen.update({n: ok})) for n in "ab"]
+        )
+        assert port.saves_pending() == (200, 2)
+        assert port.reserve(200)  # room for 200 more: the oldest waiting save ("a") goes
+        assert seen == {"a": False}
+        assert not port.reserve(400)  # more than the whole backlog: refused
+        port.unreserve(200)  # the copy-out failed: its room comes back
+    finally:
+        held.set()
+    port.flush()
+    assert seen == {"a": False, "b": True}
+    assert port.saves_pending() == (0, 0)
+    assert port.stats()["port"]["saves_dropped"] == 2

@@ -27,7 +27,7 @@ import torch
 from hurray_store import KVSpec
 from hurray_store.adapters.vllm.layout import LAYOUTS
 from hurray_store.adapters.vllm.transfer import BlockTransfers, Transfer
-from hurray_store.engine.thread import StoreThread
+from hurray_store.engine import EnginePort
 from hurray_store.testing.services import RedisProc
 from tests.test_vllm_layout import _views
 
@@ -71,7 +71,7 @@ def test_saved_blocks_load_into_other_blocks_of_other_views_exactly(
     sp = _spec(torch.bfloat16)
     src = _filled(layout, sp.dtype, 12, seed=1)
     a, b = _prompt(3, 1), _prompt(2, 2)
-    st = StoreThread(disk_cfg, "saver")
+    st = EnginePort(disk_cfg, name="saver", saves_in_flight=1)
     try:
         xfer = BlockTransfers(st, sp, src, layout)
         xfer.save([Transfer("a", a, [7, 2, 9], 0, b"s"), Transfer("b", b, [4, 11], 0, b"s")])
@@ -79,7 +79,7 @@ def test_saved_blocks_load_into_other_blocks_of_other_views_exactly(
     finally:
         st.close()
     # Another process's store (a fresh one on the folder) loads them into other views.
-    other = StoreThread(disk_cfg, "loader")
+    other = EnginePort(disk_cfg, name="loader", saves_in_flight=1)
     try:
         dst = _filled("LBNHC" if layout != "LBNHC" else "BHLNC", sp.dtype, 10, seed=2)
         before = [v.clone() for v in dst]
@@ -115,7 +115,7 @@ def test_the_cpu_packing_within_c_is_undone_on_save_and_redone_on_load(
     packing = (packed_of, torch.argsort(packed_of, dim=-1))
     src = _filled("LBHNC", sp.dtype, 6, seed=4)
     p = _prompt(2, 5)
-    st = StoreThread(disk_cfg, "packed")
+    st = EnginePort(disk_cfg, name="packed", saves_in_flight=1)
     try:
         xfer = BlockTransfers(st, sp, src, "LBHNC", packing=packing)
         xfer.save([Transfer("p", p, [5, 1], 0, b"")])
@@ -158,9 +158,9 @@ def _redis_cfg(url: str) -> dict[str, Any]:
 def _peer_lookup(cfg: dict[str, Any], sp: KVSpec, p: list[int]) -> int:
     """What another instance opened now finds (a store on the same Redis: it learns
     what Redis holds when it opens)."""
-    peer = StoreThread({**cfg, "tiers": [cfg["tiers"][1]]}, "peer")
+    peer = EnginePort({**cfg, "tiers": [cfg["tiers"][1]]}, name="peer", saves_in_flight=1)
     try:
-        (n,) = peer.call(peer.store.lookup(sp, [p]), 30)
+        (n,) = peer.call(peer.store.lookup(sp, [p]))
         return n
     finally:
         peer.close()
@@ -172,7 +172,7 @@ def test_save_returns_before_the_store_writes_and_others_see_only_what_is_commit
     cfg = _redis_cfg(redis_server.url)
     sp = _spec()
     p = _prompt(4, 8)
-    st = StoreThread(cfg, "held")
+    st = EnginePort(cfg, name="held", saves_in_flight=1)
     try:
         xfer = BlockTransfers(st, sp, _filled("LBNHC", sp.dtype, 8, seed=9), "LBNHC")
         paused_redis.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
@@ -196,11 +196,12 @@ def test_a_full_backlog_drops_the_oldest_saves_counts_them_and_never_blocks(
     cfg = _redis_cfg(redis_server.url)
     sp = _spec()
     prompts = [_prompt(2, 20 + i) for i in range(6)]
-    st = StoreThread(cfg, "bounded")
+    step = 2 * 2 * BS * H * D * 4 * L  # one save: 2 pages of every layer's K and V
+    # the port's save backlog, as the connector opens it: one writer, a bound of 3 saves
+    st = EnginePort(cfg, name="bounded", saves_in_flight=1, save_backlog_bytes=3 * step)
     try:
         views = _filled("LBHNC", sp.dtype, 16, seed=10)
-        step = 2 * 2 * BS * H * D * 4 * L  # one save: 2 pages of every layer's K and V
-        xfer = BlockTransfers(st, sp, views, "LBHNC", backlog_bytes=3 * step)
+        xfer = BlockTransfers(st, sp, views, "LBHNC")
         assert xfer.page_bytes * 2 == step
         paused_redis.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
         xfer.save([Transfer("r0", prompts[0], [0, 1], 0, b"")])
@@ -217,7 +218,7 @@ def test_a_full_backlog_drops_the_oldest_saves_counts_them_and_never_blocks(
         assert xfer.counts["saves_dropped"] == 4
         paused_redis.execute_command("CLIENT", "UNPAUSE")
         assert xfer.drain(60)
-        found = st.call(st.store.lookup(sp, prompts + [big.token_ids]), 30)
+        found = st.call(st.store.lookup(sp, prompts + [big.token_ids]))
         assert found == [2 * BS, 0, 0, 0, 2 * BS, 2 * BS, 0]
         assert xfer.counts["blocks_saved"] == 6 and xfer.pending_bytes() == 0
     finally:
@@ -230,7 +231,7 @@ def test_a_store_that_cannot_write_loses_the_save_and_misses_the_load_never_rais
 ) -> None:
     port = 1  # nothing listens there: every write to this Redis fails
     tier = {"type": "redis", "url": f"redis://127.0.0.1:{port}", "timeout_s": 0.5}
-    st = StoreThread({"namespace": "xfer", "tiers": [tier]}, "down")
+    st = EnginePort({"namespace": "xfer", "tiers": [tier]}, name="down", saves_in_flight=1)
     sp = _spec()
     try:
         xfer = BlockTransfers(st, sp, _filled("LBHNC", sp.dtype, 4, seed=11), "LBHNC")
@@ -246,7 +247,7 @@ def test_a_store_that_cannot_write_loses_the_save_and_misses_the_load_never_rais
 
 def test_views_that_are_not_in_the_layout_named_are_refused(disk_cfg: dict[str, Any]) -> None:
     sp = _spec()
-    st = StoreThread(disk_cfg, "refused")
+    st = EnginePort(disk_cfg, name="refused", saves_in_flight=1)
     try:
         views = _filled("LBNHC", sp.dtype, 4, seed=13)  # tokens outside heads
         with pytest.raises(ValueError, match="not in layout LBHNC"):

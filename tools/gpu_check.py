@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from hurray_store import KVSpec, PagedKVPool  # noqa: E402
 from hurray_store.adapters.vllm.layout import LAYOUTS, allocate, pages_of, write_pages  # noqa: E402
 from hurray_store.adapters.vllm.transfer import BlockTransfers, Transfer  # noqa: E402
-from hurray_store.engine.thread import StoreThread  # noqa: E402
+from hurray_store.engine import EnginePort  # noqa: E402
 from hurray_store.store import open_store  # noqa: E402
 
 # Qwen2.5-0.5B: 24 layers, hidden 896, 14 query heads, 2 KV heads of 64.
@@ -129,7 +129,7 @@ def check_transfers(device: torch.device, layers: int, work: Path) -> Rows:
     blocks = [list(range(40, 48)), [3, 9, 1, 60, 33], [20, 21, 22]]
     pairs = enumerate(zip(prompts, blocks, strict=True))
     saves = [Transfer(f"r{i}", p, b, 0, b"") for i, (p, b) in pairs]
-    st = StoreThread(_store_cfg(work, "transfers"), "gpu-check-save")
+    st = EnginePort(_store_cfg(work, "transfers"), name="gpu-check-save", saves_in_flight=1)
     try:
         xfer = BlockTransfers(st, sp, src, "LBNHC")
         t0 = time.perf_counter()
@@ -138,7 +138,7 @@ def check_transfers(device: torch.device, layers: int, work: Path) -> Rows:
         assert xfer.drain(120) and xfer.counts["blocks_saved"] == 16, xfer.counts
     finally:
         st.close()
-    st2 = StoreThread(_store_cfg(work, "transfers"), "gpu-check-load")
+    st2 = EnginePort(_store_cfg(work, "transfers"), name="gpu-check-load", saves_in_flight=1)
     try:
         _, dst = layer_views("LBHNC", sp.dtype, layers, 64, H, bs, 2 * D, device, 3)
         xfer2 = BlockTransfers(st2, sp, dst, "LBHNC")
@@ -234,7 +234,7 @@ def check_speed(device: torch.device, layers: int, work: Path) -> Rows:
     H, D, bs = sp.num_kv_heads, sp.head_dim, sp.page_size
     nb = 512  # 96 MiB of Qwen2.5-0.5B's KV on 24 layers
     _, views = layer_views("LBNHC", sp.dtype, layers, nb + 8, H, bs, 2 * D, device, 6)
-    st = StoreThread(_store_cfg(work, "speed"), "gpu-check-speed")
+    st = EnginePort(_store_cfg(work, "speed"), name="gpu-check-speed", saves_in_flight=1)
     try:
         xfer = BlockTransfers(st, sp, views, "LBNHC")
         ids = list(range(3, 3 + nb))

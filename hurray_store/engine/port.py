@@ -23,6 +23,7 @@ from hurray_store.engine.reads import Check, OrderedLoads, Take
 from hurray_store.engine.saves import Save, SaveBacklog, write_lent
 from hurray_store.engine.thread import StoreThread
 from hurray_store.keys import object_stored
+from hurray_store.spec import KVSpec
 from hurray_store.store import Pin, TieredStore
 from hurray_store.store.ledger import KeyRef
 from hurray_store.store.objects import Data
@@ -148,6 +149,15 @@ class EnginePort:
         self.counts["objects_held"] += held.n
         return held
 
+    def lookup_tokens(
+        self, specs: Sequence[KVSpec], token_ids: Sequence[int], salt: bytes | str | None
+    ) -> int:
+        """For an engine whose pages are stored as segments of a token prefix (the vLLM
+        connector): how many leading tokens of ``token_ids`` (whole pages) a load can
+        deliver under every one of ``specs`` (one per rank: each rank stores its own
+        heads), under ``salt``. On the store's loop, the ranks asked at once."""
+        return int(self.call(_tokens_held(self.store, specs, list(token_ids), salt)))
+
     def held_each(self, names: Sequence[str]) -> list[bool]:
         """Whether a load will find each of ``names`` (not only the leading ones)."""
         self.sync_others()
@@ -221,12 +231,31 @@ class EnginePort:
 
     # ------------------------------------------------------------------ saves
 
-    def save(self, saves: Iterable[Save]) -> None:
+    def save(self, saves: Iterable[Save], reserved: bool = False) -> None:
         """Store each object behind the engine; returns at once. The object's bytes
         must stay as they are until its ``on_done`` runs. Bounded by the backlog
         (``SaveBacklog``): over it, the oldest waiting saves are dropped (``on_done``
-        False), counted, never waited for."""
-        self._saves.add(saves)
+        False), counted, never waited for. ``reserved``: their room was taken by
+        ``reserve`` before the engine copied them out."""
+        self._saves.add(saves, reserved)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Room in the save backlog for ``nbytes`` the engine is about to copy out,
+        made by dropping the oldest waiting saves; False (a drop, counted) when there
+        is none: the engine then copies nothing. ``unreserve`` gives back room not used."""
+        return self._saves.reserve(nbytes)
+
+    def unreserve(self, nbytes: int) -> None:
+        self._saves.unreserve(nbytes)
+
+    def saves_pending(self) -> tuple[int, int]:
+        """``(bytes, saves)``: the backlog's bytes (waiting, being written, reserved)
+        and the saves waiting (not counting those being written)."""
+        return self._saves.nbytes, self._saves.waiting
+
+    def wait_saves(self, timeout: float | None = None) -> bool:
+        """Wait until no save waits or is being written; False when ``timeout`` passed."""
+        return self._saves.wait(timeout)
 
     def saving(self, name: str) -> bool:
         """A ``save`` of ``name`` waits or is being written."""
@@ -304,6 +333,13 @@ async def _held_shared(store: TieredStore, keys: Iterable[str], pin: bool) -> He
         rest = await _contains_all(store, names[n:])
         n += rest.index(False) if False in rest else len(rest)
     return Held(n, store.pin_objects(names[:n])) if pin else Held(n)
+
+
+async def _tokens_held(
+    store: TieredStore, specs: Sequence[KVSpec], toks: list[int], salt: bytes | str | None
+) -> int:
+    got = await asyncio.gather(*(store.lookup(s, [toks], salt=salt) for s in specs))
+    return min(n for (n,) in got)
 
 
 async def _contains_all(store: TieredStore, names: Sequence[str]) -> list[bool]:

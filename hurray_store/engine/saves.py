@@ -8,7 +8,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
@@ -22,12 +22,15 @@ HELP_POLL_S = 0.0005  # how often a lent write that waits looks for a queued wri
 @dataclass(slots=True, eq=False)
 class Save:
     """One object to store under ``name``; ``on_done(ok)`` runs once it is stored
-    (True), failed or was dropped (False), on the store's thread or the caller's."""
+    (True), failed or was dropped (False), on the store's thread or the caller's.
+    ``write``, where an engine stores more than one object (the vLLM connector's
+    segments): the coroutine that stores it, in place of a put of ``data``."""
 
     name: str
-    data: Data
+    data: Data | None
     nbytes: int
     on_done: Callable[[bool], None] | None = None
+    write: Callable[[], Awaitable[bool]] | None = None
 
 
 class SaveBacklog:
@@ -59,31 +62,43 @@ class SaveBacklog:
     def nbytes(self) -> int:
         return self._bytes
 
-    def add(self, saves: Iterable[Save]) -> None:
-        if self.closed:
-            for s in saves:
-                with self._lock:
-                    self.counts["failed"] += 1
-                _done(s, False)
-            return
+    @property
+    def waiting(self) -> int:
+        """Saves handed over and not being written yet."""
+        return len(self._waiting)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Room for a save of ``nbytes`` before the engine copies it out (``add`` it
+        with ``reserved``), made by dropping the oldest waiting saves; False (counted)
+        when there is none. ``unreserve`` gives back room never used."""
         dropped: list[Save] = []
         with self._lock:
-            for s in saves:
-                if s.name in self._pending:
-                    continue  # the one waiting stores the same object
-                if s.nbytes > self.max_bytes:  # could never fit: dropped alone
-                    dropped.append(s)
-                    self.counts["dropped"] += 1
-                    continue
-                self._waiting.append(s)
-                self._pending[s.name] = s
-                self._bytes += s.nbytes
-                while self._bytes > self.max_bytes and self._waiting:
-                    dropped.append(old := self._waiting.popleft())
-                    self._forget(old)
-                    self.counts["dropped"] += 1
-            start = min(self.in_flight - self._workers, len(self._waiting))
-            self._workers += start
+            if nbytes <= self.max_bytes:
+                dropped = self._make_room(nbytes)
+            fits = self._bytes + nbytes <= self.max_bytes  # saves being written stay
+            if fits:
+                self._bytes += nbytes
+            else:
+                self.counts["dropped"] += 1
+        self._dropped(dropped)
+        return fits
+
+    def unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes -= nbytes
+            if not self._pending:
+                self._idle.notify_all()
+
+    def _make_room(self, nbytes: int) -> list[Save]:
+        """Under the lock: the oldest waiting saves dropped until ``nbytes`` more fit."""
+        dropped = []
+        while self._bytes + nbytes > self.max_bytes and self._waiting:
+            dropped.append(old := self._waiting.popleft())
+            self._forget(old)
+            self.counts["dropped"] += 1
+        return dropped
+
+    def _dropped(self, dropped: list[Save]) -> None:
         for s in dropped:
             _done(s, False)
         if dropped:
@@ -92,6 +107,37 @@ class SaveBacklog:
                 len(dropped),
                 self.max_bytes,
             )
+
+    def add(self, saves: Iterable[Save], reserved: bool = False) -> None:
+        """Hand ``saves`` over (``reserved``: their room was taken by ``reserve``)."""
+        if self.closed:
+            for s in saves:
+                with self._lock:
+                    self.counts["failed"] += 1
+                    if reserved:
+                        self._bytes -= s.nbytes
+                _done(s, False)
+            return
+        dropped: list[Save] = []
+        with self._lock:
+            for s in saves:
+                if s.name in self._pending:
+                    if reserved:
+                        self._bytes -= s.nbytes
+                    continue  # the one waiting stores the same object
+                if not reserved:
+                    if s.nbytes > self.max_bytes:  # could never fit: dropped alone
+                        dropped.append(s)
+                        self.counts["dropped"] += 1
+                        continue
+                    self._bytes += s.nbytes
+                self._waiting.append(s)
+                self._pending[s.name] = s
+                if not reserved:
+                    dropped += self._make_room(0)
+            start = min(self.in_flight - self._workers, len(self._waiting))
+            self._workers += start
+        self._dropped(dropped)
         if start:
             try:
                 self.st.loop.call_soon_threadsafe(self._start, start)
@@ -121,7 +167,11 @@ class SaveBacklog:
                 s = self._waiting.popleft()
             ok = False
             try:
-                ok = await self.store.put_object(s.name, s.data, self_checked=True)
+                if s.write is not None:
+                    ok = await s.write()
+                else:
+                    assert s.data is not None
+                    ok = await self.store.put_object(s.name, s.data, self_checked=True)
             except Exception as e:  # noqa: BLE001 - a failed save is a future miss
                 log.warning("engine port: save of %s failed: %r", s.name, e)
             finally:

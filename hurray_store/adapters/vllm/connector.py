@@ -131,7 +131,16 @@ class HurrayConnector(KVConnectorBase_V1):
             object.__setattr__(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
             if role == KVConnectorRole.SCHEDULER:
                 log.info("HurrayConnector: kv_load_failure_policy set to recompute")
-        self.port = EnginePort(extra["config"], name=f"hurray-{role.name.lower()}")
+        # The host memory saves copied out of vLLM's KV may hold while the store writes
+        # them (past it the oldest are dropped, counted in saves_dropped): the port's
+        # save backlog, one step written at a time, oldest first.
+        self.backlog_bytes = int(float(extra.get("save_backlog_mb", 1024)) * (1 << 20))
+        self.port = EnginePort(
+            extra["config"],
+            name=f"hurray-{role.name.lower()}",
+            save_backlog_bytes=self.backlog_bytes,
+            saves_in_flight=1,
+        )
         self.st = self.port.thread  # the segments' way to the store, until they are on the port
         # The page salt of a request with nothing of its own: the connector's salt, else
         # the store config's; a request's cache_salt and adapter are mixed into it.
@@ -142,7 +151,7 @@ class HurrayConnector(KVConnectorBase_V1):
             log.warning("HurrayConnector: serving without the cache: %s", self.disabled)
         kvt = self._kv_transfer_config
         self.scheduler = SchedulerSide(
-            self.st,
+            self.port,
             # The scheduler serves a prefix only when every rank can deliver it: it
             # looks it up under each rank's spec and takes the shortest.
             [replace(self.spec, tp_rank=r) for r in range(self.spec.tp_size)],
@@ -155,9 +164,6 @@ class HurrayConnector(KVConnectorBase_V1):
             base_salt=base.encode(),
         )
         # worker
-        # The host memory saves copied out of vLLM's KV may hold while the store writes
-        # them (past it the oldest are dropped, counted in saves_dropped).
-        self.backlog_bytes = int(float(extra.get("save_backlog_mb", 1024)) * (1 << 20))
         self.xfer: BlockTransfers | None = None  # the data path, once the KV is registered
         self._asleep: BlockTransfers | None = None  # vLLM 0.33's sleep mode: KV released
         self._layer_index: dict[str, int] = {}
@@ -230,12 +236,11 @@ class HurrayConnector(KVConnectorBase_V1):
             else:
                 try:  # it checks the layer count and each view's strides against layout
                     self.xfer = BlockTransfers(
-                        self.st,
+                        self.port,
                         self.spec,
                         [t for _, t in layers],
                         layout,
                         packing=got,
-                        backlog_bytes=self.backlog_bytes,
                         counts=self.counts,
                         on_written=self._dump_counts,
                     )

@@ -4,7 +4,6 @@ handed to the worker as ``HurrayMetadata`` each step."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from hurray_store.adapters.vllm.transfer import Transfer
-from hurray_store.engine.thread import StoreThread
+from hurray_store.engine import EnginePort
 from hurray_store.identity import adapter_id
 from hurray_store.keys import request_salt
 from hurray_store.spec import KVSpec
@@ -49,7 +48,7 @@ class SchedulerSide:
 
     def __init__(
         self,
-        st: StoreThread,
+        port: EnginePort,
         rank_specs: list[KVSpec],
         block_size: int,
         *,
@@ -58,7 +57,7 @@ class SchedulerSide:
         disabled: str,
         base_salt: bytes,
     ) -> None:
-        self.st, self.rank_specs, self.block_size = st, rank_specs, block_size
+        self.port, self.rank_specs, self.block_size = port, rank_specs, block_size
         self.loads, self.saves, self.disabled, self.base_salt = loads, saves, disabled, base_salt
         self._loads: dict[str, int] = {}  # req -> tokens to load (past vLLM's own hit)
         # req -> its page salt, or None: a request the key cannot describe (not cached)
@@ -99,12 +98,6 @@ class SchedulerSide:
         self._salts[rid] = salt
         return salt
 
-    async def _lookup(self, toks: list[int], salt: bytes) -> int:
-        """The leading tokens every rank's pages hold (each rank stores its own heads)."""
-        store = self.st.store
-        got = await asyncio.gather(*(store.lookup(s, [toks], salt=salt) for s in self.rank_specs))
-        return min(n for (n,) in got)
-
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -116,7 +109,8 @@ class SchedulerSide:
         if salt is None:
             return 0, False
         try:
-            n = self.st.call(self._lookup(toks[:limit], salt), TIMEOUT_S)
+            # every rank's pages (each stores its own heads): the shortest run
+            n = self.port.lookup_tokens(self.rank_specs, toks[:limit], salt)
         except Exception as e:  # the store down or slow: vLLM computes everything
             log.warning("hurray_store lookup failed (%s); computing the prompt", e)
             return 0, False

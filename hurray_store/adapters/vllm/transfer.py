@@ -16,11 +16,13 @@ behind the engine, one step's saves at a time, oldest first.
   copy's event before it writes the buffers.
 - On the CPU the copy out is a memcpy on the engine's thread, done when ``save``
   returns.
-- The backlog is bounded: the host buffers of saves not yet written hold at most
-  ``backlog_bytes``. A save that does not fit drops the oldest saves still waiting (the
-  one being written is kept) and, if it still does not fit, is dropped itself; each
-  drop is counted in ``saves_dropped``. A save never waits for the store and never
-  grows memory past the bound. A dropped save is a future miss, as a failed one is.
+- The backlog is the engine port's (``engine/saves.py``), opened with one writer: the
+  host buffers of saves not yet written hold at most its ``save_backlog_bytes``. A
+  step's room is taken before its blocks are copied out; a step that does not fit
+  drops the oldest saves still waiting (the one being written is kept) and, if it
+  still does not fit, is dropped itself, copied nowhere; each drop is counted in
+  ``saves_dropped``. A save never waits for the store and never grows memory past the
+  bound. A dropped save is a future miss, as a failed one is.
 
 **Loads.** ``start_load`` retrieves the step's hits on the store's thread into a host
 pool (pinned on CUDA); as each layer arrives its pages are written into the engine's
@@ -34,19 +36,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from hurray_store.adapters.vllm.layout import Packing, check_view, pages_of, write_pages
-from hurray_store.engine.thread import StoreThread
+from hurray_store.engine import EnginePort, Save
 from hurray_store.paging import PagedKVPool
 from hurray_store.spec import KVSpec
 
@@ -73,6 +76,10 @@ class _Pending:
     buffers: list[torch.Tensor]  # per layer [2, pages, block_size, heads, head_dim]
     copied: Any  # a CUDA event: the copy into ``buffers`` is done (None: it is)
     nbytes: int
+    started: bool = False  # its write began (else a drop ended it)
+
+    def write(self, xfer: BlockTransfers) -> Callable[[], Awaitable[bool]]:
+        return partial(xfer._write, self)
 
 
 @dataclass(slots=True)
@@ -97,13 +104,12 @@ class BlockTransfers:
 
     def __init__(
         self,
-        st: StoreThread,
+        port: EnginePort,
         spec: KVSpec,
         views: list[torch.Tensor],
         layout: str,
         *,
         packing: Packing | None = None,
-        backlog_bytes: int = 1 << 30,
         counts: dict[str, Any] | None = None,
         on_written: Callable[[], None] | None = None,
     ) -> None:
@@ -111,12 +117,12 @@ class BlockTransfers:
             raise ValueError(f"{len(views)} KV layer views, the spec has {spec.num_layers} layers")
         for v in views:
             check_view(v, layout)
-        self.st, self.spec, self.views, self.layout = st, spec, views, layout
+        self.port, self.st = port, port.thread
+        self.spec, self.views, self.layout = spec, views, layout
         self.packing = packing
         self.device = views[0].device
         self.cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
-        self.backlog_bytes = int(backlog_bytes)
         self.page_bytes = 2 * spec.page_size * spec.num_kv_heads * spec.head_dim
         self.page_bytes *= spec.dtype.itemsize * spec.num_layers
         self.counts = counts if counts is not None else {}
@@ -124,17 +130,17 @@ class BlockTransfers:
             self.counts.setdefault(k, 0)
         self.counts.setdefault("copy_out_s", 0.0)  # engine time spent in save()
         self.on_written = on_written
-        self._cv = threading.Condition()
-        self._queue: deque[_Pending] = deque()
-        self._held = 0  # bytes of the queued saves and the one being written
-        self._writing = False
+        self._steps = itertools.count()  # names the steps' saves in the port's backlog
 
     # ------------------------------------------------------------------ saves
 
     def save(self, saves: list[Transfer]) -> None:
         """Copy the blocks of ``saves`` (each: ``block_ids[:len(token_ids) //
-        block_size]``) out of the views and queue their put; returns once they are
-        copied out (on CUDA: once the copy is ordered), never waiting for the store."""
+        block_size]``) out of the views and hand their put to the port's save backlog
+        (one save a step, written oldest first, one at a time); returns once they are
+        copied out (on CUDA: once the copy is ordered), never waiting for the store.
+        The room is taken before the copy: a step that does not fit (after the oldest
+        waiting steps are dropped) is dropped itself, copied nowhere."""
         saves = [s for s in saves if len(s.token_ids) >= self.spec.page_size]
         if not saves:
             return
@@ -142,46 +148,33 @@ class BlockTransfers:
         bs = self.spec.page_size
         ids = [b for s in saves for b in s.block_ids[: len(s.token_ids) // bs]]
         nbytes = len(ids) * self.page_bytes
-        if not self._reserve(nbytes, len(saves)):
+        if not self.port.reserve(nbytes):
+            self._dropped(len(saves))
             return
         try:
             buffers, copied = self.copy_out(ids)
         except Exception as e:  # a save that fails is a future miss, never an error
-            with self._cv:
-                self._held -= nbytes
+            self.port.unreserve(nbytes)
             self.counts["saves_failed"] += len(saves)
             log.warning("HurrayConnector: copying %d blocks out failed: %s", len(ids), e)
             return
-        with self._cv:
-            self._queue.append(_Pending(saves, buffers, copied, nbytes))
-            start, self._writing = not self._writing, True
-        if start:
-            self.st.submit(self._write_backlog())
+        p = _Pending(saves, buffers, copied, nbytes)
+        name = f"vllm-step-{next(self._steps)}"
+        self.port.save([Save(name, None, nbytes, partial(self._done, p), p.write(self))], True)
         self.counts["save_steps"] += 1
         self.counts["copy_out_s"] += time.perf_counter() - t0
 
-    def _reserve(self, nbytes: int, n_saves: int) -> bool:
-        """Room in the backlog for ``nbytes``, made by dropping the oldest saves still
-        waiting; False (and counted) when there is none."""
-        dropped = 0
-        with self._cv:
-            while nbytes <= self.backlog_bytes < self._held + nbytes and self._queue:
-                old = self._queue.popleft()
-                self._held -= old.nbytes
-                dropped += len(old.saves)
-            fits = self._held + nbytes <= self.backlog_bytes
-            if fits:
-                self._held += nbytes
-            else:
-                dropped += n_saves
-            self.counts["saves_dropped"] += dropped
-        if dropped:
-            log.warning(
-                "HurrayConnector: the save backlog (%d MiB) is full: %d saves dropped",
-                self.backlog_bytes >> 20,
-                dropped,
-            )
-        return fits
+    def _dropped(self, n_saves: int) -> None:
+        self.counts["saves_dropped"] += n_saves
+        log.warning("HurrayConnector: the save backlog is full: %d saves dropped", n_saves)
+
+    def _done(self, p: _Pending, ok: bool) -> None:
+        """A step's save ended (on the store's thread): written, failed, or dropped
+        from the backlog before it was written."""
+        if not p.started:
+            self._dropped(len(p.saves))
+        elif self.on_written is not None:
+            self.on_written()
 
     def copy_out(self, ids: list[int]) -> tuple[list[torch.Tensor], Any]:
         """Blocks ``ids`` of every layer as host buffers, each ``[2, len(ids),
@@ -211,26 +204,10 @@ class BlockTransfers:
         engine.wait_event(gathered)  # the engine's next writes come after the gather
         return bufs, copied
 
-    async def _write_backlog(self) -> None:
-        """On the store's thread: write the queued saves, oldest first, each step's
-        committed (flushed) before the next; until the queue is empty."""
-        while True:
-            with self._cv:
-                if not self._queue:
-                    self._writing = False
-                    self._cv.notify_all()
-                    return
-                p = self._queue.popleft()
-            try:
-                await self._write(p)
-            finally:
-                with self._cv:
-                    self._held -= p.nbytes
-                    self._cv.notify_all()
-                if self.on_written is not None:
-                    self.on_written()
-
-    async def _write(self, p: _Pending) -> None:
+    async def _write(self, p: _Pending) -> bool:
+        """On the store's thread: one step's saves put and flushed (committed: visible
+        to every instance's lookup)."""
+        p.started = True
         if p.copied is not None:
             while not p.copied.query():  # the device copy is still running
                 await asyncio.sleep(2e-4)
@@ -248,24 +225,23 @@ class BlockTransfers:
             r = await store.put(pool, toks, tables, salt=salts)
             self.counts["blocks_saved"] += r.pages_written
             await store.flush()  # committed: visible to every instance's lookup
+            return True
         except Exception as e:  # a save that fails is a future miss, never an error
             self.counts["saves_failed"] += len(p.saves)
             log.warning("HurrayConnector: saving %d requests failed: %s", len(p.saves), e)
+            return False
 
     def pending_bytes(self) -> int:
         """Host bytes of the saves not yet written (queued and the one being written)."""
-        with self._cv:
-            return self._held
+        return self.port.saves_pending()[0]
 
     def queued(self) -> int:
         """Saves waiting for the store's thread (not counting the one being written)."""
-        with self._cv:
-            return len(self._queue)
+        return self.port.saves_pending()[1]
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued save is written (or dropped); False on timeout."""
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._writing and not self._queue, timeout)
+        return self.port.wait_saves(timeout)
 
     # ------------------------------------------------------------------ loads
 

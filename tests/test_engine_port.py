@@ -282,3 +282,17 @@ def test_room_reserved_before_a_copy_out_drops_the_oldest_waiting_and_is_given_b
     assert seen == {"a": False, "b": True}
     assert port.saves_pending() == (0, 0)
     assert port.stats()["port"]["saves_dropped"] == 2
+
+
+def test_a_closed_port_refuses_loads_and_lent_saves_at_once(
+    tmp_path: Path, ports: list[EnginePort]
+) -> None:
+    """An engine calling after close (SGLang's backend, say) gets an error at once, never
+    a wait for a loop that is gone."""
+    port = open_port(ports, disk(tmp_path))
+    saved(port, {"a": b"x" * 64})
+    port.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        port.save_lent([[("b", b"y" * 64)]])
+    with pytest.raises(RuntimeError, match="closed"):
+        port.load(["a"], 64, lambda j, mv: "", lambda j, t: None)

@@ -88,6 +88,12 @@ class EnginePort:
             raise RuntimeError("engine port: closed")
         return self.thread.call(coro, self.timeout)
 
+    def _open(self) -> None:
+        """RuntimeError at once when the port is closed (its loop is gone: a call
+        that needs it would wait for nothing)."""
+        if self._closed:
+            raise RuntimeError("engine port: closed")
+
     # ------------------------------------------------------------------ lookups
 
     def sync_others(self) -> None:
@@ -112,6 +118,7 @@ class EnginePort:
         self, keys: Iterable[str] | Iterable[KeyRef], *, pin: bool = False
     ) -> Held:
         """``lookup`` from an engine's event loop, which it never blocks."""
+        self._open()
         if self.store.shared or self.store.others_changed():
             fut = self.thread.submit(_held_shared(self.store, self._names(keys), pin))
             return self._counted(await asyncio.wrap_future(fut))
@@ -212,6 +219,7 @@ class EnginePort:
         tensor)`` it into the engine's memory: nothing reaches the engine unchecked.
         Stops at the first not held or not right (that one is ``reject``ed); how many
         were taken. ``engine/reads.py`` says which thread reads what."""
+        self._open()
         n, why = self._loads.run(names, size, check, take)
         self.counts["loaded"] += n
         if why:
@@ -266,6 +274,7 @@ class EnginePort:
         host pages): a step's writes start while the caller makes the next, and this
         thread helps the tiers' writers while it waits; it returns once every object
         is written through every tier. Per object, stored or not."""
+        self._open()
         return write_lent(self.thread, steps, self.timeout)
 
     def touch(self, names: Sequence[str]) -> None:

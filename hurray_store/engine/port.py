@@ -1,13 +1,7 @@
-"""The engine port: the one way every engine adapter reaches the store.
-
-A small synchronous, thread-safe object in the spirit of vLLM's offloading manager
-(docs/engine.md). It owns what every engine needs and none should rebuild: the store's
-thread, the read route (on the caller's thread where a tier reads there, else on the
-store's loop), what other processes sharing a medium changed (read before the ledger
-is), the pins of a lookup, the bounded backlog of saves, the help a waiting thread
-gives the tiers' writers, and the feed of what was stored and removed. Names are the
-engine's object names (a page object, a chunk object); the adapters make them.
-"""
+"""The engine port (``EnginePort``): the one way every engine adapter reaches the store.
+It owns the store's thread, the read routes, other processes' changes, a lookup's pins,
+the bounded save backlog, the help a waiting thread gives the writers, and the feed of
+what was stored and removed (docs/engine.md). Names are the engine's object names."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The port's loads of whole objects in order (``load_in_order``): read, checked by the
-engine, then copied into its memory, up to the first that is not held or not right.
-
-Objects a tier reads on the calling thread (a disk tier, a single Redis) are read one at
-a time on a helper thread (``ReadAhead``) while the caller checks and copies the ones
-before them: a page's bytes are still in the CPU's cache when they are hashed and
-copied, and reads, hashes and copies (which all let the GIL go) run on two cores. From
-the first object no such tier holds, the rest are read on the store's loop, all at
-once, into a staging buffer, then checked and copied in order.
-"""
+"""The port's loads of whole objects in order (``OrderedLoads``): read (ahead, on a
+helper thread, where a tier reads on the calling thread; else on the store's loop, into
+a staging buffer), checked by the engine, then copied into its memory, up to the first
+that is not held or not right (docs/engine.md, "What it owns")."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
-"""Chunk objects: the one byte format of an engine's page or chunk as one object, for
-LMCache's chunks and SGLang's pages alike (pure: no I/O, no engine import).
-
-A chunk object of ``pages`` pages is, per layer, a key and a value block-paged
-descriptor (one sequence of the chunk's tokens, pages of ``page_size``), each followed
-by its pool, then the chunk record (``HSLC``, ``format/records.py``): the commit point,
-with the xxh3-64 of each pool's token bytes. docs/format.md, "Chunk objects".
-
-``ChunkFormat`` computes, once per page count, where each pool sits and the object's
-size, the object's parts around its pools (``parts``), its record (``record``), the
-ranges a reader takes (``ranges_of``), the page count of an object of a given size
-(``pages_of``), and the check of an object read against its record (``check``, or
-``parse`` where the token count is not known before the record is read).
-"""
+"""Chunk objects: the one byte format of a page or chunk as one object, for LMCache's
+chunks and SGLang's pages alike (pure). Per layer a key and a value block-paged
+descriptor with its pool, then the chunk record (``HSLC``, ``records.py``), the commit
+point (docs/format.md, "Chunk objects"). ``ChunkFormat`` lays one out per page count,
+makes its parts and record, and checks one read against its record."""
 
 from __future__ import annotations
 

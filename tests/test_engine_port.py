@@ -296,3 +296,25 @@ def test_a_closed_port_refuses_loads_and_lent_saves_at_once(
         port.save_lent([[("b", b"y" * 64)]])
     with pytest.raises(RuntimeError, match="closed"):
         port.load(["a"], 64, lambda j, mv: "", lambda j, t: None)
+
+
+def test_what_the_loop_was_handed_before_a_save_runs_before_it(ports: list[EnginePort]) -> None:
+    """A writer that just ended a save takes the next only after the loop ran what it
+    was handed meanwhile (an engine's touch of an object, then a save that may evict):
+    the two take effect in the order the engine made them."""
+    port = open_port(ports, cpu(), saves_in_flight=1)
+    order: list[str] = []
+    done = threading.Event()
+
+    async def write_b() -> bool:
+        order.append("b written")
+        done.set()
+        return True
+
+    def after_a(ok: bool) -> None:  # on the store's loop, inside the writer
+        port.thread.loop.call_soon(order.append, "touched")
+        port.save([Save("b", None, 1, None, write_b)])
+
+    port.save([Save("a", b"a", 1, after_a)])
+    assert done.wait(10)
+    assert order == ["touched", "b written"]

@@ -160,6 +160,10 @@ class SaveBacklog:
 
     async def _worker(self) -> None:
         while True:
+            # What the loop was handed before this save (an engine's touch, say, called
+            # before it on the engine's thread) runs first: a worker that just ended a
+            # save would otherwise take the next one in the same turn, ahead of them.
+            await asyncio.sleep(0)
             with self._lock:
                 if not self._waiting:
                     self._workers -= 1

@@ -46,7 +46,12 @@ class SaveBacklog:
             raise ValueError("a save backlog needs room for one byte and one writer")
         self.st, self.store = st, st.store
         self.max_bytes, self.in_flight = int(max_bytes), int(in_flight)
-        self._waiting: deque[Save] = deque()
+        # Saves not being written yet, oldest first, each with its number; a writer
+        # takes one only once the loop has admitted it (``_admit``), so what an engine
+        # handed the loop before a save (a touch of an object) takes effect first.
+        self._waiting: deque[tuple[int, Save]] = deque()
+        self._numbered = 0  # saves numbered so far
+        self._admitted = 0  # the saves numbered up to this may be taken
         self._pending: dict[str, Save] = {}  # by name: waiting or being written
         self._bytes = self._workers = 0
         self._lock = threading.Lock()
@@ -93,7 +98,7 @@ class SaveBacklog:
         """Under the lock: the oldest waiting saves dropped until ``nbytes`` more fit."""
         dropped = []
         while self._bytes + nbytes > self.max_bytes and self._waiting:
-            dropped.append(old := self._waiting.popleft())
+            dropped.append(old := self._waiting.popleft()[1])
             self._forget(old)
             self.counts["dropped"] += 1
         return dropped
@@ -131,20 +136,17 @@ class SaveBacklog:
                         self.counts["dropped"] += 1
                         continue
                     self._bytes += s.nbytes
-                self._waiting.append(s)
+                self._numbered += 1
+                self._waiting.append((self._numbered, s))
                 self._pending[s.name] = s
                 if not reserved:
                     dropped += self._make_room(0)
-            start = min(self.in_flight - self._workers, len(self._waiting))
-            self._workers += start
+            upto = self._numbered
         self._dropped(dropped)
-        if start:
-            try:
-                self.st.loop.call_soon_threadsafe(self._start, start)
-            except RuntimeError:  # the store is closed: these are never written
-                with self._lock:
-                    self._workers -= start
-                self._fail_waiting()
+        try:
+            self.st.loop.call_soon_threadsafe(self._admit, upto)
+        except RuntimeError:  # the store is closed: these are never written
+            self._fail_waiting()
 
     def _forget(self, s: Save) -> None:
         """Under the lock: ``s`` is no longer pending."""
@@ -154,21 +156,24 @@ class SaveBacklog:
         if not self._pending:
             self._idle.notify_all()
 
-    def _start(self, n: int) -> None:
-        for _ in range(n):
+    def _admit(self, upto: int) -> None:
+        """On the loop, in turn with what else it was handed: the saves numbered up to
+        ``upto`` may be written; writers started for them, up to ``in_flight``."""
+        with self._lock:
+            self._admitted = max(self._admitted, upto)
+            ready = sum(1 for n, _ in self._waiting if n <= self._admitted)
+            start = max(0, min(self.in_flight - self._workers, ready))
+            self._workers += start
+        for _ in range(start):
             self.st.loop.create_task(self._worker())
 
     async def _worker(self) -> None:
         while True:
-            # What the loop was handed before this save (an engine's touch, say, called
-            # before it on the engine's thread) runs first: a worker that just ended a
-            # save would otherwise take the next one in the same turn, ahead of them.
-            await asyncio.sleep(0)
             with self._lock:
-                if not self._waiting:
-                    self._workers -= 1
+                if not self._waiting or self._waiting[0][0] > self._admitted:
+                    self._workers -= 1  # the rest start when the loop admits them
                     return
-                s = self._waiting.popleft()
+                s = self._waiting.popleft()[1]
             ok = False
             try:
                 if s.write is not None:
@@ -186,7 +191,7 @@ class SaveBacklog:
 
     def _fail_waiting(self) -> None:
         with self._lock:
-            left = list(self._waiting)
+            left = [s for _, s in self._waiting]
             self._waiting.clear()
             for s in left:
                 self._forget(s)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hurray_store.engine.events import EVENTS_KEPT, EventFeed, StoreEvent
-from hurray_store.engine.reads import Check, OrderedLoads, Take
+from hurray_store.engine.reads import Check, OrderedLoads, Take, read_all
 from hurray_store.engine.saves import Save, SaveBacklog, write_lent
 from hurray_store.engine.thread import StoreThread
 from hurray_store.keys import object_stored
@@ -202,7 +202,7 @@ class EnginePort:
         got = self.store.read_objects_into_now(items, each)
         later = [j for j, ok in enumerate(got) if not ok]
         if later:
-            more = self.call(_read_all(self.store, [items[j] for j in later], in_flight))
+            more = self.call(read_all(self.store, [items[j] for j in later], in_flight))
             for j, ok in zip(later, more, strict=True):
                 got[j] = ok
         return got
@@ -347,24 +347,6 @@ async def _tokens_held(
 
 async def _contains_all(store: TieredStore, names: Sequence[str]) -> list[bool]:
     return list(await asyncio.gather(*(store.contains_object(n) for n in names)))
-
-
-async def _read_all(
-    store: TieredStore,
-    items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]],
-    in_flight: int,
-) -> list[bool]:
-    at_once = asyncio.Semaphore(in_flight)
-
-    async def one(name: str, ranges: Sequence[Range], into: Sequence[memoryview]) -> bool:
-        async with at_once:
-            try:
-                return await store.read_object_into(name, ranges, into)
-            except Exception as e:  # noqa: BLE001 - a read that failed is a miss
-                log.warning("engine port: read of %s failed: %r", name, e)
-                return False
-
-    return list(await asyncio.gather(*(one(*it) for it in items)))
 
 
 async def _delete(store: TieredStore, name: str) -> bool:

@@ -6,6 +6,7 @@ that is not held or not right (docs/engine.md, "What it owns")."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -14,6 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from hurray_store.engine.thread import StoreThread
+from hurray_store.store import TieredStore
+from hurray_store.tiers import Range
+
+log = logging.getLogger(__name__)
 
 NOT_HERE = "not read on the calling thread"  # an object ``ReadAhead`` leaves to the loop
 # check(j, object bytes) -> why object j is not right ("" when it is)
@@ -85,7 +90,7 @@ class ReadAhead:
 
 
 class OrderedLoads:
-    """``load_in_order`` for one port: its read-ahead thread and staging buffer."""
+    """``EnginePort.load`` for one port: its read-ahead thread and staging buffer."""
 
     def __init__(self, st: StoreThread, timeout: float) -> None:
         self.st, self.store, self.timeout = st, st.store, timeout
@@ -118,7 +123,8 @@ class OrderedLoads:
         # the rest on the store's loop, all at once, then checked and taken in order
         objs = self._objects(n - at, size)
         mvs = [memoryview(objs[i].numpy()) for i in range(n - at)]  # type: ignore[arg-type]
-        got = self.st.call(self._read_all(names[at:], size, mvs), self.timeout)
+        items = [(name, whole, [mv]) for name, mv in zip(names[at:], mvs, strict=True)]
+        got = self.st.call(read_all(self.store, items, len(items)), self.timeout)
         for i, ok in enumerate(got):
             if not ok:
                 return at + i, ""
@@ -133,14 +139,26 @@ class OrderedLoads:
             buf = self._staging = torch.empty((max(n, 8), size), dtype=torch.uint8)
         return buf
 
-    async def _read_all(self, names: Sequence[str], size: int, mvs: list[memoryview]) -> list[bool]:
-        whole = [(0, size)]
-        got = await asyncio.gather(
-            *(self.store.read_object_into(n, whole, [m]) for n, m in zip(names, mvs, strict=True)),
-            return_exceptions=True,
-        )
-        return [r is True for r in got]
-
     def close(self) -> None:
         if self._ahead is not None:
             self._ahead.close()
+
+
+async def read_all(
+    store: TieredStore,
+    items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]],
+    in_flight: int,
+) -> list[bool]:
+    """On the store's loop: each ``(name, ranges, buffers)`` read, ``in_flight`` at a
+    time; per item, read or not (a read that failed is a miss, logged)."""
+    at_once = asyncio.Semaphore(in_flight)
+
+    async def one(name: str, ranges: Sequence[Range], into: Sequence[memoryview]) -> bool:
+        async with at_once:
+            try:
+                return await store.read_object_into(name, ranges, into)
+            except Exception as e:  # noqa: BLE001 - a read that failed is a miss
+                log.warning("engine port: read of %s failed: %r", name, e)
+                return False
+
+    return list(await asyncio.gather(*(one(*it) for it in items)))

@@ -161,8 +161,10 @@ class SaveBacklog:
         ``upto`` may be written; writers started for them, up to ``in_flight``."""
         with self._lock:
             self._admitted = max(self._admitted, upto)
-            ready = sum(1 for n, _ in self._waiting if n <= self._admitted)
-            start = max(0, min(self.in_flight - self._workers, ready))
+            # the waiting saves' numbers run on by one from the oldest (saves leave
+            # only from the front): those admitted are the first ``ready``
+            ready = self._admitted - self._waiting[0][0] + 1 if self._waiting else 0
+            start = max(0, min(self.in_flight - self._workers, ready, len(self._waiting)))
             self._workers += start
         for _ in range(start):
             self.st.loop.create_task(self._worker())

@@ -25,3 +25,8 @@ class SelfChecked:
     record_of: Callable[[list[int]], Sequence[Buffer]]
     record_bytes: int
     hash: Callable[[Buffer], int]
+
+    @property
+    def nbytes(self) -> int:
+        """The object's size: its parts and its record."""
+        return sum(memoryview(b).nbytes for b in self.parts) + self.record_bytes

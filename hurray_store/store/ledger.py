@@ -262,9 +262,9 @@ class Ledger:
         """Note a READY group found in a tier (restart scan, discovery)."""
         with self.lock:
             was = self._tiers[tier].groups.get(group)
-            same = was is not None and was.ready and was.sizes == sizes
-            known = was is not None and was.ready and not same
-            self._drop(tier, group, "rewrite" if known else "")
+            ready = was is not None and was.ready
+            same = ready and was.sizes == sizes  # type: ignore[union-attr]
+            self._drop(tier, group, "rewrite" if ready and not same else "")
             self._add(tier, group, dict(sizes), depth, ready=True)
             if self._watchers and not same:
                 self._changed("stored", tier, group, "found")

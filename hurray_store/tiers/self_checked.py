@@ -22,8 +22,7 @@ class SelfCheckedObject(GroupObject):
     __slots__ = ("checked", "_built")
 
     def __init__(self, key: str, checked: SelfChecked) -> None:
-        nbytes = sum(memoryview(b).nbytes for b in checked.parts) + checked.record_bytes
-        super().__init__(key, nbytes)
+        super().__init__(key, checked.nbytes)
         self.checked = checked
         self._built: list[Buffer] | None = None
 

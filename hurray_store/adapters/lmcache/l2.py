@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from lmcache.lmcache_native import Bitmap
@@ -132,31 +133,25 @@ class HurrayL2Adapter(L2AdapterInterface):
             self._next += 1
             return self._next
 
-    def _submit(self, fn: Callable[..., None], tid: L2TaskId, *args: Any) -> None:
-        """Run a task on the adapter's worker thread (it calls the port, which may wait
-        for the store's loop: never on LMCache's thread, never on the loop). A task
-        that fails still completes, as a failure (nothing stored, found or loaded)."""
+    def _submit(self, task: Callable[[], None], failed: Callable[[], None]) -> None:
+        """Run ``task`` on the adapter's worker thread (it calls the port, which may
+        wait for the store's loop: never on LMCache's thread, never on the loop). One
+        that raises still completes, as a failure: ``failed`` reports it."""
 
         def run() -> None:
             try:
-                fn(tid, *args)
+                task()
             except Exception as e:  # noqa: BLE001 - reported to LMCache as a failure
-                log.warning("hurray L2 adapter: task %d failed: %r", tid, e)
-                self._failed(fn, tid, args)
+                log.warning("hurray L2 adapter: a task failed: %r", e)
+                failed()
 
         self._worker.submit(run)
 
-    def _failed(self, fn: Callable[..., None], tid: L2TaskId, args: tuple[Any, ...]) -> None:
-        n = len(args[0])
+    def _report(self, done: dict[L2TaskId, Any], tid: L2TaskId, result: Any, efd: Any) -> None:
+        """Task ``tid`` ended with ``result``: kept for LMCache's query, and signalled."""
         with self._lock:
-            if fn == self._store:
-                self._stored.setdefault(tid, L2StoreResult(False, 0))
-            elif fn == self._lookup:
-                self._looked.setdefault(tid, Bitmap(n))
-            else:
-                self._loaded.setdefault(tid, Bitmap(n))
-        efd = {self._store: self._store_efd, self._lookup: self._lookup_efd}.get(fn)
-        (efd or self._load_efd).notify()
+            done[tid] = result
+        efd.notify()
 
     def get_store_event_fd(self) -> int:
         return int(self._store_efd.fileno())
@@ -175,7 +170,10 @@ class HurrayL2Adapter(L2AdapterInterface):
         # done (its StoreController calls finish_read only after
         # pop_completed_store_tasks), so the buffers stay valid and unchanged.
         # The task also keeps the objects referenced: a view of ``byte_array`` does not.
-        self._submit(self._store, tid, list(keys), list(objects))
+        self._submit(
+            partial(self._store, tid, list(keys), list(objects)),
+            lambda: self._report(self._stored, tid, L2StoreResult(False, 0), self._store_efd),
+        )
         return tid
 
     def _store(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
@@ -210,11 +208,9 @@ class HurrayL2Adapter(L2AdapterInterface):
     def _stored_all(self, tid: L2TaskId, task: _StoreTask) -> None:
         if not task.ok:
             log.warning("hurray L2 adapter: store task %d: some keys stored in no tier", tid)
-        with self._lock:
-            self._stored[tid] = L2StoreResult(task.ok, task.total)
         if task.keys:
             self._notify_keys_stored(task.keys, task.sizes)
-        self._store_efd.notify()
+        self._report(self._stored, tid, L2StoreResult(task.ok, task.total), self._store_efd)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         with self._lock:
@@ -227,7 +223,10 @@ class HurrayL2Adapter(L2AdapterInterface):
         self, keys: list[Any], group_layout_descs: Any = None
     ) -> L2TaskId:
         tid = self._task()
-        self._submit(self._lookup, tid, list(keys))
+        self._submit(
+            partial(self._lookup, tid, list(keys)),
+            lambda: self._report(self._looked, tid, Bitmap(len(keys)), self._lookup_efd),
+        )
         return tid
 
     def _lookup(self, tid: L2TaskId, keys: list[Any]) -> None:
@@ -241,9 +240,7 @@ class HurrayL2Adapter(L2AdapterInterface):
                 bitmap.set(i)
                 with self._lock:
                     self._locks.setdefault(k, []).extend(held.pins)
-        with self._lock:
-            self._looked[tid] = bitmap
-        self._lookup_efd.notify()
+        self._report(self._looked, tid, bitmap, self._lookup_efd)
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -289,7 +286,10 @@ class HurrayL2Adapter(L2AdapterInterface):
 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> L2TaskId:
         tid = self._task()
-        self._submit(self._load, tid, list(keys), list(objects))
+        self._submit(
+            partial(self._load, tid, list(keys), list(objects)),
+            lambda: self._report(self._loaded, tid, Bitmap(len(keys)), self._load_efd),
+        )
         return tid
 
     def _load(self, tid: L2TaskId, keys: list[Any], objects: list[Any]) -> None:
@@ -308,9 +308,7 @@ class HurrayL2Adapter(L2AdapterInterface):
             pos += len(wave)
         if accessed:
             self._notify_keys_accessed(accessed)
-        with self._lock:
-            self._loaded[tid] = bitmap
-        self._load_efd.notify()
+        self._report(self._loaded, tid, bitmap, self._load_efd)
 
     def _load_wave(self, loads: list[_L2Load]) -> list[bool]:
         """Read through the port (a disk tier or a single Redis on this thread, each

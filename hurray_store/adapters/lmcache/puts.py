@@ -48,8 +48,9 @@ class ChunkPuts:
                 except Exception:
                     obj.ref_count_down()
                     raise
-                nbytes = sum(memoryview(b).nbytes for b in chunk.parts) + chunk.record_bytes
-                saves.append(Save(c.name, chunk, nbytes, self._done(key, c, obj, on_complete)))
+                saves.append(
+                    Save(c.name, chunk, chunk.nbytes, self._done(key, c, obj, on_complete))
+                )
         finally:
             if saves:
                 self.port.save(saves)

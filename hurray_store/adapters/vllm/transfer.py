@@ -40,7 +40,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -77,9 +77,6 @@ class _Pending:
     copied: Any  # a CUDA event: the copy into ``buffers`` is done (None: it is)
     nbytes: int
     started: bool = False  # its write began (else a drop ended it)
-
-    def write(self, xfer: BlockTransfers) -> Callable[[], Awaitable[bool]]:
-        return partial(xfer._write, self)
 
 
 @dataclass(slots=True)
@@ -160,7 +157,8 @@ class BlockTransfers:
             return
         p = _Pending(saves, buffers, copied, nbytes)
         name = f"vllm-step-{next(self._steps)}"
-        self.port.save([Save(name, None, nbytes, partial(self._done, p), p.write(self))], True)
+        save = Save(name, None, nbytes, partial(self._done, p), partial(self._write, p))
+        self.port.save([save], reserved=True)
         self.counts["save_steps"] += 1
         self.counts["copy_out_s"] += time.perf_counter() - t0
 

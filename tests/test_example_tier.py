@@ -8,11 +8,22 @@ from pathlib import Path
 import pytest
 
 from hurray_store import PagedKVPool
-from hurray_store.config import StoreConfig, load_config
+from hurray_store.config import TIERS, StoreConfig, load_config
 from hurray_store.errors import ConfigError
 from hurray_store.store import TieredStore
 from hurray_store.testing.contract import TierContract
-from hurray_store.tiers import Tier, open_tier
+from hurray_store.tiers import (
+    DiskTier,
+    HelpsWrites,
+    ReadsNow,
+    Reserves,
+    SharedMedium,
+    SharedTier,
+    Tier,
+    open_tier,
+    register,
+    tier_class,
+)
 from tests.example_tier import DictTier, DictTierConfig
 from tests.store_helpers import assert_pages_equal, random_pool, shared_batch, spec
 
@@ -67,3 +78,67 @@ def test_a_tier_named_by_module_path_that_is_not_one_is_a_config_error(
 ) -> None:
     with pytest.raises(ConfigError, match=says):
         load_config({"tiers": [{"type": kind}]}, env={})
+
+
+def test_a_class_with_a_config_but_not_a_tier_is_refused_when_opened() -> None:
+    """The config layer checks only the shape (a ``config_cls`` with a kind); the tiers
+    layer refuses a class that is not a ``Tier`` when a store would open it."""
+
+    class NotATier:
+        config_cls = DictTierConfig
+
+    with pytest.raises(ConfigError, match="not a hurray_store.tiers.Tier"):
+        register(NotATier)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="no tier of kind 'nothing'"):
+        tier_class("nothing")
+
+
+def test_one_registry_holds_the_built_in_and_the_outside_tiers() -> None:
+    """Built-in kinds name their class by module path (imported when opened); an outside
+    tier is in the same registry once registered."""
+    assert {k for k, e in TIERS.items() if e.built_in} == {
+        "gpu",
+        "cpu",
+        "disk",
+        "redis",
+        "remote",
+        "s3",
+    }
+    assert TIERS["dict"].tier is DictTier and not TIERS["dict"].built_in
+    assert tier_class("disk") is DiskTier and tier_class("dict") is DictTier
+    assert tier_class("redis").__name__ == "RedisTier"
+
+
+@pytest.mark.parametrize(
+    "kind, offers",
+    [
+        ("cpu", {Reserves}),
+        ("gpu", set()),
+        ("disk", {ReadsNow, SharedMedium, HelpsWrites}),
+        ("redis", {ReadsNow}),
+        ("remote", {SharedTier}),
+        ("s3", {SharedMedium}),
+        ("dict", set()),
+    ],
+)
+def test_each_tier_offers_its_capabilities_as_protocols(kind: str, offers: set[type]) -> None:
+    every = {ReadsNow, Reserves, SharedMedium, HelpsWrites, SharedTier}
+    got = {p for p in every if issubclass(tier_class(kind), p)}
+    assert got == offers
+
+
+async def test_a_redis_cluster_does_not_offer_reads_on_the_callers_thread() -> None:
+    """A capability an instance narrows: a single Redis reads on any thread, a cluster
+    only on the store's loop (``Tier.offers``). Built, never opened: no server needed."""
+    single = open_tier(
+        load_config({"tiers": [{"type": "redis", "url": "redis://127.0.0.1:1"}]}, env={}).tiers[0]
+    )
+    cluster = open_tier(
+        load_config(
+            {"tiers": [{"type": "redis", "url": "redis+cluster://127.0.0.1:1"}]}, env={}
+        ).tiers[0]
+    )
+    assert single.offers(ReadsNow) and not cluster.offers(ReadsNow)
+    assert single.offers(SharedTier) is cluster.offers(SharedTier) is False
+    await single.close()
+    await cluster.close()

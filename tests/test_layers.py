@@ -76,7 +76,6 @@ LAYER_OF = {
     "tiers.base": 2,
     "tiers.types": 2,
     "tiers.helpers": 2,
-    "tiers.registry": 2,
     "tiers.self_checked": 2,
     "tiers": 3,
     "store": 4,

@@ -24,7 +24,7 @@ from hurray_store.config.schema import (
     schema,
 )
 from hurray_store.config.tier_configs import (
-    TIER_CONFIGS,
+    TIERS,
     CpuTierConfig,
     DiskTierConfig,
     GpuTierConfig,
@@ -32,8 +32,10 @@ from hurray_store.config.tier_configs import (
     RemoteTierConfig,
     S3TierConfig,
     TierConfig,
+    TierKind,
     parse_hurray_url,
     parse_s3_url,
+    register_tier,
 )
 
 __all__ = [
@@ -47,8 +49,10 @@ __all__ = [
     "S3TierConfig",
     "ServerConfig",
     "StoreConfig",
-    "TIER_CONFIGS",
+    "TIERS",
     "TierConfig",
+    "TierKind",
+    "register_tier",
     "default_config_dict",
     "load_config",
     "parse_hurray_url",

@@ -23,7 +23,7 @@ from hurray_store.config.schema import (
     join_key,
 )
 from hurray_store.config.tier_configs import (
-    TIER_CONFIGS,
+    TIERS,
     DiskTierConfig,
     RedisTierConfig,
     RemoteTierConfig,
@@ -31,6 +31,7 @@ from hurray_store.config.tier_configs import (
     TierConfig,
     parse_hurray_url,
     parse_s3_url,
+    register_tier,
 )
 from hurray_store.errors import ConfigError
 
@@ -244,34 +245,20 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
-# Tiers of other packages named by ``module:Class`` in a config, by kind: the tiers
-# layer (``tiers.open_tier``) checks each is a Tier and registers it. The config names
-# them and imports their module, but never the tiers (they build on the config).
-OUTSIDE_TIERS: dict[str, type] = {}
-
-
 def _outside_tier(spec: str, label: str) -> type:
     """The config class of a tier named ``module:Class`` (a tier class of another
-    package, with its ``config_cls``), kept in ``OUTSIDE_TIERS`` for the tiers."""
+    package, with its ``config_cls``), put in the registry (``TIERS``) for the tiers
+    layer to open. The config imports its module, but never the tiers layer."""
     module, _, name = spec.partition(":")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{label}.type: cannot load the tier {spec!r}: {e}") from None
-    config_cls = getattr(cls, "config_cls", None)
-    kind = getattr(config_cls, "kind", None)
-    if (
-        not isinstance(cls, type)
-        or not hasattr(config_cls, "__dataclass_fields__")
-        or not isinstance(kind, str)
-    ):
-        raise ConfigError(
-            f"{label}.type: {spec!r} is not a tier (a hurray_store.tiers.Tier subclass "
-            "with a config_cls dataclass)"
-        )
-    OUTSIDE_TIERS[kind] = cls
-    assert isinstance(config_cls, type)
-    return config_cls
+    try:
+        kind = register_tier(cls)
+    except ConfigError as e:
+        raise ConfigError(f"{label}.type: {spec!r}: {e}") from None
+    return TIERS[kind].config_cls
 
 
 def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
@@ -286,11 +273,12 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
         label = f"{where}.{item.get('name') or kind or i}"
         if isinstance(kind, str) and ":" in kind:
             config_cls: Any = _outside_tier(kind, label)
-        elif kind in TIER_CONFIGS:
-            config_cls = TIER_CONFIGS[kind]
+        elif isinstance(kind, str) and kind in TIERS:
+            config_cls = TIERS[kind].config_cls
         else:
+            built_in = sorted(k for k, e in TIERS.items() if e.built_in)
             raise ConfigError(
-                f"{label}.type: expected one of {sorted(TIER_CONFIGS)} or module:Class "
+                f"{label}.type: expected one of {built_in} or module:Class "
                 f"(a tier of another package), got {kind!r}"
             )
         body = {k: v for k, v in item.items() if k != "type"}

@@ -8,7 +8,7 @@ from typing import Literal
 
 from hurray_store.config.fields import documented
 from hurray_store.config.tier_configs import (
-    TIER_CONFIGS,
+    TIERS,
     TierConfig,
 )
 
@@ -186,8 +186,9 @@ def schema() -> list[tuple[str, str, str]]:
             key = join_key(prefix, f.name)
             if f.name == "tiers":
                 rows.append((key, "(required)", f.metadata["doc"]))
-                for kind, tcls in TIER_CONFIGS.items():
-                    walk(tcls, f"tiers[type={kind}]")
+                for kind, entry in TIERS.items():
+                    if entry.built_in:
+                        walk(entry.config_cls, f"tiers[type={kind}]")
             elif f.name in SECTIONS:
                 walk(SECTIONS[f.name], key)
             elif f.name in LISTS:

@@ -219,19 +219,56 @@ TierConfig = (
     | RemoteTierConfig
     | S3TierConfig
 )
-# The tier kinds, by the ``type:`` a config entry names; each tier class names its config
-# class (``tiers.register``).
-TIER_CONFIGS: dict[str, type[TierConfig]] = {
-    c.kind: c
-    for c in (
-        GpuTierConfig,
-        CpuTierConfig,
-        DiskTierConfig,
-        RedisTierConfig,
-        RemoteTierConfig,
-        S3TierConfig,
+
+
+@dataclass(frozen=True, slots=True)
+class TierKind:
+    """One kind of tier: the class of its config entry and the tier class that opens
+    it: ``module:Class`` for a built-in one (imported only when a store opens one, so a
+    config names Redis without loading redis-py), else the class itself."""
+
+    config_cls: type
+    tier: str | type
+
+    @property
+    def built_in(self) -> bool:
+        return isinstance(self.tier, str)
+
+
+# The one registry of tiers, by the ``type:`` a config entry names: the built-in ones,
+# and those of other packages once a config names them (``module:Class``) or code
+# registers them (``hurray_store.tiers.register``).
+TIERS: dict[str, TierKind] = {
+    c.kind: TierKind(c, f"hurray_store.tiers.{where}")
+    for c, where in (
+        (GpuTierConfig, "memory:GpuTier"),
+        (CpuTierConfig, "memory:CpuTier"),
+        (DiskTierConfig, "disk:DiskTier"),
+        (RedisTierConfig, "redis:RedisTier"),
+        (RemoteTierConfig, "remote:RemoteTier"),
+        (S3TierConfig, "s3:S3Tier"),
     )
 }
+
+
+def register_tier(tier_cls: type) -> str:
+    """Put ``tier_cls`` (a tier class with a ``config_cls`` dataclass that has a
+    ``kind``) in ``TIERS``; returns its kind. ConfigError for anything else (the tiers
+    layer checks it is a ``Tier`` when it opens one)."""
+    config_cls = getattr(tier_cls, "config_cls", None)
+    kind = getattr(config_cls, "kind", None)
+    if (
+        not isinstance(tier_cls, type)
+        or not isinstance(config_cls, type)
+        or not hasattr(config_cls, "__dataclass_fields__")
+        or not isinstance(kind, str)
+    ):
+        raise ConfigError(
+            f"{tier_cls!r} is not a tier (a hurray_store.tiers.Tier subclass with a "
+            "config_cls dataclass that names its kind)"
+        )
+    TIERS[kind] = TierKind(config_cls, tier_cls)
+    return kind
 
 
 def parse_hurray_url(url: str) -> tuple[str, int]:

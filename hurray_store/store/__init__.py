@@ -30,7 +30,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from hurray_store.buffers import BufferPool
 from hurray_store.config import StoreConfig, load_config
@@ -46,7 +46,16 @@ from hurray_store.store.policy import Policy
 from hurray_store.store.reader import SegmentReader
 from hurray_store.store.results import PutResult, RetrievedLayer, RetrieveResult
 from hurray_store.store.writer import SegmentWriter
-from hurray_store.tiers import Blob, Range, RangeIn, Tier, open_tier
+from hurray_store.tiers import (
+    Blob,
+    HelpsWrites,
+    Range,
+    RangeIn,
+    SharedMedium,
+    SharedTier,
+    Tier,
+    open_tier,
+)
 
 # A pin on an object, as the store gave it: given back to ``TieredStore.unpin``. (The
 # group the object was in, or the ledger's entry of the copy ``pin_held_refs`` pinned;
@@ -94,7 +103,7 @@ class TieredStore:
                     getattr(c, "capacity_bytes", None),
                     t.caps.persistent,
                     t.caps.trusted,
-                    t.caps.shared,
+                    t.offers(SharedTier),
                 )
                 for t, c in zip(tiers, config.tiers, strict=True)
             ]
@@ -126,7 +135,9 @@ class TieredStore:
             max_segment_bytes=config.max_segment_bytes,
         )
         self.reader = SegmentReader(self.cascade, self.catalog, self.buffers, self.quantization)
-        self._journaled = [t for t in tiers if t.caps.journaled]  # for ``others_changed``
+        # for ``others_changed`` and ``help_writes``, from any thread
+        self._media = [cast(SharedMedium, t) for t in tiers if t.offers(SharedMedium)]
+        self._helpers = [cast(HelpsWrites, t) for t in tiers if t.offers(HelpsWrites)]
         self.discovery = Discovery(
             self.tiers, self.catalogs, self.object_levels, self.cascade.reads
         )
@@ -179,14 +190,14 @@ class TieredStore:
         """From a thread that would otherwise wait for its puts (never the store's
         loop): run one batch of writes queued for a tier's writer threads here. False
         when none was queued."""
-        return any(t.help_write() for t in self.tiers)
+        return any(t.help_write() for t in self._helpers)
 
     def others_changed(self) -> bool:
         """Whether another process sharing a tier's medium may have committed or
         removed something ``sync`` has not read yet: from any thread, with no effect
         (one ``fstat`` per such tier). What reads the ledger from another thread (the
         LMCache plugin's lookups) asks it first, and has the loop ``sync`` on a yes."""
-        return any(t.has_changes() for t in self._journaled)
+        return any(t.has_changes() for t in self._media)
 
     async def sync(self) -> None:
         """Read what other processes sharing a tier's medium (a disk folder) committed

@@ -22,7 +22,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from hurray_store.metrics import StoreMetrics
 from hurray_store.store.copies import BackgroundCopies
@@ -31,9 +31,12 @@ from hurray_store.store.policy import Admission, Policy, Victim
 from hurray_store.store.reads import TierReads
 from hurray_store.tiers import (
     Reservation,
+    Reserves,
+    SharedTier,
     Tier,
     blob_nbytes,
     host_view,
+    tell_others,
 )
 from hurray_store.tiers.base import GroupObject, StoredObject
 
@@ -53,7 +56,7 @@ class TierCascade:
         self.tiers = list(tiers)
         # A tier is shared or not by its kind, and the tiers are fixed: asked per
         # ``contains`` from engines' threads, so worked out once.
-        self._shared = any(t.caps.shared for t in self.tiers)
+        self._shared = any(t.offers(SharedTier) for t in self.tiers)
         self.policy = policy
         self.ledger: Ledger = policy.ledger
         self.metrics = metrics
@@ -200,7 +203,7 @@ class TierCascade:
                 return None
             if ok:
                 c.bytes_written += sum(sizes.values())
-                t.log_changes(added=[objects[-1].key])  # its last key: the group is whole
+                tell_others(t, added=[objects[-1].key])  # its last key: the group is whole
             else:
                 c.skipped_writes += 1
             return ok
@@ -254,7 +257,7 @@ class TierCascade:
                 ):
                     why = "demote"
             await t.delete_many(list(v.sizes))
-            t.log_changes(removed=list(v.sizes)[:1])
+            tell_others(t, removed=list(v.sizes)[:1])
             self.metrics.tiers[t.name].evictions += len(v.sizes)
             self.metrics.moved(why, t.name, v.group, sum(v.sizes.values()))
             self._left(v.group)
@@ -322,7 +325,7 @@ class TierCascade:
                 continue
             sizes = self.ledger.forget(i, group, reason)
             await self.tiers[i].delete_many(list(sizes) or [key])
-            self.tiers[i].log_changes(removed=[key])
+            tell_others(self.tiers[i], removed=[key])
             self.metrics.moved(reason, self.tiers[i].name, group, sum(sizes.values()))
             self._left(group)
         for i in self.reads.shared_tiers(skip=list(holders)):
@@ -338,7 +341,9 @@ class TierCascade:
         top = self.policy.place(sum(sizes) if group_bytes is None else group_bytes)
         if top is None:
             return None
-        t = self.tiers[top]
+        if not self.tiers[top].offers(Reserves):
+            return None
+        t = cast(Reserves, self.tiers[top])
         out: list[Reservation] = []
         for size in sizes:
             r = t.reserve(size)

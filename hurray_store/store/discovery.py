@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import cast
 
 from hurray_store.keys import MemberListKey, ObjectKey, SegmentKey, SegmentPart, parse_key
 from hurray_store.store.catalog import SegmentCatalog
 from hurray_store.store.objects import ObjectStore
 from hurray_store.store.reads import TierReads
-from hurray_store.tiers import Tier
+from hurray_store.tiers import SharedMedium, Tier
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,9 @@ class Discovery:
         for ns, catalog in self.catalogs.items():
             orphans += await catalog.rebuild(tier, segs[ns])
             orphans += await self.object_levels[ns].rebuild(tier, objs[ns], member_lists[ns])
-        orphans = await self.tiers[tier].removable_orphans(orphans)
+        t = self.tiers[tier]
+        if t.offers(SharedMedium):  # another process may still be committing some
+            orphans = await cast(SharedMedium, t).removable_orphans(orphans)
         if orphans:
             await self.tiers[tier].delete_many(orphans)
         log.info("tier %s: removed %d uncommitted objects", self.tiers[tier].name, len(orphans))
@@ -58,7 +61,9 @@ class Discovery:
         last call: their segments join the index, their objects the ledger; what they
         removed leaves the ledger."""
         for i, t in enumerate(self.tiers):
-            for added, key in t.changes():
+            if not t.offers(SharedMedium):
+                continue
+            for added, key in cast(SharedMedium, t).changes():
                 if not added:
                     self.reads.lost(i, key, "other_process")
                     continue

@@ -12,11 +12,23 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from hurray_store.metrics import StoreMetrics
 from hurray_store.store.ledger import Group, Ledger
-from hurray_store.tiers import Blob, NowRead, Range, RangeIn, Tier, Unhashed, blob_nbytes, host_view
+from hurray_store.tiers import (
+    Blob,
+    NowRead,
+    Range,
+    RangeIn,
+    ReadsNow,
+    SharedTier,
+    Tier,
+    Unhashed,
+    blob_nbytes,
+    host_view,
+    tell_others,
+)
 from hurray_store.tiers.types import ReadInto
 
 log = logging.getLogger(__name__)
@@ -44,6 +56,9 @@ class TierReads:
         self.loop: asyncio.AbstractEventLoop | None = None  # the store's, once open
         self._reads_now: deque[tuple[int, list[tuple[str, int]], float]] = deque()
         self._drain_asked = False
+        # The tiers' capabilities, fixed with the tiers, asked per read from any thread.
+        self._shared = [i for i, t in enumerate(tiers) if t.offers(SharedTier)]
+        self._now = [cast(ReadsNow, t) if t.offers(ReadsNow) else None for t in tiers]
 
     async def read(
         self,
@@ -88,7 +103,7 @@ class TierReads:
 
     def shared_tiers(self, skip: Sequence[int] = ()) -> list[int]:
         """Shared tiers a call would reach now."""
-        return [i for i, t in enumerate(self.tiers) if t.caps.shared and t.ready and i not in skip]
+        return [i for i in self._shared if self.tiers[i].ready and i not in skip]
 
     async def get(self, key: str) -> Blob | None:
         got: Blob | None = await self.read(key, "get", lambda t, k: t.get(k), blob_nbytes)
@@ -140,7 +155,7 @@ class TierReads:
                 # The ledger is the loop's: read them, never change them, from here. A
                 # change under way shows as a KeyError or RuntimeError: the loop reads.
                 holders = self.ledger.holders(key)
-                if holders and self.tiers[holders[0]].caps.reads_now:
+                if holders and self._now[holders[0]] is not None:
                     size = self.ledger.size_in(holders[0], key)
                     if size is not None:
                         by_tier.setdefault(holders[0], []).append((j, size))
@@ -149,7 +164,9 @@ class TierReads:
         for i, js in by_tier.items():
             reads = [NowRead(items[j][0], items[j][1], items[j][2], n) for j, n in js]
             t0 = time.perf_counter()
-            got = self.tiers[i].read_into_now(reads, _renumbered(each, [j for j, _ in js]))
+            now = self._now[i]
+            assert now is not None
+            got = now.read_into_now(reads, _renumbered(each, [j for j, _ in js]))
             done = []
             for (j, _), r, ok in zip(js, reads, got, strict=True):
                 if ok:
@@ -224,7 +241,7 @@ class TierReads:
     async def _quarantine(self, tier: int, key: str, others: list[str]) -> None:
         t = self.tiers[tier]
         await t.quarantine(key)
-        t.log_changes(removed=[key])
+        tell_others(t, removed=[key])
         if others:
             await t.delete_many(others)
 

@@ -11,8 +11,13 @@ The primitives and their contracts:
 - ``put``: one object, atomically (old, none or the whole new one is visible).
 - ``put_group``: several objects that enter the tier together; the last is written
   after all the others (the group's commit record). On failure none of them remains.
-- ``delete`` / ``contains`` / ``scan`` / ``quarantine``.
-- ``reserve`` / ``put_reserved`` / ``unreserve``: build an object in the tier's memory.
+- ``delete`` / ``contains`` / ``scan`` / ``quarantine`` / ``sizes``.
+
+What a tier offers beyond that core is a capability, one protocol each, that the store
+asks with ``tier.offers(Protocol)``: ``ReadsNow`` (reads on the caller's thread),
+``Reserves`` (objects built in the tier's memory), ``SharedMedium`` (a medium other
+processes open too, and its change feed), ``HelpsWrites`` (a waiting thread may run
+the tier's queued writes), ``SharedTier`` (a server other stores write to).
 
 Host tiers return ``memoryview``/``bytes``; a device tier returns ``torch.Tensor``
 (uint8) views, so a retrieve copies device to device.
@@ -24,7 +29,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 from hurray_store.tiers.helpers import blob_nbytes
 from hurray_store.tiers.types import Blob, Buffer, Range, RangeIn, ReadInto
@@ -62,7 +67,7 @@ class NowRead:
 class Reservation:
     """Space a tier set aside for an object the store builds in place."""
 
-    tier: Tier
+    tier: Reserves
     token: Any
     view: memoryview
     committed: bool = False
@@ -103,8 +108,8 @@ class StoredObject(GroupObject):
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What a tier offers beyond the contract's methods, in one place (all off by
-    default, which is always safe)."""
+    """What a tier's medium is (all off by default, which is always safe); what it can
+    do beyond the core methods is its capability protocols."""
 
     # Its objects outlive the process: the store scans it at open (restart).
     persistent: bool = False
@@ -113,15 +118,6 @@ class Capabilities:
     # In-process memory that only this process writes: pages read from it are not
     # re-verified (as the engine's own pool is not); everything else is, per page.
     trusted: bool = False
-    # Other processes write to it (a cache server): the store does not scan it at open
-    # but asks it per request (``SharedTier.lookup_prefix``, ``sizes``) for what they added.
-    shared: bool = False
-    # ``read_into_now`` works: reads from any thread, with no pin (objects are replaced
-    # whole, never written in place, so an open file is one whole object).
-    reads_now: bool = False
-    # Several processes may open its medium at once (a disk folder, an S3 prefix), and
-    # ``changes`` says what the others did (``has_changes`` whether there is any).
-    journaled: bool = False
 
 
 class Tier(ABC):
@@ -161,6 +157,11 @@ class Tier(ABC):
         expired and the next call is the probe."""
         return True
 
+    def offers(self, capability: type) -> bool:
+        """Whether this tier offers ``capability`` (one of the protocols below); a tier
+        whose instances differ narrows it (a Redis Cluster reads only on the loop)."""
+        return isinstance(self, capability)
+
     async def open(self) -> None:  # noqa: B027 - a default, not an abstract step
         """Connect or create; an unreachable service is logged, never raised."""
 
@@ -179,18 +180,6 @@ class Tier(ABC):
         one buffer of at least the ranges' total size (the results are then views of
         it), or a list of writable memoryviews, one per range (the results are then
         those very views)."""
-
-    def read_into_now(self, reads: Sequence[NowRead], each: RangeIn | None = None) -> list[bool]:
-        """Each read's ranges into its buffers from the calling thread (any thread, no
-        event loop); ``each(j, i, sum)`` runs as soon as range ``i`` of read ``j`` is
-        in, on the thread that read it (possibly a helper thread of the tier), with
-        ``sum`` the ``checksum`` of its bytes, hashed while they were in the CPU's cache
-        (a disk tier: each range after its read; a Redis: each received piece). Only
-        a tier whose reads are blocking calls that see one whole version of an
-        object, never one changed in place, offers it (``reads_now``): a disk tier, a
-        single Redis. Per read, False: not read here (no such tier, absent, of another
-        size, or shorter than a range); ``get_ranges`` on the store's loop decides."""
-        return [False] * len(reads)
 
     @abstractmethod
     async def put(self, key: str, buffers: Sequence[Buffer]) -> bool:
@@ -212,29 +201,6 @@ class Tier(ABC):
         """Take a corrupt object out of service (default: delete it)."""
         await self.delete(key)
 
-    # ------------------------------------------------------------------ other processes
-
-    # A medium several processes may open at once (a disk folder) tells each what the
-    # others added and removed: ``log_changes`` after a group is written (its last key) or
-    # a key is removed, ``changes`` to read the others'. Default: no feed.
-
-    def log_changes(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:  # noqa: B027
-        """Tell the other processes using this medium."""
-
-    def changes(self) -> list[tuple[bool, str]]:
-        """What the other processes logged since the last call: ``(added, key)``."""
-        return []
-
-    def has_changes(self) -> bool:
-        """Whether ``changes`` may have something to say, without reading it: from any
-        thread, with no effect (a false yes costs one ``changes``)."""
-        return False
-
-    async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
-        """Of the uncommitted keys a restart scan found, those no live writer may still
-        be committing (default: all; a medium other processes share keeps young ones)."""
-        return list(keys)
-
     async def sizes(self, keys: Sequence[str]) -> list[int | None]:
         """The size of each key, None where absent."""
         out: list[int | None] = []
@@ -242,21 +208,6 @@ class Tier(ABC):
             b = await self.get(k)
             out.append(None if b is None else blob_nbytes(b))
         return out
-
-    # ------------------------------------------------------------------ in place
-
-    def reserve(self, nbytes: int) -> Reservation | None:
-        """Writable space for an object the caller builds in place (None: not offered)."""
-        return None
-
-    async def put_reserved(self, key: str, res: Reservation) -> bool:
-        """Publish a reserved buffer under ``key``, as ``put`` would its bytes."""
-        ok = await self.put(key, [res.view])
-        res.committed = ok
-        return ok
-
-    def unreserve(self, res: Reservation) -> None:  # noqa: B027 - nothing to give back by default
-        """Give back space never published."""
 
     # ------------------------------------------------------------------ batches
 
@@ -303,25 +254,14 @@ class Tier(ABC):
                 if not all(oks):
                     return False
                 more = batch is not objects[-1:] and len(objects) > 1
-                if more and not await self.confirm(objects[:-1]):
+                medium = cast(SharedMedium, self) if self.offers(SharedMedium) else None
+                if more and medium is not None and not await medium.confirm(objects[:-1]):
                     return False
             ok = True
             return True
         finally:
             if not ok:
                 await self.delete_many([o.key for o in objects])
-
-    def help_write(self) -> bool:
-        """Run one batch of this tier's queued writes on the calling thread (not the
-        loop's), one that would otherwise wait for them; False: none queued (a tier
-        without writer threads of its own has none)."""
-        return False
-
-    async def confirm(self, objects: Sequence[GroupObject]) -> bool:
-        """Before a group's last object (its commit point) is written: the others are
-        there, whole. Default yes (a tier whose own writes are the only ones that touch
-        its objects); a medium other stores also clean up checks."""
-        return True
 
     def _buffers_of(self, obj: GroupObject) -> Iterable[Buffer]:
         """What ``put`` gets of ``obj``: its buffers (a tier that writes from a worker
@@ -331,7 +271,7 @@ class Tier(ABC):
     async def _put_object(self, obj: GroupObject, bufs: Iterable[Buffer]) -> bool:
         res = obj.reservation
         if res is not None and res.tier is self and not res.committed:
-            return await self.put_reserved(obj.key, res)
+            return await cast(Reserves, self).put_reserved(obj.key, res)
         return await self.put(obj.key, bufs if isinstance(bufs, Sequence) else list(bufs))
 
 
@@ -346,3 +286,83 @@ class SharedTier(Protocol):
         """Per sequence ``(pages the asker has, page hashes)``, the manifests of the
         segments holding the pages after those; with ``claim``, the pages nobody holds
         are reserved for the asker's put. None: not answered."""
+
+
+@runtime_checkable
+class ReadsNow(Protocol):
+    """Reads from any thread, with no event loop and no pin: a tier whose reads are
+    blocking calls that see one whole version of an object, never one changed in place
+    (a disk tier, a single Redis)."""
+
+    def read_into_now(self, reads: Sequence[NowRead], each: RangeIn | None = None) -> list[bool]:
+        """Each read's ranges into its buffers from the calling thread; ``each(j, i,
+        sum)`` runs as soon as range ``i`` of read ``j`` is in, on the thread that read
+        it, with ``sum`` the ``checksum`` of its bytes, hashed while they were in the
+        CPU's cache. Per read, False: not read here (absent, of another size, or shorter
+        than a range); ``get_ranges`` on the store's loop decides."""
+        ...
+
+
+@runtime_checkable
+class Reserves(Protocol):
+    """Objects built in the tier's own memory (the cpu arena): the writer gathers pages
+    straight into their place."""
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Writable space for an object the caller builds in place (None: no room)."""
+        ...
+
+    async def put_reserved(self, key: str, res: Reservation) -> bool:
+        """Publish a reserved buffer under ``key``, as ``put`` would its bytes."""
+        ...
+
+    def unreserve(self, res: Reservation) -> None:
+        """Give back space never published."""
+        ...
+
+
+@runtime_checkable
+class SharedMedium(Protocol):
+    """A medium several processes open at once (a disk folder, an S3 prefix): each tells
+    the others what it added and removed, and cleans up only what no live writer may
+    still be committing."""
+
+    def log_changes(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:
+        """Tell the others: after a group is written (its last key), a key removed."""
+        ...
+
+    def changes(self) -> list[tuple[bool, str]]:
+        """What the others logged since the last call: ``(added, key)``."""
+        ...
+
+    def has_changes(self) -> bool:
+        """Whether ``changes`` may have something to say, without reading it: from any
+        thread, with no effect (a false yes costs one ``changes``)."""
+        ...
+
+    async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
+        """Of the uncommitted keys a restart scan found, those no live writer may still
+        be committing."""
+        ...
+
+    async def confirm(self, objects: Sequence[GroupObject]) -> bool:
+        """Before a group's last object (its commit point) is written: the others are
+        there, whole (another store's cleanup may have taken them)."""
+        ...
+
+
+@runtime_checkable
+class HelpsWrites(Protocol):
+    """A tier whose writes queue for threads of its own (the disk tier): a thread that
+    would otherwise wait for them may run them."""
+
+    def help_write(self) -> bool:
+        """Run one batch of queued writes on the calling thread (never the loop's);
+        False: none queued."""
+        ...
+
+
+def tell_others(tier: Tier, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:
+    """``log_changes`` on a medium other processes share; nothing on any other tier."""
+    if tier.offers(SharedMedium):
+        cast(SharedMedium, tier).log_changes(added, removed)

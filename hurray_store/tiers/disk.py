@@ -73,7 +73,6 @@ from hurray_store.tiers.files import (
 from hurray_store.tiers.folder import ORPHAN_AGE_S, SharedFolder
 from hurray_store.tiers.helpers import check_into, shared_run
 from hurray_store.tiers.journal import Journal
-from hurray_store.tiers.registry import register
 from hurray_store.tiers.self_checked import SelfCheckedObject
 from hurray_store.tiers.types import Blob, Buffer, Range, RangeIn, ReadInto
 from hurray_store.tiers.write_jobs import WriteJobs
@@ -83,11 +82,10 @@ T = TypeVar("T")
 _counter = itertools.count()  # temp file names
 
 
-@register
 class DiskTier(Tier):
     config_cls = DiskTierConfig
     # reads_now: every write is a temp file renamed over the key, never in place.
-    caps = Capabilities(persistent=True, journaled=True, reads_now=True)
+    caps = Capabilities(persistent=True)
 
     def __init__(self, cfg: DiskTierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)
@@ -168,6 +166,11 @@ class DiskTier(Tier):
 
     def has_changes(self) -> bool:
         return self.folder.has_changes()
+
+    async def confirm(self, objects: Sequence[GroupObject]) -> bool:
+        # Another store's cleanup removes only orphans older than ORPHAN_AGE_S: a
+        # group being written is never one.
+        return True
 
     async def removable_orphans(self, keys: Sequence[str]) -> list[str]:
         if self.folder.alone:

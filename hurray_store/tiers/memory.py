@@ -15,7 +15,6 @@ import torch
 from hurray_store.buffers import Arena
 from hurray_store.config import CpuTierConfig, GpuTierConfig
 from hurray_store.tiers.base import Capabilities, Reservation, Tier
-from hurray_store.tiers.registry import register
 from hurray_store.tiers.types import Blob, Buffer, Range, ReadInto
 
 
@@ -26,7 +25,6 @@ def _ranges_of(obj: Blob, ranges: Sequence[Range]) -> list[Blob] | None:
     return [obj[off : off + ln] for off, ln in ranges]
 
 
-@register
 class CpuTier(Tier):
     """Encoded objects in host memory: an arena of ``capacity_bytes`` (reserved, filled
     on first use, reused after eviction), or page-locked tensors when pinned. An object
@@ -123,7 +121,6 @@ class CpuTier(Tier):
         return key in self._objects
 
 
-@register
 class GpuTier(Tier):
     config_cls = GpuTierConfig
     caps = Capabilities(on_device=True, trusted=True)

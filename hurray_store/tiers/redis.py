@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -43,13 +42,12 @@ from redis.exceptions import RedisError
 from hurray_store.batches import batches
 from hurray_store.config import RedisTierConfig
 from hurray_store.errors import ConfigError
-from hurray_store.tiers.base import Capabilities, GroupObject, NowRead
+from hurray_store.tiers.base import Capabilities, GroupObject, NowRead, ReadsNow
 from hurray_store.tiers.helpers import host_view, one_buffer
 from hurray_store.tiers.outage import Outage, ServiceTier
 from hurray_store.tiers.redis_acked import AckedWrites
 from hurray_store.tiers.redis_blocking import SPLIT_BYTES, THREADS, BlockingRedis
 from hurray_store.tiers.redis_now import OUTAGE
-from hurray_store.tiers.registry import register
 from hurray_store.tiers.self_checked import SelfCheckedObject
 from hurray_store.tiers.types import Blob, Buffer, Range, RangeIn, ReadInto
 
@@ -80,7 +78,6 @@ def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
     return nodes, auth
 
 
-@register
 class RedisTier(ServiceTier):
     config_cls = RedisTierConfig
     caps = Capabilities(persistent=True)
@@ -95,9 +92,6 @@ class RedisTier(ServiceTier):
                 f"url: expected redis://, rediss://, unix:// or redis+cluster://, got {cfg.url!r}"
             )
         self.is_cluster = cfg.cluster or scheme.endswith("+cluster")
-        # A SET replaces a value whole and a GET returns one version of it: any thread
-        # may read (read_into_now), on a single Redis.
-        self.caps = replace(self.caps, reads_now=not self.is_cluster)
         common: dict[str, Any] = {
             # Whole operations are timed by guard (longer for more bytes): a fixed
             # socket timeout would fail a 100 MB SET that is merely slow.
@@ -210,6 +204,11 @@ class RedisTier(ServiceTier):
 
             return await self.guard("GETRANGE", straight, None, nbytes)
         return (await self.get_ranges_many([(key, ranges)]))[0]
+
+    def offers(self, capability: type) -> bool:
+        # A SET replaces a value whole and a GET returns one version of it: any thread
+        # may read (read_into_now), on a single Redis; a cluster reads on the loop.
+        return super().offers(capability) and not (capability is ReadsNow and self.is_cluster)
 
     def read_into_now(self, reads: Sequence[NowRead], each: RangeIn | None = None) -> list[bool]:
         """``BlockingRedis.read_into_now``, on a single Redis."""

@@ -41,7 +41,6 @@ from hurray_store.keys import SegmentPart, parse_key
 from hurray_store.tiers.base import Capabilities, GroupObject
 from hurray_store.tiers.helpers import transfer_timeout_s
 from hurray_store.tiers.outage import Outage, ServiceTier
-from hurray_store.tiers.registry import register
 from hurray_store.tiers.remote_conn import NETWORK_ERRORS, Connection, handshake
 from hurray_store.tiers.types import Blob, Buffer, Range, ReadInto
 
@@ -49,10 +48,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@register
 class RemoteTier(ServiceTier):
     config_cls = RemoteTierConfig
-    caps = Capabilities(persistent=True, shared=True)
+    caps = Capabilities(persistent=True)
 
     def __init__(self, cfg: RemoteTierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)

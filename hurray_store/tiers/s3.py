@@ -60,7 +60,6 @@ from hurray_store.config import S3TierConfig, parse_s3_url
 from hurray_store.tiers.base import Capabilities, GroupObject
 from hurray_store.tiers.helpers import one_buffer, transfer_timeout_s
 from hurray_store.tiers.outage import Outage, ServiceTier
-from hurray_store.tiers.registry import register
 from hurray_store.tiers.s3_log import S3ChangeLog
 from hurray_store.tiers.types import Blob, Buffer, Range, ReadInto
 
@@ -68,11 +67,10 @@ log = logging.getLogger(__name__)
 _PARALLEL = 12  # parts of one object in flight at once (upload and ranged download)
 
 
-@register
 class S3Tier(ServiceTier):
     config_cls = S3TierConfig
     # Other stores on the prefix: read through the change log.
-    caps = Capabilities(persistent=True, journaled=True)
+    caps = Capabilities(persistent=True)
 
     def __init__(self, cfg: S3TierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)

@@ -222,10 +222,10 @@ def test_a_chunk_is_stored_under_the_documented_key(opened: Any, tmp_path: Path)
     p.batched_submit_put_task([CacheEngineKey("tiny", 1, 0, -5, torch.float16)], [obj])
     p.flush()
     name = f"lmc/{p.fingerprint[:8].hex()}/tiny@1@0@fffffffffffffffb@float16/c"
-    assert p.store.has_object(name)
+    assert p.store.held(name)
     on_disk = [unquote(f.name) for f in (tmp_path / "cache" / "objects").glob("*/*")]
     assert [n for n in on_disk if n.endswith(f"/o/{name}")], on_disk
-    assert not p.store.has_object(name.replace("@float16", "@bfloat16"))
+    assert not p.store.held(name.replace("@float16", "@bfloat16"))
     obj.ref_count_down()
 
 

@@ -104,7 +104,11 @@ async def test_two_stores_hear_each_others_commits_and_deletes(
         await _until(b_has)
         assert await _delivers(b, sp, src, b1) == 24
         assert await a.put_object("shared-object", b"x" * 1000)
-        await _until(lambda: b.contains_object("shared-object"))
+
+        async def b_finds() -> bool:
+            return await b.object_size("shared-object") is not None
+
+        await _until(b_finds)
         assert await b.get_object("shared-object") == memoryview(b"x" * 1000)
         await b.delete_object("shared-object")
 

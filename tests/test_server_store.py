@@ -27,7 +27,7 @@ def _cpu() -> TieredStore:
 def _served(store: TieredStore, cfg: ServerConfig | None = None) -> ServedStore:
     """The server's view of ``store``; with no tenants configured, one admin tenant of
     the store's namespace (``.tenants.all[0]``)."""
-    return ServedStore(store, Tenants(cfg or ServerConfig(), store.namespace, store.cascade))
+    return ServedStore(store, Tenants(cfg or ServerConfig(), store.namespace, store.groups))
 
 
 async def _segment(client: int = 0) -> tuple[SegmentKey, bytes, dict[str, bytes], list[list[int]]]:
@@ -177,3 +177,26 @@ def test_stored_key_parsing() -> None:
     for k in (seg.layer(0), seg.layer(31), seg.manifest):
         got = parse_key(k)
         assert isinstance(got, SegmentPart) and got.segment == seg
+
+
+async def test_a_quota_evicts_by_the_stores_own_recency() -> None:
+    """One LRU: a tenant's quota takes its groups in the order the store's ledger last
+    used them (written, read, found by a lookup), not an order of its own. Of three
+    objects written a, b, c, a read of ``a`` leaves ``b`` the least recently used."""
+    cfg = ServerConfig(token="ops")
+    async with _cpu() as store:
+        s = _served(store, cfg)
+        me = s.tenants.all[0]
+        me.quota = 3 * (1000 + (16 << 10))  # three objects of 1,000 bytes, as charged
+
+        def key(name: str, op: Op = "write") -> ServedKey:
+            return served(me, op, name, s.namespaces)
+
+        for name in ("a", "b", "c"):
+            assert await s.put_key(key(name), [bytes(1000)], me)
+        assert await s.get_key(key("a", "read")) is not None
+        assert [g.name for g in store.groups.least_recent(me.namespace)] == ["b", "c", "a"]
+        assert await s.put_key(key("d"), [bytes(1000)], me)
+        assert me.evicted == 1
+        held = {n: await s.key_size(key(n, "read")) for n in "abcd"}
+        assert held == {"a": 1000, "b": None, "c": 1000, "d": 1000}

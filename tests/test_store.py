@@ -389,7 +389,7 @@ async def test_object_level_put_get_ranges_delete(tmp_path: Path) -> None:
     data = bytes(range(256)) * 10
     async with await open_store(cfg) as store:
         assert await store.put_object("chunk/1", [data[:100], data[100:]])
-        assert await store.contains_object("chunk/1")
+        assert await store.object_size("chunk/1") is not None
         got = await store.get_object("chunk/1")
         assert got is not None and bytes(got) == data
         parts = await store.get_object_ranges("chunk/1", [(5, 10), (2000, 20)])
@@ -400,7 +400,7 @@ async def test_object_level_put_get_ranges_delete(tmp_path: Path) -> None:
         assert got is not None and bytes(got) == data
         await store.delete_object("chunk/1")
         assert (
-            not await store.contains_object("chunk/1") and await store.get_object("chunk/1") is None
+            await store.object_size("chunk/1") is None and await store.get_object("chunk/1") is None
         )
 
 
@@ -478,9 +478,9 @@ async def test_delete_right_after_put_is_not_undone_by_write_through(tmp_path: P
             )  # write-through to disk still running
             await store.delete_object(f"k{i}")
         await store.flush()
-        assert not any([await store.contains_object(f"k{i}") for i in range(20)])
+        assert not any([(await store.object_size(f"k{i}") is not None) for i in range(20)])
     async with await open_store(cfg) as store:  # and nothing came back on disk
-        assert not any([await store.contains_object(f"k{i}") for i in range(20)])
+        assert not any([(await store.object_size(f"k{i}") is not None) for i in range(20)])
 
 
 async def test_put_objects_is_one_group_written_record_last(tmp_path: Path) -> None:
@@ -502,11 +502,13 @@ async def test_put_objects_is_one_group_written_record_last(tmp_path: Path) -> N
         cpu = store.stats()["tiers"]["cpu"]
         # c1 left the cpu tier whole: its 3 objects and its member list
         assert cpu["evictions"] == 4 and cpu["objects"] == 4
-        assert [await store.contains_object(k) for k in ("c1/0", "c1/1", "c1/r")] == [
+        assert [(await store.object_size(k) is not None) for k in ("c1/0", "c1/1", "c1/r")] == [
             True
         ] * 3  # still on disk
         await store.delete_object("c2/r")  # any key of a group takes the group
-        assert [await store.contains_object(k) for k in ("c2/0", "c2/1", "c2/r")] == [False] * 3
+        assert [(await store.object_size(k) is not None) for k in ("c2/0", "c2/1", "c2/r")] == [
+            False
+        ] * 3
         got = await store.get_object("c1/1")
         assert got is not None and bytes(got) == b"b" * 600
 
@@ -535,7 +537,7 @@ async def test_put_objects_takes_a_self_checked_member(tmp_path: Path) -> None:
         got = await store.get_object("s/r")
         assert got is not None and bytes(got) == want
         await store.delete_object("s/0")
-        assert not await store.contains_object("s/r"), "one group"
+        assert await store.object_size("s/r") is None, "one group"
 
 
 async def test_object_groups_survive_a_restart_and_half_written_ones_are_deleted(
@@ -553,10 +555,12 @@ async def test_object_groups_survive_a_restart_and_half_written_ones_are_deleted
         assert store.ledger.group_of(0, "hurray/o/c1/0") == ObjectKey("hurray", "c1/r"), (
             "c1 is one group again"
         )
-        assert not await store.contains_object("c2/r"), "an incomplete group is deleted whole"
+        assert await store.object_size("c2/r") is None, "an incomplete group is deleted whole"
         assert await store.get_object("solo") is not None
         await store.delete_object("c1/0")
-        assert [await store.contains_object(k) for k in ("c1/0", "c1/1", "c1/r")] == [False] * 3
+        assert [(await store.object_size(k) is not None) for k in ("c1/0", "c1/1", "c1/r")] == [
+            False
+        ] * 3
     objects = tmp_path / "objects"  # beside it: the folder's lock and journal
     assert sorted(p.name for p in objects.rglob("*") if p.is_file()) == [
         p.name for p in [disk.path_of("hurray/o/solo")]

@@ -62,13 +62,13 @@ async def test_an_object_group_is_not_contained_until_a_get_finds_it(tmp_path: P
     )
     await disk.entered.wait()  # the group's first write is under way, held open
     for key in ("c/0", "c/r"):
-        assert not store.has_object(key), "the ledger claims nothing before the bytes exist"
-        assert not await store.contains_object(key)
+        assert not store.held(key), "the ledger claims nothing before the bytes exist"
+        assert await store.object_size(key) is None
         assert await store.get_object(key) is None
     disk.gate.set()
     assert await put
     for key, want in (("c/0", b"x" * 100), ("c/r", b"rec")):
-        assert store.has_object(key) and await store.contains_object(key)
+        assert store.held(key) and (await store.object_size(key) is not None)
         got = await store.get_object(key)
         assert got is not None and bytes(got) == want
     await store.close()
@@ -118,7 +118,7 @@ async def test_an_object_deleted_during_its_put_never_comes_back(tmp_path: Path)
     await store.delete_object("gone")  # while its bytes are being written
     disk.gate.set()
     assert not await put, "the put is undone: stored nowhere"
-    assert await store.get_object("gone") is None and not store.has_object("gone")
+    assert await store.get_object("gone") is None and not store.held("gone")
     await store.close()
     cfg = {"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
     async with await open_store(cfg) as again:
@@ -394,14 +394,14 @@ async def test_reads_off_the_loop_come_from_disk_and_reach_the_books_at_the_next
     # The next put learns of the read first: "a" was used after "b", so "b" makes room.
     assert await store.put_object("c", blobs["c"])
     assert store.stats()["tiers"]["disk"]["hits"] == 1
-    assert store.has_object("a") and not store.has_object("b") and store.has_object("c")
+    assert store.held("a") and not store.held("b") and store.held("c")
     # Gone from the disk behind the store's back: not read off the loop; on the loop a
     # miss, and the ledger heals.
     next((tmp_path / "d" / "objects").rglob("*%2Fc")).unlink()
     one = [memoryview(bytearray(10))]
     assert await asyncio.to_thread(store.read_objects_into_now, [("c", [(0, 10)], one)]) == [False]
     assert not await store.read_object_into("c", [(0, 10)], one)
-    assert not store.has_object("c")
+    assert not store.held("c")
     await store.close()
     # A cpu tier in front holds it: the loop reads it (a memory tier is not read off it).
     cpu = {"type": "cpu", "capacity_bytes": 1 << 20}

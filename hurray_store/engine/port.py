@@ -6,7 +6,6 @@ what was stored and removed (docs/engine.md). Names are the engine's object name
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -119,22 +118,12 @@ class EnginePort:
         return self._counted(self._held_here(keys, pin))
 
     def _held_here(self, keys: Iterable[str] | Iterable[KeyRef], pin: bool) -> Held:
-        it: Iterator[Any] = iter(keys)
-        first = next(it, None)
-        if first is None:
-            return Held(0)
-        lazy: Iterator[Any] = itertools.chain((first,), it)
-        if isinstance(first, KeyRef):
-            if pin:
-                pins = self.store.pin_held_refs(lazy)
-                return Held(len(pins), pins)
-            lazy = self._names(lazy)
         if pin:
-            pins = self.store.pin_held_objects(lazy)
+            pins = self.store.pin_held(keys)
             return Held(len(pins), pins)
-        has, n = self.store.has_object, 0
-        for k in lazy:
-            if not has(k):
+        held, n = self.store.held, 0
+        for k in self._names(keys):
+            if not held(k):
                 break
             n += 1
         return Held(n)
@@ -162,7 +151,7 @@ class EnginePort:
     def held_each(self, names: Sequence[str]) -> list[bool]:
         """Whether a load will find each of ``names`` (not only the leading ones)."""
         self.sync_others()
-        out = [self.store.has_object(n) for n in names]
+        out = [self.store.held(n) for n in names]
         if self.store.shared and not all(out):
             asks = [n for n, h in zip(names, out, strict=True) if not h]
             found = iter(self.call(_contains_all(self.store, asks)))
@@ -173,7 +162,7 @@ class EnginePort:
         """A handle on ``name`` that ``lookup`` pins by with no key looked up while
         the copy it last found stays (an engine that pins the same objects again and
         again keeps one per object)."""
-        return self.store.object_ref(name)
+        return self.store.ref(name)
 
     def release(self, held: Held | Sequence[Pin]) -> None:
         """Let go of a lookup's pins (any thread)."""
@@ -183,7 +172,7 @@ class EnginePort:
 
     def size(self, name: str) -> int | None:
         """``name``'s size in bytes (the ledger's, else a shared tier's); None: absent."""
-        n = self.store.known_object_size(name)
+        n = self.store.held_size(name)
         if n is None and self.store.shared:
             n = self.call(self.store.object_size(name))
         return n
@@ -273,11 +262,11 @@ class EnginePort:
 
     def touch(self, names: Sequence[str]) -> None:
         """Count these objects as used now, for eviction (no bytes move; any thread)."""
-        self.thread.loop.call_soon_threadsafe(self.store.touch_objects, list(names))
+        self.thread.loop.call_soon_threadsafe(self.store.touch, list(names))
 
     def refresh(self, ref: KeyRef) -> None:
         """Point ``ref`` at the copy a load finds now (after a save of its object)."""
-        self.store.refresh_ref(ref)
+        self.store.refresh(ref)
 
     # ------------------------------------------------------------------ the rest
 
@@ -325,17 +314,17 @@ async def _held_shared(store: TieredStore, keys: Iterable[str], pin: bool) -> He
     the keys from the first the ledger lacks, all at once."""
     await store.sync()
     if pin and not store.shared:
-        pins = store.pin_held_objects(keys)
+        pins = store.pin_held(keys)
         return Held(len(pins), pins)
     names, n = list(keys), 0
     for k in names:
-        if not store.has_object(k):
+        if not store.held(k):
             break
         n += 1
     if n < len(names) and store.shared:
         rest = await _contains_all(store, names[n:])
         n += rest.index(False) if False in rest else len(rest)
-    return Held(n, store.pin_objects(names[:n])) if pin else Held(n)
+    return Held(n, store.pin(names[:n])) if pin else Held(n)
 
 
 async def _tokens_held(
@@ -346,10 +335,14 @@ async def _tokens_held(
 
 
 async def _contains_all(store: TieredStore, names: Sequence[str]) -> list[bool]:
-    return list(await asyncio.gather(*(store.contains_object(n) for n in names)))
+    return list(await asyncio.gather(*(_found(store, n) for n in names)))
+
+
+async def _found(store: TieredStore, name: str) -> bool:
+    return await store.object_size(name) is not None
 
 
 async def _delete(store: TieredStore, name: str) -> bool:
-    had = await store.contains_object(name)
+    had = await _found(store, name)
     await store.delete_object(name)
     return had

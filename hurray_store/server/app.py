@@ -78,7 +78,7 @@ def _has_bytes(sock: socket.socket) -> bool:
 class CacheServer:
     def __init__(self, store: TieredStore, cfg: ServerConfig) -> None:
         """``store``: built by ``server_store`` (it keeps every tenant's namespace)."""
-        tenants = Tenants(cfg, store.namespace, store.cascade)
+        tenants = Tenants(cfg, store.namespace, store.groups)
         tenants.count_held()  # what an opened store found at restart
         self.store = ServedStore(store, tenants)
         self.cfg = cfg

@@ -20,10 +20,8 @@ from hurray_store.format import Manifest
 from hurray_store.keys import SegmentKey
 from hurray_store.server.access import ServedKey
 from hurray_store.server.tenants import Tenant, Tenants, charge
-from hurray_store.store import TieredStore
-from hurray_store.store.catalog import depth
-from hurray_store.store.ledger import Group
-from hurray_store.tiers import Blob, Buffer, Range, Reservation, StoredObject
+from hurray_store.store import Group, TieredStore
+from hurray_store.tiers import Blob, Buffer, Range, Reservation
 
 # Sequences of one lookup matched (or claim-checked) between two turns of the event loop.
 SEQS_PER_STEP = 64
@@ -36,8 +34,8 @@ class ServedStore:
         self.tenants = tenants
         self.buffers = store.buffers
         self.registry = store.metrics.registry
-        self._cascade = store.cascade
-        missing = set(tenants.namespaces) - set(store.catalogs)
+        self.groups = store.groups
+        missing = set(tenants.namespaces) - set(self.groups.namespaces)
         if missing:
             raise ValueError(f"the store does not keep the tenants' namespaces {sorted(missing)}")
 
@@ -54,8 +52,7 @@ class ServedStore:
         """Space in the tier a new object of ``nbytes`` lands in, to receive it in
         place (None: that tier offers none). Unpublished space goes back with
         ``reservation.tier.unreserve``."""
-        got = self._cascade.reserve([nbytes])
-        return got[0] if got else None
+        return self.groups.reserve(nbytes)
 
     async def put_key(
         self,
@@ -85,46 +82,33 @@ class ServedStore:
                 release()
             raise
         try:
-            return bool(
-                await self._cascade.put_group(
-                    obj, [StoredObject(k.stored, data, reserved)], release=release
-                )
-            )
+            return await self.groups.put_object(obj, data, release=release, reserved=reserved)
         finally:
             self.tenants.written(tenant, obj, nbytes)
 
     async def get_key(self, k: ServedKey) -> Blob | None:
-        return await self._cascade.reads.get(k.stored)
+        return await self.groups.get(k.stored)
 
     async def get_key_ranges(self, k: ServedKey, ranges: Sequence[Range]) -> list[Blob] | None:
         """Views of the tier's bytes: valid while the key's group is pinned."""
-        return await self._cascade.reads.get_ranges(k.stored, ranges)
+        return await self.groups.get_ranges(k.stored, ranges)
 
     async def key_size(self, k: ServedKey) -> int | None:
-        return await self._cascade.reads.size(k.stored)
+        return await self.groups.size(k.stored)
 
     def pin_keys(self, keys: Sequence[ServedKey]) -> list[Group]:
         """Pin the groups holding ``keys`` (a segment key pins its segment; they count
         as used for their tenant's quota); returns them, for ``unpin_groups``."""
-        led = self._cascade.ledger
-        groups: list[Group] = list(
-            dict.fromkeys(
-                g
-                for k in keys
-                for i, g in led.groups_of(k.stored).items()
-                if not led.is_writing(i, g)
-            )
-        )
-        led.pin(groups)
-        self.tenants.touch(groups)
+        groups = self.groups.pin(k.stored for k in keys)
+        self.groups.touch(groups)
         return groups
 
     def unpin_groups(self, groups: Sequence[Group]) -> None:
-        self._cascade.ledger.unpin(groups)
+        self.store.unpin(groups)
 
     async def delete_key(self, k: ServedKey) -> None:
         """Delete a stored key everywhere, with its whole group."""
-        await self._cascade.delete(k.stored)
+        await self.groups.delete(k.stored)
 
     async def commit_segment(
         self,
@@ -168,10 +152,10 @@ class ServedStore:
             if release is not None:
                 release()
             raise
-        if self._cascade.ledger.group_holders(seg):
+        if self.groups.held(seg):
             if release is not None:
                 release()
-            self.tenants.touch([seg])
+            self.groups.touch([seg])
             return True
         nbytes = charge(
             memoryview(manifest).nbytes + sum(memoryview(b).nbytes for b in objects.values()),
@@ -182,19 +166,9 @@ class ServedStore:
             if release is not None:
                 release()
             raise FormatError(why)
-        res = reserved or {}
-        group = [StoredObject(k, [objects[k]], res.get(k)) for k in want]
-        group.append(StoredObject(seg.manifest, [manifest]))
-        catalog = self.store.catalogs[tenant.namespace]
         try:
-            return bool(
-                await self._cascade.put_group(
-                    seg,
-                    group,
-                    depth=depth(m),
-                    on_committed=lambda: catalog.add(m),
-                    release=release,
-                )
+            return await self.groups.put_segment(
+                seg, m, manifest, objects, release=release, reserved=reserved
             )
         finally:
             self.tenants.written(tenant, seg, nbytes)
@@ -206,23 +180,23 @@ class ServedStore:
         tenant's namespace holds, and the manifests of the segments holding them past
         what the asker has (at most ``max_bytes`` of them; a sequence's match stops where
         they stop)."""
-        catalog = self.store.catalogs[tenant.namespace]
+        ns = tenant.namespace
         matched: list[int] = []
         wanted: dict[bytes, None] = {}
         runs: list[Sequence[bytes]] = []
         for i, (have, hashes) in enumerate(seqs):
             if i and not i % SEQS_PER_STEP:
                 await asyncio.sleep(0)  # a large lookup lets other requests in between
-            mt = catalog.longest_prefix(hashes)
+            mt = self.groups.longest_prefix(ns, hashes)
             matched.append(mt.num_pages)
             runs.append(mt.segment_ids)
             for sid in mt.segment_ids[have:]:
                 wanted.setdefault(sid)
         out: dict[bytes, bytes] = {}
         total = 0
-        self.tenants.touch(SegmentKey(tenant.namespace, sid) for sid in wanted)
+        self.groups.touch(SegmentKey(ns, sid) for sid in wanted)
         for sid in wanted:
-            blob = await catalog.manifest_bytes(sid)
+            blob = await self.groups.manifest_bytes(ns, sid)
             if blob is None or total + len(blob) > max_bytes:
                 continue
             out[sid] = blob

@@ -13,23 +13,24 @@ reached with ``server.token`` (or by anyone when the token is empty).
 
 Quota: the bytes of a tenant's groups (each counted once, whichever tiers hold it, and
 counted from the moment its write starts). A put past the quota first deletes the
-tenant's own least recently used groups (``policy.quota_victims``); it never touches
+tenant's own least recently used groups (``policy.quota_victims``, in the store's own
+recency of the tenant's namespace: ``GroupLevel.least_recent``); it never touches
 another tenant's. Groups that leave the server for other reasons (tier eviction, a
-delete) leave the tenant's counts through the cascade's group-left event.
+delete) leave the tenant's counts through the store's group-left event
+(``GroupLevel.on_left``).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from hurray_store.config import ServerConfig
 from hurray_store.keys import ObjectKey, SegmentKey
-from hurray_store.store.cascade import TierCascade
-from hurray_store.store.ledger import Group
+from hurray_store.store import Group
+from hurray_store.store.groups import GroupLevel
 from hurray_store.store.policy import quota_victims
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class Tenant:
     admin: bool
     quota: int | None
     token: bytes = b""
-    groups: OrderedDict[Group, int] = field(default_factory=OrderedDict)  # LRU first
+    groups: dict[Group, int] = field(default_factory=dict)  # what each is charged
     writing: dict[Group, int] = field(default_factory=dict)  # writes under way
     used: int = 0  # bytes of ``groups`` and ``writing``
     staged: int = 0  # bytes of its puts being received or staged, not yet handed to a tier
@@ -83,8 +84,8 @@ def delete_key_of(group: Group) -> str:
 
 
 class Tenants:
-    def __init__(self, cfg: ServerConfig, namespace: str, cascade: TierCascade) -> None:
-        self.cascade = cascade
+    def __init__(self, cfg: ServerConfig, namespace: str, groups: GroupLevel) -> None:
+        self.store_groups = groups
         self.open = not cfg.token and not cfg.tenants  # no auth: every client is admin
         self.all: list[Tenant] = []
         if cfg.token or self.open:
@@ -95,7 +96,7 @@ class Tenants:
             self.all.append(Tenant(t.name, t.namespace, t.admin, t.quota_bytes, t.token.encode()))
         self.by_namespace = {t.namespace: t for t in self.all}
         self.on_evict: Callable[[Tenant, int], None] = lambda tenant, n: None
-        cascade.subscribe(self._on_group_left)
+        groups.on_left(self._on_group_left)
 
     @property
     def namespaces(self) -> list[str]:
@@ -117,22 +118,23 @@ class Tenants:
 
     def count_held(self) -> None:
         """At start: charge each tenant for the groups the store found in its namespace."""
-        led = self.cascade.ledger
-        for i in range(len(self.cascade.tiers)):
-            for g, e in led.entries(i):
-                t = self.by_namespace.get(namespace_of(g) or "")
-                if t is None or not e.ready:
-                    continue
-                cost = charge(e.nbytes, len(e.sizes))
-                if t.groups.get(g, -1) < cost:
-                    t.used += cost - t.groups.get(g, 0)
-                    t.groups[g] = cost
-
-    def touch(self, groups: Iterable[Group]) -> None:
-        for g in groups:
+        for g, nbytes, objects in self.store_groups.every_held():
             t = self.by_namespace.get(namespace_of(g) or "")
-            if t is not None and g in t.groups:
-                t.groups.move_to_end(g)
+            if t is None:
+                continue
+            cost = charge(nbytes, objects)
+            if t.groups.get(g, -1) < cost:
+                t.used += cost - t.groups.get(g, 0)
+                t.groups[g] = cost
+
+    def _oldest_first(
+        self, tenant: Tenant, but: Group | None = None
+    ) -> Iterator[tuple[Group, int]]:
+        """The tenant's charged groups, least recently used first (the store's order)."""
+        charged = tenant.groups
+        for g in self.store_groups.least_recent(tenant.namespace):
+            if g in charged and g != but:
+                yield g, charged[g]
 
     async def admit(self, tenant: Tenant, group: Group, nbytes: int) -> str:
         """Make room for a write of ``group`` (``nbytes``) under the tenant's quota,
@@ -141,13 +143,12 @@ class Tenants:
         old = tenant.groups.get(group, 0)  # a group written again replaces itself
         victims: list[Group] = []
         if tenant.quota is not None:
-            led = self.cascade.ledger
             chosen = quota_victims(
-                ((g, n) for g, n in tenant.groups.items() if g != group),
+                self._oldest_first(tenant, group),
                 tenant.used - old,
                 tenant.quota,
                 nbytes,
-                led.is_pinned,
+                self.store_groups.is_pinned,
             )
             if chosen is None:
                 return (
@@ -168,11 +169,11 @@ class Tenants:
         if tenant.quota is None:
             return ""
         chosen = quota_victims(
-            tenant.groups.items(),
+            self._oldest_first(tenant),
             tenant.used + tenant.staged,
             tenant.quota,
             nbytes,
-            self.cascade.ledger.is_pinned,
+            self.store_groups.is_pinned,
         )
         if chosen is None:
             return (
@@ -192,7 +193,7 @@ class Tenants:
         if victims:
             self.on_evict(tenant, len(victims))
         for g in victims:
-            await self.cascade.delete(delete_key_of(g), "quota")
+            await self.store_groups.delete(delete_key_of(g), "quota")
 
     def written(self, tenant: Tenant, group: Group, nbytes: int) -> None:
         """The write ``admit`` charged for ended: the counts take what the tiers hold."""
@@ -201,15 +202,8 @@ class Tenants:
             tenant.writing[group] = left
         tenant.used -= nbytes
         self._forget(tenant, group)
-        led = self.cascade.ledger
-        held = max(
-            (
-                charge(sum(keys.values()), len(keys))
-                for i in led.group_holders(group)
-                if (keys := led.group_keys(i, group))
-            ),
-            default=0,
-        )
+        nbytes, objects = self.store_groups.held_bytes(group)
+        held = charge(nbytes, objects) if objects else 0
         if held:
             tenant.groups[group] = held
             tenant.used += held

@@ -27,6 +27,7 @@ counted and logged.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -40,6 +41,7 @@ from hurray_store.spec import KVSpec
 from hurray_store.store.cascade import TierCascade
 from hurray_store.store.catalog import SegmentCatalog
 from hurray_store.store.discovery import Discovery
+from hurray_store.store.groups import GroupLevel
 from hurray_store.store.ledger import Entry, Group, KeyRef, Ledger, TierInfo
 from hurray_store.store.objects import Data, ObjectStore
 from hurray_store.store.policy import Policy
@@ -134,6 +136,8 @@ class TieredStore:
             quantization=self.quantization,
             max_segment_bytes=config.max_segment_bytes,
         )
+        # The group level, for a server keeping several namespaces (``store/groups.py``).
+        self.groups = GroupLevel(self.cascade, self.catalogs)
         self.reader = SegmentReader(self.cascade, self.catalog, self.buffers, self.quantization)
         # for ``others_changed`` and ``help_writes``, from any thread
         self._media = [cast(SharedMedium, t) for t in tiers if t.offers(SharedMedium)]
@@ -331,57 +335,60 @@ class TieredStore:
         objects marked used, at the store's next operation."""
         return self.objects.read_into_now(items, each)
 
-    def known_object_size(self, key: str) -> int | None:
+    def held_size(self, key: str) -> int | None:
         """``object_size`` from the ledger alone, from any thread (None: the ledger does
         not know it; on a shared tier ``object_size`` may still find it)."""
         return self.objects.known_size(key)
 
-    async def contains_object(self, key: str) -> bool:
-        await self.sync()
-        return await self.objects.contains(key)
-
     async def object_size(self, key: str) -> int | None:
-        """The object's size in bytes; None: absent."""
+        """The object's size in bytes, from the ledger or else a shared tier; None:
+        absent (so ``is not None`` is whether a get will find it)."""
         await self.sync()
         return await self.objects.size(key)
 
-    def has_object(self, key: str) -> bool:
-        """``contains_object`` from the ledger alone: true only once a get will succeed."""
+    def held(self, key: str) -> bool:
+        """Whether a get finds object ``key`` now, from the ledger alone (any thread)."""
         return self.objects.has(key)
 
-    def pin_objects(self, keys: Sequence[str]) -> list[Pin]:
+    # The four pin entry points: ``pin``, ``pin_held``, ``unpin``, ``unpin_one``.
+
+    def pin(self, keys: Sequence[str]) -> list[Pin]:
         """Keep these objects from eviction until their pins, returned, are given back
         to ``unpin`` (any thread)."""
         return self.objects.pin(keys)
 
-    def pin_held_objects(self, keys: Iterable[str]) -> list[Pin]:
-        """From any thread, from the ledger alone: pin the objects of ``keys``, from the
-        first, that a get will find now, up to the first it will not; their pins, to
-        give back to ``unpin``. No key past that first miss is taken from ``keys``."""
-        return self.objects.pin_held(keys)
+    def pin_held(self, keys: Iterable[str] | Iterable[KeyRef]) -> Sequence[Pin]:
+        """From any thread, from the ledger alone: pin the objects of ``keys`` (names, or
+        ``ref``'s handles), from the first, that a get finds now, up to the first it
+        does not; their pins, for ``unpin``. No key past that first miss is taken from
+        ``keys``. A handle pins the copy it last found with no key looked up, while
+        that copy is still there (else it finds its key again)."""
+        it = iter(keys)
+        first = next(it, None)
+        if first is None:
+            return []
+        rest = itertools.chain((first,), it)
+        if isinstance(first, KeyRef):
+            return self.objects.pin_held_refs(rest)  # type: ignore[arg-type]
+        return self.objects.pin_held(rest)  # type: ignore[arg-type]
 
-    def object_ref(self, key: str) -> KeyRef:
-        """A handle on object ``key`` for ``pin_held_refs``: a caller that pins the
-        same objects again and again (an engine's lookups) keeps one per object."""
+    def ref(self, key: str) -> KeyRef:
+        """A handle on object ``key`` for ``pin_held``: a caller that pins the same
+        objects again and again (an engine's lookups) keeps one per object."""
         return self.objects.ref(key)
 
-    def refresh_ref(self, ref: KeyRef) -> None:
+    def refresh(self, ref: KeyRef) -> None:
         """Point ``ref`` at the copy of its object a get finds now: after a put of it,
         the first pin by the handle then looks nothing up."""
         self.objects.refresh(ref)
 
-    def pin_held_refs(self, refs: Iterable[KeyRef]) -> Sequence[Pin]:
-        """``pin_held_objects`` by ``object_ref``'s handles, from any thread: while the
-        copy a handle last found is still there, it is pinned with no key looked up."""
-        return self.objects.pin_held_refs(refs)
-
     def unpin(self, pins: Sequence[Pin]) -> None:
-        """Let go of pins that ``pin_objects`` or ``pin_held_objects`` gave (any
-        thread). A pin holds the group the object was in when pinned: rewritten
-        since, its new bytes were never pinned, and the old pin still goes."""
+        """Let go of pins that ``pin`` or ``pin_held`` gave (any thread). A pin holds the
+        group the object was in when pinned: rewritten since, its new bytes were never
+        pinned, and the old pin still goes."""
         self.ledger.unpin(pins)
 
-    def touch_objects(self, keys: Sequence[str]) -> None:
+    def touch(self, keys: Sequence[str]) -> None:
         """Count these objects as used now, for eviction (no bytes move)."""
         self.objects.touch(keys)
 

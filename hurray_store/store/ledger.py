@@ -105,6 +105,10 @@ class Ledger:
         # it READY: ``(kind, tier, group, reason)``, kind ``stored`` or ``removed``
         # (``watch``). Kept cheap: a watcher only notes the change.
         self._watchers: list[Watcher] = []
+        # Per namespace, its groups that some tier holds (or is writing), least recently
+        # used first: the one recency a tenant's quota evicts by (``least_recent``).
+        # Changed on the store's loop only, as the tiers' own orders are.
+        self._recent: dict[str | None, OrderedDict[Group, None]] = {}
 
     def watch(self, fn: Watcher) -> Callable[[], None]:
         """Call ``fn(kind, tier, group, reason)`` for every group that becomes READY in
@@ -285,6 +289,16 @@ class Ledger:
             held.sort(key=lambda g: -b.groups[g].depth)
             for g in held:
                 b.groups.move_to_end(g)
+        for g in gs:
+            r = self._recent.get(getattr(g, "namespace", None))
+            if r is not None and g in r:
+                r.move_to_end(g)
+
+    def least_recent(self, namespace: str) -> Iterator[Group]:
+        """The groups of ``namespace`` that a tier holds or is writing, least recently
+        used (written or touched) first. On the store's loop, consumed before it
+        awaits."""
+        return iter(self._recent.get(namespace, ()))
 
     def pin(self, groups: Iterable[Group]) -> None:
         with self.lock:
@@ -372,6 +386,9 @@ class Ledger:
         e = Entry(sizes, depth, sum(sizes.values()), ready)
         b.groups[group] = e
         b.used += e.nbytes
+        r = self._recent.setdefault(getattr(group, "namespace", None), OrderedDict())
+        r[group] = None
+        r.move_to_end(group)
         for k in sizes:
             old = b.key_group.get(k)
             if old is not None and old != group and (was := b.groups.get(old)) is not None:
@@ -391,4 +408,8 @@ class Ledger:
             for k in e.sizes:
                 if b.key_group.get(k) == group:
                     del b.key_group[k]
+            if not any(group in t.groups for t in self._tiers):
+                r = self._recent.get(getattr(group, "namespace", None))
+                if r is not None:
+                    r.pop(group, None)
         return e

@@ -183,7 +183,7 @@ class ObjectStore:
         return self.cascade.ledger.pin_ready(map(self._stored.__add__, names))  # lazy
 
     def ref(self, name: str) -> KeyRef:
-        """A handle on object ``name`` for ``pin_held_refs``, kept by a caller that
+        """A handle on object ``name`` for ``TieredStore.pin_held``, kept by a caller that
         pins the same objects again and again."""
         return KeyRef(self._stored + name)
 

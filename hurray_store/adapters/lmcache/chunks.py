@@ -47,7 +47,7 @@ def chunk_name(prefix: str, key: Any) -> str:
 
 class Chunk(deque[Pin]):
     """A chunk LMCache named lately: LMCache's key, its name in the store, the store's
-    handle on it (``TieredStore.object_ref``), and, as its items, the store's pins this
+    handle on it (``EnginePort.ref``), and, as its items, the store's pins this
     engine holds on it. A deque, not a list: a list emptied by its last ``pop`` gives
     its storage back and takes it again on the next pin, a ``malloc`` and a ``free`` a
     pin."""

@@ -256,3 +256,36 @@ def test_views_that_are_not_in_the_layout_named_are_refused(disk_cfg: dict[str, 
             BlockTransfers(st, sp, views[:2], "LBNHC")
     finally:
         st.close()
+
+
+def test_a_later_steps_save_copies_only_its_new_blocks(disk_cfg: dict[str, Any]) -> None:
+    """Chunked prefill: a request's first step saves blocks 0-1; its next step copies out
+    only blocks 2-3 (the copy is sized by them) and the whole prompt loads exactly. A
+    save whose earlier block the store does not hold (another salt here) writes nothing
+    (its blocks could never be reached) and says so."""
+    sp = _spec()
+    src = _filled("LBNHC", sp.dtype, 8, seed=5)
+    p = _prompt(4, 5)
+    st = EnginePort(disk_cfg, name="chunks", saves_in_flight=1)
+    try:
+        xfer = BlockTransfers(st, sp, src, "LBNHC")
+        sizes: list[int] = []
+        copy_out = xfer.copy_out
+        xfer.copy_out = lambda ids: (sizes.append(len(ids)), copy_out(ids))[1]  # type: ignore[method-assign]
+        xfer.save([Transfer("r", p[: 2 * BS], [6, 1, 4, 3], 0, b"")])
+        xfer.save([Transfer("r", p, [6, 1, 4, 3], 2, b"")])
+        xfer.save([Transfer("q", p, [6, 1, 4, 3], 2, b"other")])
+        assert xfer.drain(30)
+        assert sizes == [2, 2, 2], "each step copies only its new blocks"
+        assert xfer.counts["blocks_saved"] == 4 and xfer.counts["blocks_unreachable"] == 2
+        dst = _filled("LBNHC", sp.dtype, 8, seed=6)
+        xfer2 = BlockTransfers(st, sp, dst, "LBNHC")
+        loading = xfer2.start_load([Transfer("r", p, [0, 2, 5, 7], 0, b"")])
+        assert xfer2.finish_load(loading, 30) == [4 * BS]
+        for s_v, d_v in zip(src, dst, strict=True):
+            for s_b, d_b in [(6, 0), (1, 2), (4, 5), (3, 7)]:
+                assert torch.equal(d_v[d_b], s_v[s_b])
+        miss = xfer2.start_load([Transfer("q", p, [0, 2, 5, 7], 0, b"other")])
+        assert xfer2.finish_load(miss, 30) == [0]
+    finally:
+        st.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +16,9 @@ from hurray_store.engine.reads import Check, OrderedLoads, Take, read_all
 from hurray_store.engine.saves import Save, SaveBacklog, write_lent
 from hurray_store.engine.thread import StoreThread
 from hurray_store.keys import object_stored
+from hurray_store.paging import PagedKVPool
 from hurray_store.spec import KVSpec
-from hurray_store.store import Pin, TieredStore
+from hurray_store.store import Pin, PutResult, RetrievedLayer, TieredStore
 from hurray_store.store.ledger import KeyRef
 from hurray_store.store.objects import Data
 from hurray_store.tiers import Range, RangeIn
@@ -138,6 +139,34 @@ class EnginePort:
         self.counts["lookups"] += 1
         self.counts["objects_held"] += held.n
         return held
+
+    # The prefix level, for an engine whose pages are stored as segments of a token
+    # prefix (the vLLM connector): on the store's loop, from a save's ``write`` or a
+    # load submitted to ``thread``.
+
+    async def put_pages(
+        self,
+        pool: PagedKVPool,
+        token_ids: Sequence[Sequence[int]],
+        tables: Sequence[Sequence[int]],
+        salts: Sequence[bytes | str | None],
+        from_page: Sequence[int] | None = None,
+    ) -> PutResult:
+        """Store the pages of ``pool`` (``TieredStore.put``), then commit them: visible
+        to every instance's lookup when this returns."""
+        r = await self.store.put(pool, token_ids, tables, salt=list(salts), from_page=from_page)
+        await self.store.flush()
+        return r
+
+    def load_pages(
+        self,
+        pool: PagedKVPool,
+        token_ids: Sequence[Sequence[int]],
+        salts: Sequence[bytes | str | None],
+    ) -> AsyncIterator[RetrievedLayer]:
+        """The longest stored prefix of each sequence, re-paged into ``pool`` a layer at
+        a time (``TieredStore.retrieve_layers``; every page checked before it is in)."""
+        return self.store.retrieve_layers(pool, token_ids, salt=list(salts))
 
     def lookup_tokens(
         self, specs: Sequence[KVSpec], token_ids: Sequence[int], salt: bytes | str | None

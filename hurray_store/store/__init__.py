@@ -234,18 +234,21 @@ class TieredStore:
         seq_lens: Sequence[int] | None = None,
         *,
         salt: Salt = None,
+        from_page: Sequence[int] | None = None,
     ) -> PutResult:
         """Store the full pages of these sequences that the store does not hold yet.
 
         ``token_ids[s]`` are the tokens whose KV sits in ``block_tables[s]``'s pages;
         ``seq_lens[s]`` (default ``len(token_ids[s])``) of them are valid. Only full
-        pages are stored (only they can be matched). Raises PagingError for malformed
-        input; a tier failing is a skipped write, never an exception.
+        pages are stored (only they can be matched). ``from_page[s]``: the pages before
+        it are not in the pool (the caller holds them stored; their table entries are
+        never read); if one is not stored, nothing of that sequence is written. Raises
+        PagingError for malformed input; a tier failing is a skipped write, never an
+        exception.
         """
         await self.sync()
-        return await self.writer.put(
-            pool, token_ids, block_tables, seq_lens, self._salts(salt, len(token_ids))
-        )
+        salts = self._salts(salt, len(token_ids))
+        return await self.writer.put(pool, token_ids, block_tables, seq_lens, salts, from_page)
 
     async def lookup(
         self, spec: KVSpec, token_ids: Sequence[Sequence[int]], *, salt: Salt = None

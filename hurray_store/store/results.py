@@ -12,6 +12,9 @@ class PutResult:
     pages_already_stored: int  # full pages the store held before this put
     segments: int
     bytes_per_tier: dict[str, int]
+    # pages not written because an earlier page of theirs was neither stored nor in
+    # the pool (``put``'s ``from_page``): they could not be reached by a lookup
+    pages_unreachable: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,6 +158,7 @@ class SegmentWriter:
         block_tables: Sequence[Sequence[int]],
         seq_lens: Sequence[int] | None,
         salts: Sequence[bytes],
+        from_page: Sequence[int] | None = None,
     ) -> PutResult:
         spec = pool.spec
         P = spec.page_size
@@ -170,12 +171,17 @@ class SegmentWriter:
         await self.catalog.discover(spec, hashes, claim=True)
         await self.inflight.wait_for(hashes)
         firsts = []
-        already = 0
-        for hs in hashes:
+        already = unreachable = 0
+        for s, hs in enumerate(hashes):
             present = self.catalog.contains_many(hs)
             missing = np.flatnonzero(~present)
             firsts.append(int(missing[0]) if missing.size else len(hs))
             already += int(present.sum())
+            if from_page is not None and firsts[s] < min(from_page[s], len(hs)):
+                # A page the caller left out of the pool is not stored (evicted since
+                # it looked): the pages after it could never be reached; none written.
+                unreachable += len(hs) - from_page[s]
+                firsts[s] = len(hs)
         # A page is written from the pool page of its hash's first use (inside the
         # batch too), so equal content is one page even when the engine did not share it.
         first_use: dict[bytes, tuple[int, int]] = {}
@@ -200,7 +206,9 @@ class SegmentWriter:
                 nseg += 1 if n else 0
                 for i in where:  # written, or queued for write-through
                     bytes_per_tier[tiers[i].name] += total
-        return PutResult(sum(len(hs) for hs in hashes), written, already, nseg, bytes_per_tier)
+        return PutResult(
+            sum(len(hs) for hs in hashes), written, already, nseg, bytes_per_tier, unreachable
+        )
 
     async def _put_segment(
         self,

@@ -62,6 +62,9 @@ class SchedulerSide:
         self._loads: dict[str, int] = {}  # req -> tokens to load (past vLLM's own hit)
         # req -> its page salt, or None: a request the key cannot describe (not cached)
         self._salts: dict[str, bytes | None] = {}
+        # req -> prompt tokens the store held at its lookup: its saves start there (the
+        # blocks before are stored; vLLM's own hit past them is copied out and saved).
+        self._stored: dict[str, int] = {}
         self._refused: set[str] = set()  # the kinds of request refused, each logged once
         self._tracked: dict[str, _Tracked] = {}
         self._unconfirmed: set[str] = set()  # loads planned, their outcome not yet reported
@@ -114,6 +117,7 @@ class SchedulerSide:
         except Exception as e:  # the store down or slow: vLLM computes everything
             log.warning("hurray_store lookup failed (%s); computing the prompt", e)
             return 0, False
+        self._stored[request.request_id] = n
         if n <= num_computed_tokens:
             return 0, False
         return n - num_computed_tokens, False
@@ -139,7 +143,10 @@ class SchedulerSide:
                 first = (end - ext) // self.block_size
                 meta.loads.append(Transfer(new.req_id, prompt[:end], blocks, first, salt))
                 self._unconfirmed.add(new.req_id)
-            tracked = _Tracked(prompt, blocks, new.num_computed_tokens, salt)
+            # Saved from what the store held at the lookup (unknown: from the start;
+            # the store then skips what it holds, after the copy).
+            held = min(new.num_computed_tokens, self._stored.pop(new.req_id, 0))
+            tracked = _Tracked(prompt, blocks, held, salt)
             self._tracked[new.req_id] = tracked
             self._save_if_due(meta, new.req_id, tracked, new.num_computed_tokens, so)
         cached = so.scheduled_cached_reqs
@@ -199,5 +206,6 @@ class SchedulerSide:
         self._tracked.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
         self._salts.pop(request.request_id, None)
+        self._stored.pop(request.request_id, None)
         self._unconfirmed.discard(request.request_id)
         return False, None

@@ -123,7 +123,14 @@ class BlockTransfers:
         self.page_bytes = 2 * spec.page_size * spec.num_kv_heads * spec.head_dim
         self.page_bytes *= spec.dtype.itemsize * spec.num_layers
         self.counts = counts if counts is not None else {}
-        for k in ("blocks_saved", "saves_failed", "saves_dropped", "blocks_loaded", "save_steps"):
+        for k in (
+            "blocks_saved",
+            "blocks_unreachable",  # not saved: an earlier block of theirs was not stored
+            "saves_failed",
+            "saves_dropped",
+            "blocks_loaded",
+            "save_steps",
+        ):
             self.counts.setdefault(k, 0)
         self.counts.setdefault("copy_out_s", 0.0)  # engine time spent in save()
         self.on_written = on_written
@@ -132,18 +139,19 @@ class BlockTransfers:
     # ------------------------------------------------------------------ saves
 
     def save(self, saves: list[Transfer]) -> None:
-        """Copy the blocks of ``saves`` (each: ``block_ids[:len(token_ids) //
-        block_size]``) out of the views and hand their put to the port's save backlog
-        (one save a step, written oldest first, one at a time); returns once they are
-        copied out (on CUDA: once the copy is ordered), never waiting for the store.
-        The room is taken before the copy: a step that does not fit (after the oldest
-        waiting steps are dropped) is dropped itself, copied nowhere."""
-        saves = [s for s in saves if len(s.token_ids) >= self.spec.page_size]
+        """Copy the new blocks of ``saves`` (each: ``block_ids[first_block:len(token_ids)
+        // block_size]``; the blocks before were saved by an earlier step or loaded, and
+        are not copied again) out of the views and hand their put to the port's save
+        backlog (one save a step, written oldest first, one at a time); returns once
+        they are copied out (on CUDA: once the copy is ordered), never waiting for the
+        store. The room is taken before the copy: a step that does not fit (after the
+        oldest waiting steps are dropped) is dropped itself, copied nowhere."""
+        bs = self.spec.page_size
+        saves = [s for s in saves if len(s.token_ids) // bs > s.first_block]
         if not saves:
             return
         t0 = time.perf_counter()
-        bs = self.spec.page_size
-        ids = [b for s in saves for b in s.block_ids[: len(s.token_ids) // bs]]
+        ids = [b for s in saves for b in s.block_ids[s.first_block : len(s.token_ids) // bs]]
         nbytes = len(ids) * self.page_bytes
         if not self.port.reserve(nbytes):
             self._dropped(len(saves))
@@ -211,18 +219,18 @@ class BlockTransfers:
                 await asyncio.sleep(2e-4)
         bs = self.spec.page_size
         tables, off = [], 0
-        for tr in p.saves:
-            n = len(tr.token_ids) // bs
-            tables.append(list(range(off, off + n)))
+        for tr in p.saves:  # the blocks before ``first_block`` are not in the buffers
+            n = len(tr.token_ids) // bs - tr.first_block
+            tables.append([0] * tr.first_block + list(range(off, off + n)))
             off += n
-        store = self.st.store
         try:
             pool = PagedKVPool.from_tensors(self.spec, p.buffers)
             toks = [tr.token_ids[: len(t) * bs] for tr, t in zip(p.saves, tables, strict=True)]
-            salts: list[bytes | str | None] = [tr.salt for tr in p.saves]
-            r = await store.put(pool, toks, tables, salt=salts)
+            salts = [tr.salt for tr in p.saves]
+            starts = [tr.first_block for tr in p.saves]
+            r = await self.port.put_pages(pool, toks, tables, salts, starts)  # and committed
             self.counts["blocks_saved"] += r.pages_written
-            await store.flush()  # committed: visible to every instance's lookup
+            self.counts["blocks_unreachable"] += r.pages_unreachable
             return True
         except Exception as e:  # a save that fails is a future miss, never an error
             self.counts["saves_failed"] += len(p.saves)
@@ -286,8 +294,7 @@ class BlockTransfers:
         try:
             pool = self._host_pool(sum(len(tr.token_ids) // bs for tr in loads))
             seqs = [tr.token_ids for tr in loads]
-            salts: list[bytes | str | None] = [tr.salt for tr in loads]
-            async for layer in self.st.store.retrieve_layers(pool, seqs, salt=salts):
+            async for layer in self.port.load_pages(pool, seqs, [tr.salt for tr in loads]):
                 li = layer.layer_index
                 self._scatter(pool, li, layer.block_tables, loads, events, start)
                 ready[li].set()

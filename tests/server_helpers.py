@@ -22,7 +22,13 @@ class ServerProc:
     """``hurray-store serve`` on a cpu + disk config under ``workdir``."""
 
     def __init__(
-        self, workdir: Path, *, token: str = "", cpu_bytes: int = 256 << 20, **server: Any
+        self,
+        workdir: Path,
+        *,
+        token: str = "",
+        cpu_bytes: int = 256 << 20,
+        events: dict[str, Any] | None = None,
+        **server: Any,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
@@ -41,6 +47,7 @@ class ServerProc:
                 "token": token,
                 **server,
             },
+            **({"events": events} if events else {}),
         }
         self.config.write_text(yaml.safe_dump(cfg))
         self.log = workdir / "server.log"

@@ -21,6 +21,9 @@ OWNERS = {
     # the S3 tier, and the test kit's raw client of a bucket (around the tier, for the
     # medium contract)
     "obstore": ["tiers/s3.py", "tiers/s3_*.py", "testing/services.py"],
+    # KV events for routers: the publisher and vLLM's wire format
+    "zmq": ["events/*.py"],
+    "msgspec": ["events/*.py"],
 }
 
 
@@ -78,6 +81,7 @@ LAYER_OF = {
     "tiers.helpers": 2,
     "tiers.self_checked": 2,
     "tiers": 3,
+    "events": 3,
     "store": 4,
     "engine": 4,
     "adapters": 5,

@@ -1130,3 +1130,37 @@ def test_l2_adapter_killed_mid_store_leaves_no_record_without_its_object(
         b.submit_unlock([keys[i] for i in hits])
     finally:
         b.close()
+
+
+def test_l2_adapter_publishes_kv_events_keyed_by_lmcaches_chunk_hashes(tmp_path: Path) -> None:
+    """With ``events`` in the store's YAML, each object the L2 adapter stores is a
+    ``BlockStored`` keyed by LMCache's own chunk hash, in the cpu tier's medium and,
+    written through, the disk tier's."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from hurray_store.adapters.lmcache import HurrayL2Adapter
+    from hurray_store.events.subscriber import Subscriber
+    from hurray_store.testing.services import free_port
+
+    ep, rep = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    (tmp_path / "h.yaml").write_text(
+        "tiers:\n  - {type: cpu, capacity_bytes: 67108864}\n"
+        f"  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"
+        f"events: {{endpoint: '{ep}', replay_endpoint: '{rep}', topic: l2-test}}\n"
+    )
+    keys = [ObjectKey(bytes([i]) * 16, "tiny", 0) for i in range(3)]
+    a = HurrayL2Adapter({"config": str(tmp_path / "h.yaml")})
+    sub = Subscriber(ep, "l2-test", rep)
+    try:
+        a.submit_store_task(keys, [_l2_obj(i) for i in range(3)])
+        _l2_wait(a.get_store_event_fd())
+        assert a.pop_completed_store_tasks()
+        a.port.flush()
+        a.port.relay.send()
+        assert a.port.relay.publisher.flush()
+        evs = [e for r in sub.replay(0) for e in r.batch.events]
+    finally:
+        sub.close()
+        a.close()
+    got = {(e.medium, bytes(e.block_hashes[0])) for e in evs if type(e).__name__ == "BlockStored"}
+    assert got == {(m, bytes([i]) * 16) for m in ("CPU", "STORAGE") for i in range(3)}

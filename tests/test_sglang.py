@@ -347,3 +347,50 @@ def test_page_objects_decode_with_pyhurray_and_hurray_store_inspect(tmp_path: Pa
         text=True,
     )
     assert p.returncode == 0 and "chunk object" in p.stdout
+
+
+def test_sglangs_pages_are_published_as_kv_events_keyed_by_its_page_hashes(
+    tmp_path: Path,
+) -> None:
+    """SGLang's real host pool through the backend, with ``events`` in the store's YAML:
+    each page set is a ``BlockStored`` of the STORAGE medium (a disk tier) keyed by
+    SGLang's own page hash, under ``kv@<instance>@<model>``."""
+    from hurray_store.events.subscriber import Subscriber
+    from hurray_store.testing.services import free_port
+
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    cfg = tmp_path / "store.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "tiers": [
+                    {"type": "disk", "path": str(tmp_path / "cache"), "capacity_bytes": 1 << 30}
+                ],
+                "events": {"endpoint": ep, "instance": "node-1", "interval_ms": 1500},
+            }
+        )
+    )
+    page_keys = [f"{i:064x}" for i in range(3)]  # SGLang's sha256 page hashes, in hex
+    sub = Subscriber(ep, "kv@node-1@")
+    try:
+        sglang(
+            {
+                "config": str(cfg),
+                "model": model(tmp_path / "m", 1),
+                "model_name": "qwen-test",
+                "op": "set",
+                "keys": page_keys,
+            }
+        )
+        got = []
+        while len([e for r in got for e in r.batch.events]) < 3:
+            more = sub.recv(10)
+            assert more, "the events never came"
+            got += more
+    finally:
+        sub.close()
+    assert {r.topic for r in got} == {"kv@node-1@qwen-test"}
+    evs = [e for r in got for e in r.batch.events]
+    assert {type(e).__name__ for e in evs} == {"BlockStored"}
+    assert sorted(h.hex() for e in evs for h in e.block_hashes) == page_keys
+    assert {(e.medium, e.ownership, e.block_size) for e in evs} == {("STORAGE", "disk", 16)}

@@ -72,6 +72,27 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_events(args: argparse.Namespace) -> int:
+    """Print a publisher's KV events, one line an event (docs/events.md)."""
+    from hurray_store.events.subscriber import Subscriber, watch
+
+    sub = Subscriber(args.endpoint, args.topic, args.replay)
+    try:
+        if args.replay_from is not None:
+            from hurray_store.events.subscriber import lines
+
+            for r in sub.replay(args.replay_from):
+                for line in lines(r):
+                    print(line, flush=True)
+                sub.last = r.seq
+        watch(sub, lambda line: print(line, flush=True), count=args.count, timeout_s=args.idle)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sub.close()
+    return 0
+
+
 def _positive(text: str) -> int:
     """An argparse type: an integer of at least 1."""
     try:
@@ -195,6 +216,33 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--url", default="hurray://127.0.0.1:9470")
     st.add_argument("--token", default=None, help="the server's token, if it asks for one")
     st.set_defaults(func=cmd_stats)
+    ev = sub.add_parser(
+        "events",
+        help="print the KV events a store or cache server publishes, one line an event",
+        description="Subscribe to a publisher's KV events (vLLM's wire format over ZMQ) "
+        "and print them. Example: hurray-store events --endpoint tcp://127.0.0.1:5557",
+    )
+    ev.add_argument("--endpoint", required=True, help="the publisher's events.endpoint")
+    ev.add_argument(
+        "--topic", default="", help="only topics starting with this (default: every topic)"
+    )
+    ev.add_argument(
+        "--replay",
+        default="",
+        help="the publisher's events.replay_endpoint: missed batches are asked for again",
+    )
+    ev.add_argument(
+        "--replay-from",
+        type=int,
+        default=None,
+        metavar="SEQ",
+        help="first print the kept batches from this sequence number (needs --replay)",
+    )
+    ev.add_argument("--count", type=int, default=0, help="stop after this many events")
+    ev.add_argument(
+        "--idle", type=float, default=0.0, help="stop after this many seconds with no event"
+    )
+    ev.set_defaults(func=cmd_events)
     i = sub.add_parser(
         "inspect", help="print every descriptor field of a layer object or a manifest"
     )

@@ -18,6 +18,7 @@ from hurray_store.config.loader import (
 )
 from hurray_store.config.schema import (
     ENV_PREFIX,
+    EventsConfig,
     PolicyConfig,
     ServerConfig,
     StoreConfig,
@@ -42,6 +43,7 @@ __all__ = [
     "CpuTierConfig",
     "DiskTierConfig",
     "ENV_PREFIX",
+    "EventsConfig",
     "GpuTierConfig",
     "PolicyConfig",
     "RedisTierConfig",

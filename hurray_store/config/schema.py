@@ -143,6 +143,36 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """KV events for routers (docs/events.md): every page the store commits or loses,
+    published in vLLM's wire format over ZMQ. Off unless ``endpoint`` is set; the vLLM
+    connector ignores it (vLLM's own ``--kv-events-config`` publishes its events)."""
+
+    endpoint: str = documented(
+        "ZMQ PUB endpoint to bind (tcp://127.0.0.1:5557, ipc://...); empty: publish nothing",
+        "",
+    )
+    replay_endpoint: str = documented(
+        "ZMQ ROUTER endpoint to bind for replays of missed batches; empty: none", ""
+    )
+    topic: str = documented(
+        "topic of every message; empty: kv@<instance>@<model> (the cache server: "
+        "kv@<tenant>@server, one topic per tenant)",
+        "",
+    )
+    instance: str = documented("this instance's name in the topic; empty: the host name", "")
+    buffer_batches: int = documented(
+        "batches kept for replay; a subscriber asks for those from a sequence number", 10_000
+    )
+    max_events: int = documented(
+        "events waiting to be published at most; past it the oldest are dropped and "
+        "counted (a stalled publisher never holds up a save)",
+        65_536,
+    )
+    interval_ms: int = documented("how often waiting events are sent, one batch a topic", 100)
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     tiers: tuple[TierConfig, ...] = documented("tiers, fastest first; a put lands in the first")
     namespace: str = documented(
@@ -161,13 +191,20 @@ class StoreConfig:
     server: ServerConfig = documented(
         "the cache server (hurray-store serve); unused in-process", ServerConfig()
     )
+    events: EventsConfig = documented(
+        "KV events for routers (ZMQ, vLLM's wire format); off by default", EventsConfig()
+    )
 
 
 # --------------------------------------------------------------------------- loading
 
 
 # Sections of the store config that are dataclasses of their own (env overrides, docs).
-SECTIONS: dict[str, type] = {"policy": PolicyConfig, "server": ServerConfig}
+SECTIONS: dict[str, type] = {
+    "policy": PolicyConfig,
+    "server": ServerConfig,
+    "events": EventsConfig,
+}
 # Keys holding a list of dataclass entries (documented as ``key[]``).
 LISTS: dict[str, type] = {"tenants": TenantConfig}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,7 @@ from hurray_store.engine.events import EVENTS_KEPT, EventFeed, StoreEvent
 from hurray_store.engine.reads import Check, OrderedLoads, Take, read_all
 from hurray_store.engine.saves import Save, SaveBacklog, write_lent
 from hurray_store.engine.thread import StoreThread
-from hurray_store.keys import object_stored
+from hurray_store.keys import ObjectKey, object_stored
 from hurray_store.paging import PagedKVPool
 from hurray_store.spec import KVSpec
 from hurray_store.store import Pin, PutResult, RetrievedLayer, TieredStore
@@ -73,6 +73,7 @@ class EnginePort:
         self._stored = len(object_stored(self.store.namespace, ""))  # a ref's key: this + name
         self.counts = {"lookups": 0, "objects_held": 0, "loaded": 0, "rejected": 0}
         self._closed = False
+        self.relay: Any = None  # the KV-event publisher, once ``publish_events`` starts it
 
     def call(self, coro: Any) -> Any:
         """Run a coroutine of the store's public face on its loop and wait for it;
@@ -299,6 +300,30 @@ class EnginePort:
 
     # ------------------------------------------------------------------ the rest
 
+    def publish_events(
+        self, hashes_of: Callable[[str], Sequence[bytes | int]], *, model: str, block_size: int
+    ) -> bool:
+        """Publish this namespace's objects as KV events for routers (docs/events.md)
+        when the config's ``events.endpoint`` asks for it; ``hashes_of(name)``: an
+        object's blocks by the engine's own keys (empty: not published). False: not
+        configured."""
+        cfg = self.store.config.events
+        if not cfg.endpoint or self.relay is not None:
+            return self.relay is not None
+        from hurray_store.events import Blocks, EventRelay, default_topic  # zmq, on demand
+
+        topic, ns = default_topic(cfg, model), self.store.namespace
+
+        def blocks(group: Any) -> Sequence[Blocks]:
+            if group.__class__ is not ObjectKey or group.namespace != ns:
+                return ()
+            hashes = tuple(hashes_of(group.name))
+            return (Blocks(topic, hashes, block_size),) if hashes else ()
+
+        self.relay = EventRelay(self.store, cfg, blocks)
+        log.info("KV events: publishing on %s, topic %s", self.relay.publisher.endpoint, topic)
+        return True
+
     def take_events(self) -> list[StoreEvent]:
         """Every object (and segment) stored in a tier or removed from one since the
         last call, oldest first, with the tier and the reason."""
@@ -320,6 +345,7 @@ class EnginePort:
                 **{f"saves_{k}": v for k, v in self._saves.counts.items()},
                 "saves_pending_bytes": self._saves.nbytes,
                 "events_dropped": self._events.dropped,
+                **(self.relay.stats() if self.relay is not None else {}),
             },
         }
 
@@ -333,6 +359,8 @@ class EnginePort:
         finally:
             self._saves.closed = True
             self._unwatch()
+            if self.relay is not None:
+                self.relay.close()
             self._loads.close()
             self.thread.close()
 

@@ -41,6 +41,7 @@ from typing import Any
 
 from hurray_store.config import ServerConfig, StoreConfig
 from hurray_store.server.backing import ServedStore
+from hurray_store.server.events import tenant_events
 from hurray_store.server.guards import HelloFailures
 from hurray_store.server.http import HealthEndpoint
 from hurray_store.server.metrics import ServerMetrics
@@ -102,6 +103,9 @@ class CacheServer:
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopped = asyncio.Event()
         self.http: HealthEndpoint | None = None
+        self.events = tenant_events(store, tenants)  # None unless the config asks
+        if self.events is not None:
+            log.info("KV events on %s", self.events.publisher.endpoint)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -172,6 +176,8 @@ class CacheServer:
             await asyncio.sleep(0.01)
         self.staging.clear()
         await self.store.close()
+        if self.events is not None:
+            self.events.close()
         if janitor is not None:  # the heartbeat ran through the drain: /healthz stayed up
             janitor.cancel()
             await asyncio.gather(janitor, return_exceptions=True)

@@ -88,6 +88,11 @@ class GroupLevel:
     def longest_prefix(self, namespace: str, hashes: Sequence[bytes]) -> PrefixMatch:
         return self._catalogs[namespace].longest_prefix(hashes)
 
+    def cached_manifest(self, seg: SegmentKey) -> Manifest | None:
+        """The segment's manifest if its catalog has it in memory (any thread; no I/O)."""
+        catalog = self._catalogs.get(seg.namespace)
+        return None if catalog is None else catalog.cached_manifest(seg.segment_id)
+
     async def manifest_bytes(self, namespace: str, segment_id: bytes) -> bytes | None:
         return await self._catalogs[namespace].manifest_bytes(segment_id)
 

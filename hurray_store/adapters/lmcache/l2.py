@@ -12,6 +12,7 @@ the result bitmap, never wrong bytes.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -117,6 +118,8 @@ class HurrayL2Adapter(L2AdapterInterface):
                 "alone, so two checkpoints served under one name would share KV; set "
                 "model_path to key by the weights"
             )
+        model = os.path.basename(os.path.normpath(cfg.model_path)) if cfg.model_path else "lmcache"
+        self.port.publish_events(self._chunk_hash, model=model, block_size=0)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -127,6 +130,13 @@ class HurrayL2Adapter(L2AdapterInterface):
             f"{self._prefix}{key.model_name}@{key.kv_rank}@{group}"
             f"@{bytes(key.chunk_hash).hex()}@{salt}"
         )
+
+    def _chunk_hash(self, name: str) -> tuple[bytes, ...]:
+        """LMCache's chunk hash of one of our object names (a KV event's block hash)."""
+        if not name.startswith(self._prefix):
+            return ()
+        parts = name[len(self._prefix) :].split("@")
+        return (bytes.fromhex(parts[3]),) if len(parts) >= 5 else ()
 
     def _task(self) -> L2TaskId:
         with self._lock:

@@ -145,6 +145,8 @@ class HurrayHiCacheStorage(HiCacheStorage):
         self.prefix = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         self.io = PageIO(self.port, self.codec, self.prefix, self.counts, self._failed)
         self.disabled = ""
+        model = str(self.storage_config.model_name or self.identity)
+        self.port.publish_events(self.io.page_key, model=model, block_size=self.codec.page_size)
         log.info(
             "HurrayHiCacheStorage: host pool %s, %d layers x %d heads x %d, pages of %d "
             "tokens (%d KiB), %s",

@@ -50,6 +50,18 @@ class PageIO:
             return self.names + key
         return self.names + "h" + xxhash.xxh3_128_hexdigest(key.encode())
 
+    def page_key(self, name: str) -> tuple[bytes, ...]:
+        """SGLang's page key of one of our object names, as a KV event's block hash: the
+        key's bytes (a hex key decoded); an over-long key was stored under its xxh3-128,
+        which stands for it. Empty: not one of this pool's pages."""
+        if not name.startswith(self.names):
+            return ()
+        key = name[len(self.names) :]
+        try:
+            return (bytes.fromhex(key.removeprefix("h") if len(key) == 33 else key),)
+        except ValueError:
+            return (key.encode(),)
+
     def held(self, keys: list[str]) -> int:
         """How many of ``keys``, from the first, a get will find."""
         return self.port.lookup(self.name_of(k) for k in keys).n

@@ -15,7 +15,8 @@ OWNERS = {
     "redis": ["tiers/redis.py", "tiers/redis_*.py"],
     # the connector's modules; its data path (layout.py, transfer.py) needs torch alone
     "vllm": [
-        f"adapters/vllm/{m}.py" for m in ("connector", "probe", "scheduler", "spec", "warmup")
+        f"adapters/vllm/{m}.py"
+        for m in ("connector", "events", "kv_events", "probe", "scheduler", "spec", "warmup")
     ],
     "sglang": ["adapters/sglang/backend.py"],
     # the S3 tier, and the test kit's raw client of a bucket (around the tier, for the

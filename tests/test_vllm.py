@@ -308,6 +308,91 @@ def test_greedy_output_is_the_same_with_the_connector_and_loaded_from_the_store(
     assert counts["load_errors"] > 0, counts
 
 
+def _events_of(tmp_path: Path, model: Path, prompts: list[list[int]], cfg: Path) -> tuple:
+    """Run vLLM with its KV events on and the connector; (every event a subscriber
+    decoded, the run's results, the worker's counts)."""
+    import threading
+
+    from hurray_store.events.subscriber import Subscriber
+
+    ep = f"ipc://{tmp_path}/kv-events-{len(list(tmp_path.glob('stats-*')))}"
+    sub = Subscriber(ep)
+    got: list[Any] = []
+    stop = threading.Event()
+
+    def collect() -> None:
+        while not stop.is_set():
+            got.extend(e for r in sub.recv(0.2) for e in r.batch.events)
+
+    t = threading.Thread(target=collect)
+    t.start()
+    try:
+        out, counts = _vllm(tmp_path, model, prompts, "--config", str(cfg), "--kv-events", ep)
+    finally:
+        stop.set()
+        t.join()
+        sub.close()
+    return got, out, counts
+
+
+def test_saved_blocks_are_kv_events_keyed_by_vllms_block_hashes(
+    fp32_model: Path, fp32_baseline: tuple[list[list[int]], list[Any]], tmp_path: Path
+) -> None:
+    """vLLM with ``--kv-events-config`` (its own ZMQ publisher) and the connector: each
+    block the connector saves is a ``BlockStored`` in the cpu tier's medium and in the
+    disk tier's, keyed by the very hash, tokens and parent vLLM's own ``GPU`` event gave
+    that block; a real subscriber decodes the batches. A warm restart loads what the
+    events said is stored; a stored object found corrupt on that load is a
+    ``BlockRemoved`` of its blocks."""
+    prompts, _ = fp32_baseline
+    filler = _prompts(0, [40], seed=9)  # steps after the last save: its events go out
+    cfg = _config(tmp_path / "hs.yaml", tmp_path / "cache")
+    got, _, counts = _events_of(tmp_path, fp32_model, [*prompts, *filler], cfg)
+    assert counts["blocks_saved"] == 8 + 1, counts  # the filler's one full block too
+    stored = [e for e in got if type(e).__name__ == "BlockStored"]
+    bs = 32
+    gpu_tokens = {
+        h: tuple(e.token_ids[i * bs : (i + 1) * bs])
+        for e in stored
+        if e.medium == "GPU"
+        for i, h in enumerate(e.block_hashes)
+    }
+    ours = [e for e in stored if e.medium in ("CPU", "STORAGE")]
+    by_medium = {
+        m: {h for e in ours if e.medium == m for h in e.block_hashes} for m in ("CPU", "STORAGE")
+    }
+    assert by_medium["CPU"] == by_medium["STORAGE"] and len(by_medium["CPU"]) == 9, by_medium
+    assert by_medium["STORAGE"] <= set(gpu_tokens), "keyed by vLLM's own block hashes"
+    for e in ours:
+        assert e.block_size == bs
+        assert tuple(e.token_ids) == sum((gpu_tokens[h] for h in e.block_hashes), ())
+    # The second prompt's one new block hangs off the first prompt's sixth.
+    parents = {e.parent_block_hash for e in ours if len(e.block_hashes) == 1}
+    assert parents & set(gpu_tokens), parents
+
+    # A warm restart over a folder whose objects were corrupted since: the first prompt's
+    # lookup promises its blocks (what the events said), the load finds them wrong, and
+    # the removal of its blocks from the disk tier is an event.
+    for p in (tmp_path / "cache" / "objects").rglob("*"):
+        if p.is_file() and not p.name.endswith("%2Fm"):
+            raw = bytearray(p.read_bytes())
+            raw[len(raw) // 2 :] = bytes(len(raw) - len(raw) // 2)  # its second half zeroed
+            p.write_bytes(bytes(raw))
+    cfg2 = tmp_path / "disk-only.yaml"
+    cfg2.write_text(
+        f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"
+    )
+    again, _, counts2 = _events_of(tmp_path, fp32_model, [prompts[0], *filler], cfg2)
+    assert counts2["load_errors"] > 0, counts2
+    removed = {
+        h
+        for e in again
+        if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"
+        for h in e.block_hashes
+    }
+    assert removed and removed <= by_medium["STORAGE"], (removed, by_medium)
+
+
 def test_a_step_returns_before_its_saves_are_written_and_others_see_them_once_committed(
     fp32_model: Path,
     fp32_baseline: tuple[list[list[int]], list[Any]],

@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--hf-overrides", default="", help="JSON: vLLM's hf_overrides")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--stats", default="", help="where the connector's worker writes its counts")
+    ap.add_argument("--kv-events", default="", help="vLLM's KV events on, published here (ZMQ)")
     ap.add_argument(
         "--after-first-hit",
         default="",
@@ -73,6 +74,12 @@ def main() -> None:
         )
     if a.hf_overrides:
         chunking["hf_overrides"] = json.loads(a.hf_overrides)
+    if a.kv_events:
+        from vllm.config import KVEventsConfig
+
+        chunking["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=a.kv_events
+        )
     llm = LLM(
         model=a.model,
         skip_tokenizer_init=True,

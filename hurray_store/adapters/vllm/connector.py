@@ -70,6 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from hurray_store.adapters.vllm.events import WorkerEvents
 from hurray_store.adapters.vllm.layout import LayoutError
 from hurray_store.adapters.vllm.probe import check_views
 from hurray_store.adapters.vllm.scheduler import TIMEOUT_S, HurrayMetadata, SchedulerSide
@@ -150,6 +151,10 @@ class HurrayConnector(KVConnectorBase_V1):
         if self.disabled:
             log.warning("HurrayConnector: serving without the cache: %s", self.disabled)
         kvt = self._kv_transfer_config
+        # vLLM publishes KV events (--kv-events-config): the connector reports the blocks
+        # it stores and loses among them, keyed by vLLM's block hashes (docs/events.md).
+        kve = getattr(vllm_config, "kv_events_config", None)
+        self.kv_events = bool(kve is not None and getattr(kve, "enable_kv_cache_events", False))
         self.scheduler = SchedulerSide(
             self.port,
             # The scheduler serves a prefix only when every rank can deliver it: it
@@ -162,6 +167,7 @@ class HurrayConnector(KVConnectorBase_V1):
             saves=bool(kvt.is_kv_producer),
             disabled=self.disabled,
             base_salt=base.encode(),
+            events=self.kv_events,
         )
         # worker
         self.xfer: BlockTransfers | None = None  # the data path, once the KV is registered
@@ -222,6 +228,11 @@ class HurrayConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
+    def take_events(self) -> Any:
+        """The blocks the workers stored in the store's tiers and the tiers lost, as
+        vLLM's events, for vLLM's publisher."""
+        return self.scheduler.take_events()
+
     # ================================================================== worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -243,6 +254,7 @@ class HurrayConnector(KVConnectorBase_V1):
                         packing=got,
                         counts=self.counts,
                         on_written=self._dump_counts,
+                        events=WorkerEvents(self.port, self.spec) if self.kv_events else None,
                     )
                 except (ValueError, LayoutError) as e:
                     self.disabled = str(e)
@@ -354,6 +366,19 @@ class HurrayConnector(KVConnectorBase_V1):
         if not isinstance(meta, HurrayMetadata) or not meta.saves or self.xfer is None:
             return
         self.xfer.save(meta.saves)
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """This worker's events since the last step (None: none)."""
+        if self.xfer is None or self.xfer.events is None:
+            return None
+        events = self.xfer.events.take()
+        if not events:
+            return None
+        from hurray_store.adapters.vllm.kv_events import HurrayKVEvents
+
+        out = HurrayKVEvents(num_workers=1)
+        out.add_events(events)
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_load()

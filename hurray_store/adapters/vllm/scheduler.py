@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from hurray_store.adapters.vllm.events import block_infos
 from hurray_store.adapters.vllm.transfer import Transfer
 from hurray_store.engine import EnginePort
 from hurray_store.identity import adapter_id
@@ -39,6 +40,7 @@ class _Tracked:
     block_ids: list[int]
     saved: int  # prompt tokens (whole blocks) already handed to the worker to save
     salt: bytes
+    request: Any = None  # vLLM's request, while KV events are on (its block hashes)
 
 
 class SchedulerSide:
@@ -56,6 +58,7 @@ class SchedulerSide:
         saves: bool,
         disabled: str,
         base_salt: bytes,
+        events: bool = False,
     ) -> None:
         self.port, self.rank_specs, self.block_size = port, rank_specs, block_size
         self.loads, self.saves, self.disabled, self.base_salt = loads, saves, disabled, base_salt
@@ -68,6 +71,11 @@ class SchedulerSide:
         self._refused: set[str] = set()  # the kinds of request refused, each logged once
         self._tracked: dict[str, _Tracked] = {}
         self._unconfirmed: set[str] = set()  # loads planned, their outcome not yet reported
+        # vLLM's KV events are on: saves carry their blocks' vLLM keys, and the workers'
+        # events (the blocks stored and removed) wait here for ``take_events``.
+        self.events = events
+        self._requests: dict[str, Request] = {}
+        self._kv_events: Any = None
 
     def salt_of(self, request: Request) -> bytes | None:
         """The request's page salt, made once per request: everything vLLM's own block
@@ -76,6 +84,8 @@ class SchedulerSide:
         rid = request.request_id
         if rid in self._salts:
             return self._salts[rid]
+        if self.events:
+            self._requests[rid] = request
         why = ""
         lora = None
         if self.disabled:
@@ -138,15 +148,19 @@ class SchedulerSide:
             prompt = list(new.prompt_token_ids or [])
             blocks = list(new.block_ids[0])
             ext = self._loads.pop(new.req_id, 0)
+            request = self._requests.pop(new.req_id, None)
             if ext:
                 end = new.num_computed_tokens  # vLLM's own hit plus the store's
                 first = (end - ext) // self.block_size
-                meta.loads.append(Transfer(new.req_id, prompt[:end], blocks, first, salt))
+                tr = Transfer(new.req_id, prompt[:end], blocks, first, salt)
+                if request is not None:  # every block of the segments it reads, from 0
+                    tr.blocks = block_infos(request, 0, end // self.block_size, self.block_size)
+                meta.loads.append(tr)
                 self._unconfirmed.add(new.req_id)
             # Saved from what the store held at the lookup (unknown: from the start;
             # the store then skips what it holds, after the copy).
             held = min(new.num_computed_tokens, self._stored.pop(new.req_id, 0))
-            tracked = _Tracked(prompt, blocks, held, salt)
+            tracked = _Tracked(prompt, blocks, held, salt, request)
             self._tracked[new.req_id] = tracked
             self._save_if_due(meta, new.req_id, tracked, new.num_computed_tokens, so)
         cached = so.scheduled_cached_reqs
@@ -171,7 +185,10 @@ class SchedulerSide:
         full = min(done, len(t.prompt)) // self.block_size * self.block_size
         if full > t.saved and self.saves:
             first = t.saved // self.block_size
-            meta.saves.append(Transfer(req_id, t.prompt[:full], list(t.block_ids), first, t.salt))
+            tr = Transfer(req_id, t.prompt[:full], list(t.block_ids), first, t.salt)
+            if t.request is not None:
+                tr.blocks = block_infos(t.request, first, full // self.block_size, self.block_size)
+            meta.saves.append(tr)
             t.saved = full
         self._untrack_if_done(req_id, t)
 
@@ -187,6 +204,12 @@ class SchedulerSide:
         """The worker's report of the last step: a block it could not load is
         recomputed by vLLM, and then saved again (it counted as saved when the load was
         planned)."""
+        if self.events and (ev := getattr(connector_output, "kv_cache_events", None)):
+            if self._kv_events is None:
+                self._kv_events = ev
+            else:
+                self._kv_events.add_events(ev.get_all_events())
+                self._kv_events.increment_workers(ev.get_number_of_workers())
         bad = connector_output.invalid_block_ids or set()
         for req_id in self._unconfirmed:
             t = self._tracked.get(req_id)
@@ -207,5 +230,15 @@ class SchedulerSide:
         self._loads.pop(request.request_id, None)
         self._salts.pop(request.request_id, None)
         self._stored.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
         self._unconfirmed.discard(request.request_id)
         return False, None
+
+    def take_events(self) -> list[Any]:
+        """The blocks the workers stored and removed since the last call, as vLLM's
+        events (those every worker reported)."""
+        ev, self._kv_events = self._kv_events, None
+        if ev is None:
+            return []
+        ev.aggregate()
+        return ev.get_all_events()

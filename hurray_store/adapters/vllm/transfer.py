@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from hurray_store.adapters.vllm.events import VllmBlock, WorkerEvents
 from hurray_store.adapters.vllm.layout import Packing, check_view, pages_of, write_pages
 from hurray_store.engine import EnginePort, Save
 from hurray_store.paging import PagedKVPool
@@ -66,6 +67,9 @@ class Transfer:
     block_ids: list[int]  # the request's blocks, from its first
     first_block: int  # the first of them this transfer touches
     salt: bytes  # the request's page salt (``keys.request_salt``), made by the scheduler
+    # vLLM's KV events on: a save's blocks first_block.., a load's from 0, as the events
+    # name them (else None)
+    blocks: list[VllmBlock] | None = None
 
 
 @dataclass(slots=True)
@@ -109,6 +113,7 @@ class BlockTransfers:
         packing: Packing | None = None,
         counts: dict[str, Any] | None = None,
         on_written: Callable[[], None] | None = None,
+        events: WorkerEvents | None = None,
     ) -> None:
         if len(views) != spec.num_layers:
             raise ValueError(f"{len(views)} KV layer views, the spec has {spec.num_layers} layers")
@@ -134,6 +139,7 @@ class BlockTransfers:
             self.counts.setdefault(k, 0)
         self.counts.setdefault("copy_out_s", 0.0)  # engine time spent in save()
         self.on_written = on_written
+        self.events = events  # vLLM's KV events on: the saved blocks' vLLM keys go here
         self._steps = itertools.count()  # names the steps' saves in the port's backlog
 
     # ------------------------------------------------------------------ saves
@@ -223,6 +229,12 @@ class BlockTransfers:
             n = len(tr.token_ids) // bs - tr.first_block
             tables.append([0] * tr.first_block + list(range(off, off + n)))
             off += n
+        if self.events is not None:  # before the commit its events are about
+            for tr, t in zip(p.saves, tables, strict=True):
+                if tr.blocks:
+                    self.events.note_blocks(
+                        tr.token_ids[: len(t) * bs], tr.salt, tr.first_block, tr.blocks
+                    )
         try:
             pool = PagedKVPool.from_tensors(self.spec, p.buffers)
             toks = [tr.token_ids[: len(t) * bs] for tr, t in zip(p.saves, tables, strict=True)]
@@ -259,6 +271,10 @@ class BlockTransfers:
         if self.cuda:
             start = torch.cuda.Event()
             start.record(torch.cuda.current_stream(self.device))  # before the blocks' reuse
+        if self.events is not None:  # the blocks of what it reads, for its removal events
+            for tr in loads:
+                if tr.blocks:
+                    self.events.note_blocks(tr.token_ids, tr.salt, 0, tr.blocks)
         fut = self.st.submit(self._load(loads, ready, events, start))
         return Loading(loads, ready, events, fut)
 

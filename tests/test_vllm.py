@@ -364,7 +364,8 @@ def test_saved_blocks_are_kv_events_keyed_by_vllms_block_hashes(
     assert by_medium["CPU"] == by_medium["STORAGE"] and len(by_medium["CPU"]) == 9, by_medium
     assert by_medium["STORAGE"] <= set(gpu_tokens), "keyed by vLLM's own block hashes"
     for e in ours:
-        assert e.block_size == bs
+        assert e.block_size == bs and e.locality == "LOCAL"
+        assert e.ownership == {"CPU": "cpu", "STORAGE": "disk"}[e.medium]
         assert tuple(e.token_ids) == sum((gpu_tokens[h] for h in e.block_hashes), ())
     # The second prompt's one new block hangs off the first prompt's sixth.
     parents = {e.parent_block_hash for e in ours if len(e.block_hashes) == 1}

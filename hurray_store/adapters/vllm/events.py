@@ -24,7 +24,7 @@ from typing import Any
 
 from hurray_store.engine import EnginePort
 from hurray_store.engine.events import EVENTS_KEPT
-from hurray_store.events.wire import medium_of
+from hurray_store.events.wire import LOCAL, medium_of
 from hurray_store.keys import SegmentKey, page_hashes
 from hurray_store.spec import KVSpec
 
@@ -145,6 +145,8 @@ class WorkerEvents:
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
         out: list[Any] = []
+        # Where this vLLM's events have them (0.32 on): the tier, as a secondary tier's id.
+        where = set(getattr(BlockStored, "__struct_fields__", ())) >= {"locality", "ownership"}
         noted = [self._noted.popleft() for _ in range(len(self._noted))]
         early, self._early = self._early, []
         todo: list[tuple[str, str, SegmentKey, int, list[list[bytes]] | None]]
@@ -157,12 +159,13 @@ class WorkerEvents:
                     self._early.append((kind, tier, seg, tries + 1))
                 continue
             medium = self._media.get(tier)
+            extra_fields = {"locality": LOCAL, "ownership": tier} if where else {}
             for run in runs:
                 blocks = [b for h in run if (b := self._blocks.get(h)) is not None]
                 if not blocks:
                     continue
                 if kind == "removed":
-                    out.append(BlockRemoved([b.hash for b in blocks], medium))
+                    out.append(BlockRemoved([b.hash for b in blocks], medium, **extra_fields))
                     continue
                 extra = [b.extra_keys for b in blocks]
                 out.append(
@@ -175,6 +178,7 @@ class WorkerEvents:
                         medium=medium,
                         lora_name=blocks[0].lora_name,
                         extra_keys=extra if any(e is not None for e in extra) else None,
+                        **extra_fields,
                     )
                 )
         return out

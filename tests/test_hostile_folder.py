@@ -99,6 +99,28 @@ async def test_an_odd_file_in_place_of_an_object_is_a_miss(tmp_path: Path, kind:
         assert await _within(again.get_object("x")) is None
 
 
+@pytest.mark.parametrize("kind", sorted(ODD))
+async def test_the_next_put_of_a_key_replaces_an_odd_file_in_its_place(
+    tmp_path: Path, kind: str
+) -> None:
+    """Whatever sits where an object goes (a folder with files in it too, which a rename
+    cannot replace), the next put of that key stores it and a get reads it back; a
+    folder is moved aside into the tier's quarantine, not deleted."""
+    cfg = fc.config(str(tmp_path), 1 << 30)
+    async with TieredStore(cfg) as store:
+        d = _disk(store)
+        assert await d.put("raw", [b"b" * 100])
+        _replace(d.path_of("raw"), ODD[kind])
+        assert await _within(d.put("raw", [b"c" * 100]))
+        got = await _within(d.get("raw"))
+        assert got is not None and bytes(got) == b"c" * 100
+        assert d.path_of("raw").is_file() and not d.path_of("raw").is_symlink()
+        aside = [p for p in d.quarantine_dir.iterdir() if p.name.startswith("dir.")]
+        assert len(aside) == (kind == "folder")
+        if aside:
+            assert (aside[0] / "inside").read_bytes() == b"x" * 64, "moved, nothing lost"
+
+
 async def test_a_fifo_in_place_of_layer_objects_is_a_miss_for_retrieve_and_lookup(
     tmp_path: Path,
 ) -> None:

@@ -38,6 +38,7 @@ import functools
 import itertools
 import logging
 import os
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -250,7 +251,19 @@ class DiskTier(Tier):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, dst)
+            try:
+                os.replace(tmp, dst)
+            except OSError as e:  # a directory in the page's place (put there by hand)
+                if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                if not stat.S_ISDIR(os.lstat(dst).st_mode):
+                    raise
+                aside = f"{self.quarantine_dir}/dir.{os.getpid()}.{next(_counter)}.{name[:100]}"
+                os.replace(dst, aside)
+                log.warning(
+                    "disk tier %s: a directory at %s's path moved to %s", self.name, key, aside
+                )
+                os.replace(tmp, dst)
             if self.fsync:
                 dfd = os.open(folder, os.O_RDONLY)
                 try:

@@ -96,6 +96,9 @@ def make_backend(spec: dict[str, Any], pool: Any) -> Any:
     backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     if pool is not None:
         backend.register_mem_pool_host(pool)
+    # A subscriber connecting to the events' PUB socket (bound just now) gets what is
+    # published only once it has joined: a loaded machine may take a while.
+    time.sleep(spec.get("settle_s", 0.0))
     return backend
 
 
@@ -112,6 +115,28 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     op = spec["op"]
     if op == "batch":  # several runs in one process (SGLang takes 6 s to import here)
         return {"runs": [run({**spec, **r, "op": r["op"]}) for r in spec["runs"]]}
+    if op == "bad_args":  # SGLang's argument rules, then calls after close()
+        pool = make_pool(spec.get("layout", "layer_first"), dtype, P, 6)
+        b = make_backend(spec, pool)
+        ok = indices(pool, [1, 2])
+        shuffled = ok.clone()
+        shuffled[[0, 1]] = shuffled[[1, 0]]  # a page's indices out of order
+        cases = {
+            "float_indices": b.batch_set_v1(["a", "b"], ok.to(torch.float32)),
+            "more_indices": b.batch_set_v1(["a"], ok),
+            "not_consecutive": b.batch_set_v1(["a", "b"], shuffled),
+            "key_twice": b.batch_set_v1(["a", "a"], ok),
+            "get_more_indices": b.batch_get_v1(["a"], ok),
+            "good": b.batch_set_v1(["a", "b"], ok),
+        }
+        b.close()
+        t0 = time.perf_counter()
+        after = {
+            "exists": b.batch_exists(["a", "b"]),
+            "set": b.batch_set_v1(["c"], indices(pool, [3])),
+            "get": b.batch_get_v1(["a"], indices(pool, [4])),
+        }
+        return {"cases": cases, "after": after, "after_s": time.perf_counter() - t0}
     if op == "construct":
         try:
             make_backend(spec, None)

@@ -380,6 +380,7 @@ def test_sglangs_pages_are_published_as_kv_events_keyed_by_its_page_hashes(
                 "model_name": "qwen-test",
                 "op": "set",
                 "keys": page_keys,
+                "settle_s": 2.0,  # the subscriber joins the PUB socket first
             }
         )
         got = []
@@ -394,3 +395,37 @@ def test_sglangs_pages_are_published_as_kv_events_keyed_by_its_page_hashes(
     assert {type(e).__name__ for e in evs} == {"BlockStored"}
     assert sorted(h.hex() for e in evs for h in e.block_hashes) == page_keys
     assert {(e.medium, e.ownership, e.block_size) for e in evs} == {("STORAGE", "disk", 16)}
+
+
+def test_sglangs_argument_rules_are_enforced_and_calls_after_close_return_at_once(
+    tmp_path: Path,
+) -> None:
+    """Float host indices, more indices than pages, a page's indices out of order and a
+    key named twice in one set: each is one ERROR line and nothing stored (all False);
+    the good call after them stores. After ``close()`` every call is a miss at once
+    (it used to wait 60 s for a loop that was gone; the bound here is a hang guard)."""
+    got = sglang(
+        {
+            "config": disk_config(tmp_path),
+            "model": model(tmp_path / "m", 1),
+            "op": "bad_args",
+        }
+    )
+    assert got["cases"] == {
+        "float_indices": [False, False],
+        "more_indices": [False],
+        "not_consecutive": [False, False],
+        "key_twice": [False, False],
+        "get_more_indices": [False],
+        "good": [True, True],
+    }
+    for says in (
+        "not integers",
+        "host indices for 1 pages",
+        "not consecutive",
+        "a key named twice",
+    ):
+        assert says in got["log"], says
+    assert got["after"] == {"exists": 0, "set": [False], "get": [False]}
+    assert got["after_s"] < 30
+    assert not page_files(tmp_path)[2:], "only the good call's two pages were stored"

@@ -173,13 +173,26 @@ class HurrayHiCacheStorage(HiCacheStorage):
         assert self.codec is not None and self.io is not None
         P = self.codec.page_size
         try:
-            if host_indices.numel() < n * P:
+            if host_indices.dtype.is_floating_point or host_indices.dtype == torch.bool:
+                raise PageLayoutError(f"host indices of {host_indices.dtype}, not integers")
+            if host_indices.numel() != n * P:
                 raise PageLayoutError(f"{host_indices.numel()} host indices for {n} pages of {P}")
-            starts = [int(i) for i in host_indices[: n * P : P].tolist()]
+            pages = host_indices.reshape(n, P).to(torch.int64)
+            if n and not torch.equal(pages - pages[:, :1], torch.arange(P).expand(n, P)):
+                raise PageLayoutError("a page's host indices are not consecutive")
+            starts = [int(i) for i in pages[:, 0].tolist()]
             return [page_view(self.mem_pool_host.kv_buffer, self.layout, P, s) for s in starts]
         except PageLayoutError as e:
             log.error("HurrayHiCacheStorage: %s: %s", call, e)
             return None
+
+    @staticmethod
+    def _distinct(keys: list[str], call: str) -> bool:
+        """A set names each page once (which of two pages would the key hold?)."""
+        if len(set(keys)) == len(keys):
+            return True
+        log.error("HurrayHiCacheStorage: %s: a key named twice in one call; nothing set", call)
+        return False
 
     def _failed(self, what: str, e: BaseException) -> None:
         self.counts["store_errors"] += 1
@@ -243,7 +256,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
         """Store the pages at ``host_indices`` under ``keys``; a page the store holds
         already is not written again. True for each page stored (or held)."""
         out = [False] * len(keys)
-        if self.disabled or not keys:
+        if self.disabled or not keys or not self._distinct(keys, "batch_set_v1"):
             return out
         assert self.codec is not None and self.io is not None
         t0 = time.perf_counter()
@@ -297,7 +310,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
     ) -> bool:
         """SGLang's non-zero-copy path: flat pages (``get_data_page(flat=True)``, the host
         layout's page order)."""
-        if self.disabled or not keys or values is None:
+        if self.disabled or not keys or values is None or not self._distinct(keys, "batch_set"):
             return False
         assert self.codec is not None and self.io is not None
         try:
@@ -329,7 +342,9 @@ class HurrayHiCacheStorage(HiCacheStorage):
         return m
 
     def close(self) -> None:
-        """Write what is pending, then close the store."""
+        """Write what is pending, then close the store; every later call is a miss (or
+        not stored) at once."""
+        self.disabled = "closed"
         self.port.close()
 
 

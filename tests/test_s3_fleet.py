@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -276,3 +277,29 @@ async def test_a_manifest_waits_for_its_layers_to_be_confirmed(
     assert _objects(s3_server, f"confirm-{tmp_path.name}") == [], "the group's objects undone"
     async with await open_store(cfg) as fresh:
         assert await fresh.lookup(sp, b.tokens) == [0]
+
+
+async def test_a_slow_change_log_list_never_marks_the_tier_unreachable(
+    s3_server: SeaweedProc, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A change-log poll has its own limit: every LIST here runs past it (the limit set
+    below any LIST's time, as a busy machine makes a LIST slower than a request's
+    timeout). The polls fail quietly (one INFO line), the tier stays available, and a
+    put and a retrieve right after are served (they used to miss for the backoff)."""
+    sp = spec(num_layers=2)
+    src = random_pool(sp, 64)
+    b1 = shared_batch(src, list(range(700, 716)), [[1] * 8])
+    cfg = _cfg(s3_server, f"slow-{tmp_path.name}", change_poll_timeout_s=1e-6)
+    async with await open_store(cfg) as store:
+        with caplog.at_level(logging.INFO, logger="hurray_store.tiers.outage"):
+            t = store.tiers[0]
+            assert isinstance(t, S3Tier)
+            for _ in range(3):
+                await t.poll()  # a poll now, as the poller makes every 0.1 s
+            await asyncio.sleep(0.3)
+        assert store.stats()["tiers"]["s3"]["available"]
+        assert "unreachable" not in caplog.text
+        assert caplog.text.count("LIST (change log) did not finish") == 1, caplog.text
+        await store.put(src, b1.tokens, b1.tables)
+        await store.flush()
+        assert await _delivers(store, sp, src, b1) == 24

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -196,13 +197,16 @@ class TestDiskTier(DiskBase):
     async def test_a_failed_write_leaves_no_object_and_returns_false(
         self, tier: Tier, caplog: pytest.LogCaptureFixture
     ) -> None:
+        # A file where the object's folder goes: its write cannot be made (a folder in
+        # the object's own place is moved aside instead: tests/test_hostile_folder.py).
         shard = tier.path_of("blocked").parent  # type: ignore[attr-defined]
-        shard.mkdir(parents=True, exist_ok=True)
-        tier.path_of("blocked").mkdir()  # type: ignore[attr-defined]  # a folder where the file goes
+        shard.parent.mkdir(parents=True, exist_ok=True)
+        shard.write_bytes(b"not a folder")
         with caplog.at_level(logging.WARNING):
             assert await tier.put("blocked", [b"data"]) is False
         assert "write of blocked skipped" in caplog.text
-        assert not [p for p in shard.iterdir() if p.name.startswith(".tmp.")]
+        assert shard.read_bytes() == b"not a folder"
+        assert not [p for p in shard.parent.iterdir() if p.name.startswith(".tmp.")]
 
 
 def test_a_gathered_write_goes_out_before_the_next_buffer_is_taken() -> None:
@@ -515,12 +519,58 @@ class TestRedisTier(RedisBase):
                 assert await t.get("k") is None  # the loop's read: a miss, no new timeout
         assert not t.available and caplog.text.count("unreachable") == 1
         redis_fresh.start()
-        assert await t.put("k", [data])  # a probe on the loop once the backoff is over
+        # No call probes (none waits on a service that timed out): the tier's background
+        # probe sees it back.
         for _ in range(200):
-            if t.available or await t.put("k", [data]):
+            if t.available:
                 break
             await asyncio.sleep(0.05)
+        assert t.available and t.outage.probes >= 1
+        assert await t.put("k", [data])
         assert await asyncio.to_thread(read) == (True, data)
+        await t.close()
+
+    async def test_a_hung_server_costs_one_timeout_then_no_call_waits_until_a_probe_sees_it(
+        self, redis_fresh: RedisProc
+    ) -> None:
+        """A server SIGSTOPped: the first call waits its timeout and starts the outage;
+        every later call returns at once (none waits anything near the timeout) while
+        the tier's background probe tries it, past several backoffs; resumed, the probe
+        ends the outage and the object is read."""
+        t = RedisTier(
+            RedisTierConfig(
+                url=redis_fresh.url,
+                name="redis",
+                timeout_s=2.0,
+                backoff_initial_s=0.05,
+                backoff_max_s=0.2,
+            )
+        )
+        await t.open()
+        assert await t.put("k", [b"v" * 100])
+        redis_fresh.pause()
+        try:
+            assert await t.get("k") is None  # waits its timeout: the outage starts
+            assert not t.available
+            longest, calls, end = 0.0, 0, time.monotonic() + 1.0
+            while time.monotonic() < end:
+                t0 = time.monotonic()
+                assert await t.get("k") is None
+                assert await t.put("k2", [b"w"]) is False
+                longest = max(longest, time.monotonic() - t0)
+                calls += 1
+                await asyncio.sleep(0.02)
+            assert longest < t.cfg.timeout_s / 2, "a call waited on the hung server"
+            assert calls > 10 and t.outage.count == 1
+        finally:
+            redis_fresh.resume()
+        for _ in range(200):
+            if t.available:
+                break
+            await asyncio.sleep(0.05)
+        assert t.available and t.outage.probes >= 1
+        got = await t.get("k")
+        assert got is not None and bytes(got) == b"v" * 100
         await t.close()
 
     async def test_open_with_the_server_down_does_not_raise(self) -> None:

@@ -177,6 +177,11 @@ class S3TierConfig:
         "other stores on it (one LIST); 0: never (this store is alone on the prefix)",
         1.0,
     )
+    change_poll_timeout_s: float = documented(
+        "a change-log poll's own limit (its LIST, and the cleanup's): one that runs past "
+        "it is tried again at the next poll and never marks the tier unreachable",
+        30.0,
+    )
     change_log_keep_s: float = documented(
         "change log entries older than this are deleted by the store that lists them", 3600.0
     )

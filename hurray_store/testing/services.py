@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -94,6 +95,15 @@ class ServiceProc:
             self.proc.kill()
             self.proc.wait(timeout=10)
             self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the server hangs (its connections stay open, nothing answers)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
 
 
 P = TypeVar("P", bound=ServiceProc)

@@ -171,14 +171,19 @@ class RedisTier(ServiceTier):
     # ------------------------------------------------------------------ interface
 
     async def open(self) -> None:
-        async def ping() -> bool:
-            if self.is_cluster:
-                await self.client.initialize()
-            return bool(await self.client.ping())
+        await self.guard("open", self._ping, False)
+        self.outage.watch(self._ping, self.cfg.timeout_s)
 
-        await self.guard("open", ping, False)
+    async def _ping(self) -> bool:
+        """PING answered (a cluster's slots read first): the outage's probe."""
+        if self.is_cluster:
+            await self.client.initialize()
+        if not await self.client.ping():
+            raise ConnectionError("PING not answered")
+        return True
 
     async def close(self) -> None:
+        self.outage.stop()
         for c in [self.client, *self._acked.masters.values()]:
             try:
                 await c.aclose()

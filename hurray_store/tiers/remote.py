@@ -154,8 +154,27 @@ class RemoteTier(ServiceTier):
 
     async def open(self) -> None:
         await self.ping()
+        self.outage.watch(self._probe, self.cfg.timeout_s)
+
+    async def _probe(self) -> None:
+        """The outage's probe: a PING answered with a PONG, on a pooled connection (a
+        new one if none is live); a connection it gave up on is not used again."""
+        conn = await self._conn()
+        sid, call = conn.start(None)
+        try:
+            async with conn.ch.send_lock:
+                await conn.ch.send(tp.Msg.PING, sid, b"hs")
+            kind, _ = await call.fut
+        except BaseException as e:
+            conn.close(tp.ConnectionClosed(f"probe: {e!r}"))
+            raise
+        finally:
+            conn.pending.pop(sid, None)
+        if kind != tp.Msg.PONG:
+            raise ConnectionError(f"PING answered with message 0x{kind:x}")
 
     async def close(self) -> None:
+        self.outage.stop()
         for i, c in enumerate(self._conns):
             if c is not None:
                 c.close()

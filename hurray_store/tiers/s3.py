@@ -137,16 +137,18 @@ class S3Tier(ServiceTier):
     # ------------------------------------------------------------------ interface
 
     async def open(self) -> None:
-        async def first_page() -> bool:
-            stream = obstore.list(self.store, self.objects, chunk_size=1)
-            async for _ in stream:
-                break
-            return True
-
-        await self.guard("open (listing the bucket)", first_page, False)
+        await self.guard("open (listing the bucket)", self._first_page, False)
+        self.outage.watch(self._first_page, self.cfg.timeout_s)
         self.changelog.start()
 
+    async def _first_page(self) -> bool:
+        """The bucket's first key listed: the outage's probe."""
+        async for _ in obstore.list(self.store, self.objects, chunk_size=1):
+            break
+        return True
+
     async def close(self) -> None:
+        self.outage.stop()
         await self.changelog.stop()
 
     # ------------------------------------------------------------------ other stores

@@ -31,6 +31,7 @@ class S3ChangeLog:
         self._poller: asyncio.Task[None] | None = None
         self._writing: set[asyncio.Task[None]] = set()
         self._cleaned = 0.0  # when the log's old entries were last deleted
+        self._limit_s = t.cfg.change_poll_timeout_s  # a poll's own, not a request's
 
     def start(self) -> None:
         """Poll every ``change_poll_s`` (0: never)."""
@@ -83,7 +84,7 @@ class S3ChangeLog:
                     break
             return got
 
-        names = await self.t.guard("LIST (change log)", run, None)
+        names = await self.t.background("LIST (change log)", run, None, self._limit_s)
         for name in names or ():
             self.feed.add(name)
         self.feed.forget_old()
@@ -110,10 +111,10 @@ class S3ChangeLog:
                     break
             return old
 
-        old = await self.t.guard("LIST (change log)", run, None)
+        old = await self.t.background("LIST (change log)", run, None, self._limit_s)
         if old:
 
             async def delete() -> None:
                 await obstore.delete_async(self.t.store, old)
 
-            await self.t.guard("DELETE (change log)", delete, None)
+            await self.t.background("DELETE (change log)", delete, None, self._limit_s)

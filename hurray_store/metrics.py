@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
+WARN_EVERY_S = 10.0  # a warning repeated for many groups is logged at most this often
 
 COUNTERS = (
     ("hits", "objects (or byte ranges of one object) found"),
@@ -81,7 +82,29 @@ class StoreMetrics:
             buckets=(1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
         )
         self.moves: dict[tuple[str, str], list[int]] = {}  # (reason, tier) -> [groups, bytes]
+        # Groups no tier took (every tier down, full or refusing): saves lost, in
+        # groups and bytes; and when the last warning about them was logged.
+        self.not_stored = [0, 0]
+        self._not_stored_logged = (-WARN_EVERY_S, 0)
         self.registry.register(_Collector(self))
+
+    def stored_nowhere(self, group: object, nbytes: int) -> None:
+        """No tier took ``group``: counted, and warned about once per ``WARN_EVERY_S``
+        (with how many since the last warning), never once per group."""
+        self.not_stored[0] += 1
+        self.not_stored[1] += nbytes
+        at, seen = self._not_stored_logged
+        now = time.monotonic()
+        if now - at >= WARN_EVERY_S:
+            self._not_stored_logged = (now, self.not_stored[0])
+            log.warning(
+                "group %s (%d bytes) stored in no tier (%d groups so far, %d since the last "
+                "warning; stats: not_stored)",
+                group,
+                nbytes,
+                self.not_stored[0],
+                self.not_stored[0] - seen,
+            )
 
     def moved(self, reason: str, tier: str, group: object, nbytes: int) -> None:
         """A group left ``tier``, or was copied into it, for ``reason`` (one of
@@ -138,6 +161,16 @@ class _Collector(Collector):
             moved.add_metric([reason, tier], b)
         yield moves
         yield moved
+        yield CounterMetricFamily(
+            "hurray_store_not_stored_groups",
+            "groups (segments, objects) no tier took: saves lost to an outage or full tiers",
+            value=self.m.not_stored[0],
+        )
+        yield CounterMetricFamily(
+            "hurray_store_not_stored_bytes",
+            "bytes of the groups no tier took",
+            value=self.m.not_stored[1],
+        )
         gauges = self.m._gauges()
         for gname in ("objects", "bytes", "capacity_bytes"):
             g = GaugeMetricFamily(

@@ -232,8 +232,14 @@ async def test_full_disk_tier_evicts_and_refuses_what_never_fits(
         big = shared_batch(src, [77] * 64, [[]])  # 16 pages: larger than the whole budget
         with caplog.at_level(logging.WARNING):
             r = await store.put(src, big.tokens, big.tables)
-        assert r.pages_written == 0 and "stored in no tier" in caplog.text
+            for g in range(5):  # more saves lost: counted, warned about once per 10 s
+                more = shared_batch(src, [80 + g] * 64, [[]])
+                assert (await store.put(src, more.tokens, more.tables)).pages_not_stored == 16
+        assert r.pages_written == 0 and r.pages_not_stored == 16
+        assert caplog.text.count("stored in no tier") == 1, caplog.text
         assert store.stats()["tiers"]["disk"]["objects"] == 8  # nothing was evicted for it
+        lost = store.stats()["not_stored"]
+        assert lost["groups"] == 6 and lost["bytes"] > 6 * 3 * one  # 16 pages each, 4 in one
 
 
 @pytest.mark.parametrize("what", ["fingerprint", "token_ids"])

@@ -321,6 +321,7 @@ class TieredStore(ObjectLevel):
             "segments": len(index.segments()),
             "pending_write_bytes": self.cascade.pending_bytes,
             "moves": self.metrics.moves_snapshot(),
+            "not_stored": dict(zip(("groups", "bytes"), self.metrics.not_stored, strict=True)),
         }
 
 

@@ -122,7 +122,7 @@ class TierCascade:
                 if done is not False:  # written, or deleted meanwhile: nothing more to do
                     break
         if top is None:
-            log.warning("group %s (%d bytes) stored in no tier", group, total)
+            self.metrics.stored_nowhere(group, total)
             if release is not None:
                 release()
             return []

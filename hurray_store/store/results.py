@@ -15,6 +15,8 @@ class PutResult:
     # pages not written because an earlier page of theirs was neither stored nor in
     # the pool (``put``'s ``from_page``): they could not be reached by a lookup
     pages_unreachable: int = 0
+    # pages this put meant to write that no tier took (every tier down, full, refusing)
+    pages_not_stored: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -190,7 +190,7 @@ class SegmentWriter:
                 first_use.setdefault(hs[i], (s, i))
         tiers = self.cascade.tiers
         bytes_per_tier = {t.name: 0 for t in tiers}
-        written = nseg = 0
+        written = nseg = lost = 0
         with self.inflight.claim(list(first_use)):
             page_cost = 2 * spec.page_bytes * spec.num_layers
             for seqs in split_segments(hashes, firsts, page_cost, self.max_segment_bytes):
@@ -202,12 +202,13 @@ class SegmentWriter:
                     for s in seqs
                 ]
                 n, where, total = await self._put_segment(pool, seqs, tables, toks, hashes, firsts)
-                written += n
+                written += n if where else 0
+                lost += 0 if where else n
                 nseg += 1 if n else 0
                 for i in where:  # written, or queued for write-through
                     bytes_per_tier[tiers[i].name] += total
         return PutResult(
-            sum(len(hs) for hs in hashes), written, already, nseg, bytes_per_tier, unreachable
+            sum(len(hs) for hs in hashes), written, already, nseg, bytes_per_tier, unreachable, lost
         )
 
     async def _put_segment(
@@ -219,8 +220,8 @@ class SegmentWriter:
         hashes: list[list[bytes]],
         firsts: list[int],
     ) -> tuple[int, list[int], int]:
-        """One segment: its layer objects, then its manifest. Returns (pages written,
-        tiers written or queued, bytes)."""
+        """One segment: its layer objects, then its manifest. Returns (pages, tiers
+        written or queued: none when no tier took it, bytes)."""
         spec = pool.spec
         distinct, compacted, inverse = compact(tables)
         n = int(distinct.numel())
@@ -284,7 +285,7 @@ class SegmentWriter:
                 on_committed=committed,
                 release=space.release,
             )
-        return (n if where else 0), where, sum(sizes) + skeleton.encoded_size()
+        return n, where, sum(sizes) + skeleton.encoded_size()
 
 
 def _skeleton(

@@ -131,6 +131,7 @@ class BlockTransfers:
         for k in (
             "blocks_saved",
             "blocks_unreachable",  # not saved: an earlier block of theirs was not stored
+            "blocks_not_stored",  # not saved: no tier took them (an outage, full tiers)
             "saves_failed",
             "saves_dropped",
             "blocks_loaded",
@@ -243,6 +244,7 @@ class BlockTransfers:
             r = await self.port.put_pages(pool, toks, tables, salts, starts)  # and committed
             self.counts["blocks_saved"] += r.pages_written
             self.counts["blocks_unreachable"] += r.pages_unreachable
+            self.counts["blocks_not_stored"] += r.pages_not_stored
             return True
         except Exception as e:  # a save that fails is a future miss, never an error
             self.counts["saves_failed"] += len(p.saves)

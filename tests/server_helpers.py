@@ -84,6 +84,15 @@ class ServerProc:
         self.proc = None
         return rc
 
+    def pause(self) -> None:
+        """SIGSTOP: the server hangs (its connections stay open, nothing answers)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         if self.proc is not None:
             self.proc.kill()

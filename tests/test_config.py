@@ -109,6 +109,10 @@ def test_relative_paths_resolve_against_the_files_folder(tmp_path: Path) -> None
         ({"tiers": []}, "tiers"),
         ({}, "tiers"),
         (
+            {"tiers": [{"type": "cpu", "capacity_bytes": 1}], "engine": {"wait_s": 0}},
+            "engine.wait_s",
+        ),
+        (
             {"tiers": [{"type": "cpu", "capacity_bytes": 1}, {"type": "cpu", "capacity_bytes": 1}]},
             "tiers.cpu.name",
         ),

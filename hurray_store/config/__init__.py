@@ -18,6 +18,7 @@ from hurray_store.config.loader import (
 )
 from hurray_store.config.schema import (
     ENV_PREFIX,
+    EngineConfig,
     EventsConfig,
     PolicyConfig,
     ServerConfig,
@@ -43,6 +44,7 @@ __all__ = [
     "CpuTierConfig",
     "DiskTierConfig",
     "ENV_PREFIX",
+    "EngineConfig",
     "EventsConfig",
     "GpuTierConfig",
     "PolicyConfig",

@@ -173,6 +173,20 @@ class EventsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How an engine (vLLM, SGLang, LMCache through the engine port) meets a store
+    whose tiers can be down or hang (Redis, S3, a cache server): docs/engine.md."""
+
+    wait_s: float = documented(
+        "the longest an engine's lookup, or a layer of its load, waits on a store with a "
+        "tier behind a network service; past it the lookup is a miss (the engine "
+        "computes), the load's blocks are reported failed, and until the late call ends "
+        "every lookup is a miss at once. Stores of only cpu and disk tiers do not apply it",
+        0.25,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     tiers: tuple[TierConfig, ...] = documented("tiers, fastest first; a put lands in the first")
     namespace: str = documented(
@@ -194,6 +208,9 @@ class StoreConfig:
     events: EventsConfig = documented(
         "KV events for routers (ZMQ, vLLM's wire format); off by default", EventsConfig()
     )
+    engine: EngineConfig = documented(
+        "how long an engine waits on a tier that can hang", EngineConfig()
+    )
 
 
 # --------------------------------------------------------------------------- loading
@@ -204,6 +221,7 @@ SECTIONS: dict[str, type] = {
     "policy": PolicyConfig,
     "server": ServerConfig,
     "events": EventsConfig,
+    "engine": EngineConfig,
 }
 # Keys holding a list of dataclass entries (documented as ``key[]``).
 LISTS: dict[str, type] = {"tenants": TenantConfig}

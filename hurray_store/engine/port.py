@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequenc
 from dataclasses import dataclass, field
 from typing import Any
 
+from hurray_store.engine.bound import WaitBound
 from hurray_store.engine.events import EVENTS_KEPT, EventFeed, StoreEvent
 from hurray_store.engine.reads import Check, OrderedLoads, Take, read_all
 from hurray_store.engine.saves import Save, SaveBacklog, write_lent
@@ -68,7 +69,11 @@ class EnginePort:
         self._events = EventFeed(self.store.namespace, events_kept)
         self._unwatch = self.store.watch(self._events.note)
         self._saves = SaveBacklog(self.thread, save_backlog_bytes, saves_in_flight)
-        self._loads = OrderedLoads(self.thread, timeout_s)
+        # A store with a tier that can hang: an engine's lookups and loads wait at most
+        # ``engine.wait_s`` (``engine/bound.py``).
+        wait_s = self.store.config.engine.wait_s if self.store.networked else None
+        self.bound = WaitBound(self.thread, wait_s, timeout_s)
+        self._loads = OrderedLoads(self.bound)
         self.release_one = self.store.unpin_one  # one pin, any thread, no lock
         self._stored = len(object_stored(self.store.namespace, ""))  # a ref's key: this + name
         self.counts = {"lookups": 0, "objects_held": 0, "loaded": 0, "rejected": 0}
@@ -106,7 +111,9 @@ class EnginePort:
         those the ledger lacks, all at once."""
         self.sync_others()
         if self.store.shared:
-            return self._counted(self.call(_held_shared(self.store, self._names(keys), pin)))
+            self._open()
+            held = _held_shared(self.store, self._names(keys), pin)
+            return self._counted(self.bound.run(held, Held(0), on_late=self.release))
         return self._counted(self._held_here(keys, pin))
 
     async def lookup_async(
@@ -115,8 +122,14 @@ class EnginePort:
         """``lookup`` from an engine's event loop, which it never blocks."""
         self._open()
         if self.store.shared or self.store.others_changed():
+            if self.bound.late:
+                return self._counted(Held(0))
             fut = self.thread.submit(_held_shared(self.store, self._names(keys), pin))
-            return self._counted(await asyncio.wrap_future(fut))
+            done, _ = await asyncio.wait({asyncio.wrap_future(fut)}, timeout=self.bound.limit())
+            if not done:
+                self.bound.went_late(fut, self.release)
+                return self._counted(Held(0))
+            return self._counted(fut.result())
         return self._counted(self._held_here(keys, pin))
 
     def _held_here(self, keys: Iterable[str] | Iterable[KeyRef], pin: bool) -> Held:
@@ -176,7 +189,8 @@ class EnginePort:
         connector): how many leading tokens of ``token_ids`` (whole pages) a load can
         deliver under every one of ``specs`` (one per rank: each rank stores its own
         heads), under ``salt``. On the store's loop, the ranks asked at once."""
-        return int(self.call(_tokens_held(self.store, specs, list(token_ids), salt)))
+        self._open()
+        return int(self.bound.run(_tokens_held(self.store, specs, list(token_ids), salt), 0))
 
     def held_each(self, names: Sequence[str]) -> list[bool]:
         """Whether a load will find each of ``names`` (not only the leading ones)."""
@@ -184,7 +198,8 @@ class EnginePort:
         out = [self.store.held(n) for n in names]
         if self.store.shared and not all(out):
             asks = [n for n, h in zip(names, out, strict=True) if not h]
-            found = iter(self.call(_contains_all(self.store, asks)))
+            self._open()
+            found = iter(self.bound.run(_contains_all(self.store, asks), [False] * len(asks)))
             out = [h or next(found) for h in out]
         return out
 
@@ -204,7 +219,8 @@ class EnginePort:
         """``name``'s size in bytes (the ledger's, else a shared tier's); None: absent."""
         n = self.store.held_size(name)
         if n is None and self.store.shared:
-            n = self.call(self.store.object_size(name))
+            self._open()
+            n = self.bound.run(self.store.object_size(name), None)
         return n
 
     def read(
@@ -342,6 +358,7 @@ class EnginePort:
             **self.store.stats(),
             "port": {
                 **self.counts,
+                **self.bound.counts,
                 **{f"saves_{k}": v for k, v in self._saves.counts.items()},
                 "saves_pending_bytes": self._saves.nbytes,
                 "events_dropped": self._events.dropped,

@@ -10,11 +10,11 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from hurray_store.engine.thread import StoreThread
+from hurray_store.engine.bound import WaitBound
 from hurray_store.store import TieredStore
 from hurray_store.tiers import Range
 
@@ -41,11 +41,13 @@ class ReadAhead:
         n: int,
         read: Callable[[int, memoryview], str | None],
         take: Callable[[int, torch.Tensor], None],
+        wait_s: float | None = None,
     ) -> tuple[int, str | None]:
         """``read(j, into)`` of objects ``0 .. n - 1`` in order on the helper thread
         (None: read and right, else why not), ``take(j, buffer)`` of each right one on
         the caller's, in order, up to the first that is not: how many were taken, and
-        why the next one was not (None: all were)."""
+        why the next one was not (None: all were). An object not read in ``wait_s``
+        raises ``Late`` (its read goes on: this ReadAhead is not used again)."""
         free: queue.SimpleQueue[int] = queue.SimpleQueue()
         ready: queue.SimpleQueue[tuple[int, int, str | None] | BaseException] = queue.SimpleQueue()
         for i in range(len(self.buffers)):
@@ -68,9 +70,14 @@ class ReadAhead:
 
         done = self.pool.submit(reader)
         taken, why = 0, None
+        late = False
         try:
             while taken < n:
-                got = ready.get()
+                try:
+                    got = ready.get(timeout=wait_s)
+                except queue.Empty:
+                    late = True
+                    raise Late(done, taken) from None
                 if isinstance(got, BaseException):
                     raise got
                 j, i, why = got
@@ -82,18 +89,28 @@ class ReadAhead:
         finally:
             stop.set()
             free.put(0)  # wakes a reader waiting for a buffer; it sees stop
-            done.result()
+            if not late:
+                done.result()
         return taken, why
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        self.pool.shutdown(wait=wait)
+
+
+class Late(Exception):  # noqa: N818 - not an error: a read past the engine's bound
+    """A read-ahead went past the engine's bound after ``taken`` objects; ``done``
+    ends when its read does."""
+
+    def __init__(self, done: Future[None], taken: int) -> None:
+        super().__init__("read past the engine's bound")
+        self.done, self.taken = done, taken
 
 
 class OrderedLoads:
     """``EnginePort.load`` for one port: its read-ahead thread and staging buffer."""
 
-    def __init__(self, st: StoreThread, timeout: float) -> None:
-        self.st, self.store, self.timeout = st, st.store, timeout
+    def __init__(self, bound: WaitBound) -> None:
+        self.store, self.bound = bound.st.store, bound
         self._ahead: ReadAhead | None = None
         self._staging: torch.Tensor | None = None  # objects read on the loop (uint8)
         self._lock = threading.Lock()  # one load at a time uses the buffers
@@ -117,14 +134,24 @@ class OrderedLoads:
                 return NOT_HERE
             return check(j, into) or None
 
-        at, why = self._ahead.run(n, read, take)
+        wait = None if self.bound.wait_s is None else self.bound.limit(size)
+        try:
+            at, why = self._ahead.run(n, read, take, wait)
+        except Late as e:  # its buffers stay the late reader's: a new ReadAhead next time
+            self.bound.went_late(e.done)
+            self._ahead.close(wait=False)
+            self._ahead = None
+            return e.taken, ""
         if why != NOT_HERE:
             return at, why or ""
         # the rest on the store's loop, all at once, then checked and taken in order
         objs = self._objects(n - at, size)
         mvs = [memoryview(objs[i].numpy()) for i in range(n - at)]  # type: ignore[arg-type]
         items = [(name, whole, [mv]) for name, mv in zip(names[at:], mvs, strict=True)]
-        got = self.st.call(read_all(self.store, items, len(items)), self.timeout)
+        got = self.bound.run(read_all(self.store, items, len(items)), None, nbytes=n * size)
+        if got is None:  # late, or another call is: the staging buffer stays its reader's
+            self._staging = None
+            return at, ""
         for i, ok in enumerate(got):
             if not ok:
                 return at + i, ""

@@ -104,6 +104,7 @@ class TieredStore(ObjectLevel):
                 for t, c in zip(tiers, config.tiers, strict=True)
             ]
         )
+        self.ledger.serving([_serving(t) for t in tiers])
         # ``unpin`` of one pin, as cheap as a call gets: engines let a lookup's pins go
         # one call per chunk (any thread).
         self.unpin_one: Callable[[Pin], None] = self.ledger.unpin_one
@@ -144,6 +145,11 @@ class TieredStore(ObjectLevel):
     @property
     def tiers(self) -> list[Tier]:
         return self.cascade.tiers
+
+    @property
+    def networked(self) -> bool:
+        """True when a tier is behind a network service (it can be down or hang)."""
+        return any(t.caps.networked for t in self.tiers)
 
     @property
     def shared(self) -> bool:
@@ -333,3 +339,15 @@ async def open_store(
     the index rebuilt; an unreachable Redis is a warning, not a failure."""
     store = TieredStore(load_config(config))
     return await store.open()
+
+
+def _serving(t: Tier) -> Callable[[], bool]:
+    """Whether ``t`` serves now: a tier behind a service while it is not in an outage;
+    any other tier always (nothing to be down)."""
+    if t.caps.networked:
+        return lambda: t.available
+    return _serves
+
+
+def _serves() -> bool:
+    return True

@@ -109,6 +109,19 @@ class Ledger:
         # used first: the one recency a tenant's quota evicts by (``least_recent``).
         # Changed on the store's loop only, as the tiers' own orders are.
         self._recent: dict[str | None, OrderedDict[Group, None]] = {}
+        # Per tier, whether it serves now (a tier behind a service in an outage does
+        # not): what a get "finds now" is only in tiers that do (``serving``).
+        self._up: list[Callable[[], bool]] = [_always] * len(self._tiers)
+
+    def serving(self, up: Sequence[Callable[[], bool]]) -> None:
+        """``up[i]()``: whether tier ``i`` serves now. A tier that does not is left out
+        of every answer about what a get finds now (``holders``, the pins of a lookup):
+        a lookup never promises what a down tier holds."""
+        assert len(up) == len(self._tiers)
+        self._up = list(up)
+
+    def _live(self) -> list[bool]:
+        return [f() for f in self._up]
 
     def watch(self, fn: Watcher) -> Callable[[], None]:
         """Call ``fn(kind, tier, group, reason)`` for every group that becomes READY in
@@ -133,10 +146,10 @@ class Ledger:
     def holders(self, key: str) -> list[int]:
         """Tiers where a get of ``key`` finds it now (READY), fastest first."""
         out = []
-        for i, b in enumerate(self._tiers):
+        for i, (b, up) in enumerate(zip(self._tiers, self._up, strict=True)):
             g = b.key_group.get(key)
             # ``get`` twice: from another thread, the group may leave in between.
-            if g is not None and (e := b.groups.get(g)) is not None and e.ready:
+            if g is not None and (e := b.groups.get(g)) is not None and e.ready and up():
                 out.append(i)
         return out
 
@@ -332,7 +345,7 @@ class Ledger:
         pinned, to ``unpin`` later. The check and the pin are one step under ``lock``: no
         victim is chosen between. ``keys`` is taken one at a time, none past the first
         miss (a lazy caller makes no more)."""
-        tiers, groups = self._tiers, []
+        tiers, groups = [b for b, up in zip(self._tiers, self._live(), strict=True) if up], []
         with self.lock:
             for k in keys:  # each key's group in the fastest tier holding it READY
                 for b in tiers:
@@ -354,12 +367,14 @@ class Ledger:
         group written again has a new entry, which it does not hold (as a ``pin``
         does not hold the new bytes, see ``TieredStore.unpin``)."""
         out: list[Entry] = []
+        # A tier down: every handle is looked up again (its entry may be in that tier).
+        some_down = not all(self._live())
         with self.lock:
             if len(self._released) >= _RELEASED_KEPT:
                 self._count_released()
             for r in refs:
                 e = r.entry
-                if e is None or not e.ready or e.moved:
+                if e is None or not e.ready or e.moved or some_down:
                     if (e := self._ready_entry(r.key)) is None:
                         break
                     r.entry = e
@@ -373,9 +388,9 @@ class Ledger:
             ref.entry = self._ready_entry(ref.key)
 
     def _ready_entry(self, key: str) -> Entry | None:
-        """The entry of ``key``'s group in the fastest tier holding it READY."""
-        for b in self._tiers:
-            if (g := b.key_group.get(key)) is not None and (e := b.groups[g]).ready:
+        """The entry of ``key``'s group in the fastest serving tier holding it READY."""
+        for b, up in zip(self._tiers, self._up, strict=True):
+            if (g := b.key_group.get(key)) is not None and (e := b.groups[g]).ready and up():
                 return e
         return None
 
@@ -413,3 +428,7 @@ class Ledger:
                 if r is not None:
                     r.pop(group, None)
         return e
+
+
+def _always() -> bool:
+    return True

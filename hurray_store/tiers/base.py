@@ -118,6 +118,10 @@ class Capabilities:
     # In-process memory that only this process writes: pages read from it are not
     # re-verified (as the engine's own pool is not); everything else is, per page.
     trusted: bool = False
+    # Behind a network service (``tiers/outage.py``): it can be down or hang. While it
+    # is down (``available``) no lookup counts what it holds, and an engine never
+    # waits on it longer than ``engine.wait_s``.
+    networked: bool = False
 
 
 class Tier(ABC):

@@ -80,7 +80,7 @@ def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
 
 class RedisTier(ServiceTier):
     config_cls = RedisTierConfig
-    caps = Capabilities(persistent=True)
+    caps = Capabilities(persistent=True, networked=True)
 
     def __init__(self, cfg: RedisTierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)

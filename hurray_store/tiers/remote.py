@@ -50,7 +50,7 @@ T = TypeVar("T")
 
 class RemoteTier(ServiceTier):
     config_cls = RemoteTierConfig
-    caps = Capabilities(persistent=True)
+    caps = Capabilities(persistent=True, networked=True)
 
     def __init__(self, cfg: RemoteTierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)

@@ -70,7 +70,7 @@ _PARALLEL = 12  # parts of one object in flight at once (upload and ranged downl
 class S3Tier(ServiceTier):
     config_cls = S3TierConfig
     # Other stores on the prefix: read through the change log.
-    caps = Capabilities(persistent=True)
+    caps = Capabilities(persistent=True, networked=True)
 
     def __init__(self, cfg: S3TierConfig, namespace: str | None = None) -> None:
         super().__init__(cfg, namespace)

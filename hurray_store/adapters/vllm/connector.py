@@ -124,6 +124,7 @@ class HurrayConnector(KVConnectorBase_V1):
             "copy_out_s": 0.0,  # time wait_for_save spent copying blocks out
             "save_steps": 0,  # steps whose wait_for_save copied blocks out
             "layer_waits": 0,  # attention layers that waited for their load (or found it)
+            "loads_abandoned": 0,  # a layer not in within engine.wait_s: blocks recomputed
         }
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "") != "recompute":
             # A cache that cannot deliver a block is a miss: vLLM recomputes it (its
@@ -325,8 +326,11 @@ class HurrayConnector(KVConnectorBase_V1):
         loading, self._loading = self._loading, None
         if loading is None or self.xfer is None:
             return
+        assert loading.future is not None
+        if loading.abandoned:  # a layer came past the bound: lookups miss until it ends
+            self.port.bound.went_late(loading.future)
         try:
-            got = self.xfer.finish_load(loading, TIMEOUT_S)
+            got = self.xfer.finish_load(loading, self._load_wait(loading))
         except Exception as e:
             loading.future.cancel()
             log.warning("HurrayConnector: load failed (%s); its blocks are recomputed", e)
@@ -350,8 +354,25 @@ class HurrayConnector(KVConnectorBase_V1):
         if loading is None or li is None or self.xfer is None:
             return
         self.counts["layer_waits"] += 1
-        if not self.xfer.wait_layer(loading, li, TIMEOUT_S):
-            log.warning("HurrayConnector: layer %s not loaded in %.0f s", layer_name, TIMEOUT_S)
+        if loading.abandoned:
+            return
+        wait = self._load_wait(loading)
+        if not self.xfer.wait_layer(loading, li, wait):
+            self.counts["loads_abandoned"] += 1
+            log.warning(
+                "HurrayConnector: layer %s not loaded in %.2f s; the step's loads are "
+                "abandoned and their blocks recomputed",
+                layer_name,
+                wait,
+            )
+
+    def _load_wait(self, loading: Loading) -> float:
+        """How long the forward waits for one layer of ``loading``: the engine port's
+        bound for what a layer moves (``engine.wait_s`` on a store with a tier that can
+        hang; else the connector's long timeout)."""
+        if self.port.bound.wait_s is None:
+            return TIMEOUT_S
+        return self.port.bound.limit(loading.layer_bytes)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -90,7 +90,16 @@ class Loading:
     loads: list[Transfer]
     ready: list[threading.Event]  # per layer: its pages are on their way into the blocks
     events: list[Any]  # per layer, on CUDA: the side stream's writes are done (or None)
-    future: Future[list[int]]  # tokens delivered per load
+    future: Future[list[int]] | None = None  # tokens delivered per load
+    # Given up on (a layer past the engine's bound): no layer is written into the blocks
+    # from then on. A layer's write holds ``lock``, so none is under way once it is set.
+    abandoned: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    layer_bytes: int = 0  # the bytes one layer of it moves
+
+    def abandon(self) -> None:
+        with self.lock:
+            self.abandoned = True
 
 
 class BlockTransfers:
@@ -277,20 +286,31 @@ class BlockTransfers:
             for tr in loads:
                 if tr.blocks:
                     self.events.note_blocks(tr.token_ids, tr.salt, 0, tr.blocks)
-        fut = self.st.submit(self._load(loads, ready, events, start))
-        return Loading(loads, ready, events, fut)
+        pages = sum(len(tr.token_ids) // self.spec.page_size - tr.first_block for tr in loads)
+        loading = Loading(loads, ready, events, layer_bytes=pages * self.page_bytes // len(ready))
+        loading.future = self.st.submit(self._load(loading, start))
+        return loading
 
     def wait_layer(self, loading: Loading, li: int, timeout: float) -> bool:
         """Hold until layer ``li``'s pages are in (on CUDA: ordered before the engine's
-        next kernels); False if it did not come in ``timeout`` seconds."""
+        next kernels); False if it did not come in ``timeout`` seconds: the load is
+        then abandoned (``Loading.abandon``: no later layer is written) and every one
+        of its blocks is to be reported failed."""
+        if loading.abandoned:
+            return False
         ok = loading.ready[li].wait(timeout)
+        if not ok:
+            loading.abandon()
         if (ev := loading.events[li]) is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
         return ok
 
     def finish_load(self, loading: Loading, timeout: float) -> list[int]:
         """The tokens delivered per load (each from its request's first token); raises
-        what the retrieve raised."""
+        what the retrieve raised. An abandoned load delivered nothing (not waited for)."""
+        assert loading.future is not None
+        if loading.abandoned:
+            return [tr.first_block * self.spec.page_size for tr in loading.loads]
         try:
             return loading.future.result(timeout)
         finally:
@@ -304,20 +324,26 @@ class BlockTransfers:
         layers = [torch.empty(shape, dtype=s.dtype, pin_memory=self.cuda) for _ in self.views]
         return PagedKVPool.from_tensors(s, layers)
 
-    async def _load(
-        self, loads: list[Transfer], ready: list[threading.Event], events: list[Any], start: Any
-    ) -> list[int]:
+    async def _load(self, loading: Loading, start: Any) -> list[int]:
+        loads, ready, events = loading.loads, loading.ready, loading.events
         bs = self.spec.page_size
         got = [tr.first_block * bs for tr in loads]
+        layers: Any = None
         try:
             pool = self._host_pool(sum(len(tr.token_ids) // bs for tr in loads))
             seqs = [tr.token_ids for tr in loads]
-            async for layer in self.port.load_pages(pool, seqs, [tr.salt for tr in loads]):
+            layers = self.port.load_pages(pool, seqs, [tr.salt for tr in loads])
+            async for layer in layers:
                 li = layer.layer_index
-                self._scatter(pool, li, layer.block_tables, loads, events, start)
+                with loading.lock:
+                    if loading.abandoned:  # the engine went on without it
+                        break
+                    self._scatter(pool, li, layer.block_tables, loads, events, start)
                 ready[li].set()
                 got = layer.num_tokens  # the last layer's counts are the final word
         finally:
+            if layers is not None:
+                await layers.aclose()
             for e in ready:  # a failed load: the forward goes on, the blocks are reported
                 e.set()
         return got

@@ -20,6 +20,7 @@ import logging
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -137,6 +138,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "get": b.batch_get_v1(["a"], indices(pool, [4])),
         }
         return {"cases": cases, "after": after, "after_s": time.perf_counter() - t0}
+    if op == "evict_between":  # exists, other sets fill the tier, then the get
+        return _evict_between(spec, dtype, P)
+    if op == "down_remote":  # the remote tier's server hangs under the backend
+        return _down_remote(spec, dtype, P)
     if op == "construct":
         try:
             make_backend(spec, None)
@@ -189,6 +194,84 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     out["counts"] = dict(b.counts)
     stats = b.get_stats()
     out["stats_pages"] = [*stats.prefetch_pgs, *stats.backup_pgs]
+    b.close()
+    return out
+
+
+def _set(b: Any, pool: Any, keys: list[str], slots: list[int], dtype: Any, P: int) -> list[bool]:
+    for s, k in zip(slots, keys, strict=True):
+        write_page(pool, s * P, page_data(k, dtype, P))
+    return list(b.batch_set_v1(keys, indices(pool, slots)))
+
+
+def _evict_between(spec: dict[str, Any], dtype: Any, P: int) -> dict[str, Any]:
+    """Four pages set and found by batch_exists; eight more set into a cpu tier with
+    room for eight (the first four are the least recent); then the get of the four."""
+    import tempfile
+
+    pool = make_pool("layer_first", dtype, P, 10)
+    with tempfile.TemporaryDirectory() as d:  # one page object's size, from a disk tier
+        probe = make_backend({**spec, "config": {"tiers": [_disk(d)]}}, pool)
+        _set(probe, pool, ["probe"], [1], dtype, P)
+        probe.close()
+        size = max(f.stat().st_size for f in Path(d).rglob("*") if f.is_file())
+    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 8 * size + size // 2}]}
+    b = make_backend({**spec, "config": cfg}, pool)
+    first = [f"first{i}" for i in range(4)]
+    out: dict[str, Any] = {"set": _set(b, pool, first, [1, 2, 3, 4], dtype, P)}
+    out["exists"] = b.batch_exists(first)
+    for r in range(2):
+        more = [f"more{r}{i}" for i in range(4)]
+        out[f"more{r}"] = _set(b, pool, more, [5, 6, 7, 8], dtype, P)
+    pool.kv_buffer.fill_(-7)
+    out["get"] = b.batch_get_v1(first, indices(pool, [1, 2, 3, 4]))
+    out["equal"] = [
+        bool(torch.equal(read_page(pool, s * P), page_data(k, dtype, P)))
+        for s, k in zip([1, 2, 3, 4], first, strict=True)
+    ]
+    out["after"] = b.batch_exists(first)  # the get ended the leases: fair game again
+    b.close()
+    return out
+
+
+def _disk(d: str) -> dict[str, Any]:
+    return {"type": "disk", "path": d, "capacity_bytes": 1 << 30}
+
+
+def _down_remote(spec: dict[str, Any], dtype: Any, P: int) -> dict[str, Any]:
+    """Pages set into a remote tier, then its server SIGSTOPped for ``hang_s``: every
+    exists, get and set of the backend meanwhile, timed; then SIGCONT and the pages
+    found again once the tier's probe sees the server."""
+    import os
+    import signal
+
+    pool = make_pool("layer_first", dtype, P, 10)
+    b = make_backend(spec, pool)
+    keys = [f"page{i}" for i in range(4)]
+    out: dict[str, Any] = {"set": _set(b, pool, keys, [1, 2, 3, 4], dtype, P)}
+    out["exists_before"] = b.batch_exists(keys)
+    os.kill(spec["server_pid"], signal.SIGSTOP)
+    exists, gets, sets, longest = [], [], [], 0.0
+    end = time.monotonic() + spec["hang_s"]
+    try:
+        while time.monotonic() < end:
+            t0 = time.monotonic()  # SGLang's prefetch: exists, then get
+            exists.append(b.batch_exists(keys))
+            gets.append(any(b.batch_get_v1(keys, indices(pool, [5, 6, 7, 8]))))
+            longest = max(longest, time.monotonic() - t0)
+            k = f"new{len(sets)}"  # its backup thread: a set (lent memory: it waits)
+            sets.append(any(_set(b, pool, [k], [9], dtype, P)))
+            time.sleep(0.02)
+    finally:
+        os.kill(spec["server_pid"], signal.SIGCONT)
+    out.update(exists=exists, gets=gets, sets=sets, longest_s=longest)
+    end = time.monotonic() + 30
+    while b.batch_exists(keys) < 4 and time.monotonic() < end:
+        time.sleep(0.05)
+    out["exists_after"] = b.batch_exists(keys)
+    out["get_after"] = b.batch_get_v1(keys, indices(pool, [5, 6, 7, 8]))
+    out["port"] = b.port.stats()["port"]
+    out["not_stored"] = b.port.stats()["not_stored"]
     b.close()
     return out
 

@@ -5,6 +5,7 @@ lent memory, and the feed of what was stored and removed. Real tiers (disk, cpu)
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -318,3 +319,35 @@ def test_what_the_loop_was_handed_before_a_save_runs_before_it(ports: list[Engin
     port.save([Save("a", b"a", 1, after_a)])
     assert done.wait(10)
     assert order == ["touched", "b written"]
+
+
+def test_what_a_leased_lookup_counted_survives_eviction_until_its_load(
+    ports: list[EnginePort],
+) -> None:
+    """Exists, then other saves fill the tier, then the get: a leased lookup's objects
+    are not evicted in between (they used to be: the get delivered fewer than promised);
+    the load ends the leases, and later saves evict them again. A lease no load ends
+    runs out after ``engine.lease_s``."""
+    p = EnginePort(
+        {
+            "namespace": "t",
+            "tiers": [{"type": "cpu", "capacity_bytes": 8 * 1024}],
+            "engine": {"lease_s": 0.3},
+        }
+    )
+    ports.append(p)
+    first = {f"a{i}": bytes([i]) * 1024 for i in range(4)}
+    saved(p, first)
+    assert p.lookup(list(first), lease=True).n == 4
+    assert p.stats()["port"]["leases"] == 4
+    p.save_lent([[(f"b{i}", bytes([9]) * 1024) for i in range(8)]])  # the tier is full
+    out: list[bytes] = []
+    n = p.load(list(first), 1024, lambda j, b: "", lambda j, t: out.append(bytes(t.numpy())))
+    assert n == 4 and out == list(first.values()), "a promised object was evicted"
+    assert p.stats()["port"]["leases"] == 0
+    p.save_lent([[(f"c{i}", bytes([7]) * 1024) for i in range(8)]])
+    assert p.lookup(list(first)).n == 0, "no longer leased: evicted as any other"
+    assert p.lookup([f"c{i}" for i in range(8)], lease=True).n > 0
+    time.sleep(0.4)
+    p.save_lent([[("d", bytes(1024))]])  # any call past the lease's end lets it go
+    assert p.stats()["port"]["leases"] == 0 and p.stats()["port"]["leases_expired"] > 0

@@ -429,3 +429,51 @@ def test_sglangs_argument_rules_are_enforced_and_calls_after_close_return_at_onc
     assert got["after"] == {"exists": 0, "set": [False], "get": [False]}
     assert got["after_s"] < 30
     assert not page_files(tmp_path)[2:], "only the good call's two pages were stored"
+
+
+def test_what_batch_exists_counted_is_delivered_though_other_sets_fill_the_tier(
+    tmp_path: Path,
+) -> None:
+    """Exists, then eight other pages set into a cpu tier with room for eight, then the
+    get: the four pages exists counted are leased (pinned until their get), so all four
+    are read, byte for byte (eviction used to take them: exists promised more than the
+    get delivered). The get ends the leases."""
+    got = sglang({"model": model(tmp_path / "m", 1), "op": "evict_between"})
+    assert got["set"] == [True] * 4 and got["exists"] == 4
+    assert got["get"] == [True] * 4 and got["equal"] == [True] * 4
+    assert got["more0"] == [True] * 4, "room was made by evicting what no lease held"
+
+
+def test_a_hung_remote_tier_under_sglang_counts_nothing_and_no_get_waits(
+    tmp_path: Path,
+) -> None:
+    """A cache server SIGSTOPped under the backend for a few seconds: after the first
+    exists (before anything failed) every exists is 0 and every get a miss, none
+    waiting near the tier's timeout (each used to wait it: exists 64, get 0); the
+    sets that no tier took are one warning line, not one per page; resumed, the
+    pages are found and read again."""
+    from tests.server_helpers import ServerProc
+
+    server = ServerProc(tmp_path / "srv").start()
+    try:
+        cfg = {"tiers": [server.tier(timeout_s=3.0)], "engine": {"wait_s": 0.2}}
+        got = sglang(
+            {
+                "config": cfg,
+                "model": model(tmp_path / "m", 1),
+                "op": "down_remote",
+                "server_pid": server.proc.pid if server.proc else 0,
+                "hang_s": 5.0,
+            }
+        )
+    finally:
+        server.resume()
+        server.kill()
+    assert got["set"] == [True] * 4 and got["exists_before"] == 4
+    assert got["exists"][1:] == [0] * (len(got["exists"]) - 1), got["exists"]
+    assert not any(got["gets"]) and not any(got["sets"])
+    assert got["longest_s"] < 3.0 / 2, "an exists or get waited on the hung server"
+    assert got["port"]["calls_late"] == 1
+    assert got["log"].count("stored in no tier") <= 1, "one warning per 10 s"
+    assert got["not_stored"]["groups"] >= 1
+    assert got["exists_after"] == 4 and got["get_after"] == [True] * 4

@@ -88,6 +88,8 @@ def load_config(
     if cfg.salt.startswith("\0"):  # the prefix of keys.request_salt's composed salts
         raise ConfigError("salt: may not start with a NUL character (composed salts do)")
     cfg = _replace(cfg, server=_check_server(cfg.server, cfg.namespace))
+    if not cfg.engine.lease_s >= 0:
+        raise ConfigError(f"engine.lease_s: expected seconds (0: none), got {cfg.engine.lease_s}")
     if not cfg.engine.wait_s > 0:
         raise ConfigError(
             f"engine.wait_s: expected a positive number of seconds, got {cfg.engine.wait_s}"

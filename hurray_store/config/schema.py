@@ -184,6 +184,11 @@ class EngineConfig:
         "every lookup is a miss at once. Stores of only cpu and disk tiers do not apply it",
         0.25,
     )
+    lease_s: float = documented(
+        "what an engine's existence check counted (SGLang's batch_exists) stays pinned, "
+        "safe from eviction, until its get or this long, whichever comes first",
+        10.0,
+    )
 
 
 @dataclass(frozen=True, slots=True)

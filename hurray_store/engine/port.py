@@ -13,6 +13,7 @@ from typing import Any
 
 from hurray_store.engine.bound import WaitBound
 from hurray_store.engine.events import EVENTS_KEPT, EventFeed, StoreEvent
+from hurray_store.engine.leases import Leases
 from hurray_store.engine.reads import Check, OrderedLoads, Take, read_all
 from hurray_store.engine.saves import Save, SaveBacklog, write_lent
 from hurray_store.engine.thread import StoreThread
@@ -74,6 +75,7 @@ class EnginePort:
         wait_s = self.store.config.engine.wait_s if self.store.networked else None
         self.bound = WaitBound(self.thread, wait_s, timeout_s)
         self._loads = OrderedLoads(self.bound)
+        self.leases = Leases(self.store.unpin, self.store.config.engine.lease_s)
         self.release_one = self.store.unpin_one  # one pin, any thread, no lock
         self._stored = len(object_stored(self.store.namespace, ""))  # a ref's key: this + name
         self.counts = {"lookups": 0, "objects_held": 0, "loaded": 0, "rejected": 0}
@@ -103,12 +105,20 @@ class EnginePort:
         if self.store.others_changed():
             self.call(self.store.sync())
 
-    def lookup(self, keys: Iterable[str] | Iterable[KeyRef], *, pin: bool = False) -> Held:
+    def lookup(
+        self, keys: Iterable[str] | Iterable[KeyRef], *, pin: bool = False, lease: bool = False
+    ) -> Held:
         """How many of ``keys`` (object names, or ``ref``'s handles), from the first, a
-        load will find; with ``pin``, pinned until ``release``. Without a shared tier
+        load will find; with ``pin``, pinned until ``release``; with ``lease``, pinned
+        until ``load`` takes them or ``engine.lease_s`` passes. Without a shared tier
         the ledger answers on this thread and ``keys`` is taken lazily, none past the
         first miss; a shared tier (a cache server) is asked on the store's loop about
         those the ledger lacks, all at once."""
+        if lease:
+            names = list(self._names(keys))
+            got = self.lookup(names, pin=True)
+            self.leases.add(names[: got.n], got.pins)
+            return Held(got.n)
         self.sync_others()
         if self.store.shared:
             self._open()
@@ -249,7 +259,10 @@ class EnginePort:
         Stops at the first not held or not right (that one is ``reject``ed); how many
         were taken. ``engine/reads.py`` says which thread reads what."""
         self._open()
-        n, why = self._loads.run(names, size, check, take)
+        try:
+            n, why = self._loads.run(names, size, check, take)
+        finally:
+            self.leases.end(names)
         self.counts["loaded"] += n
         if why:
             self.reject(names[n], why)
@@ -274,6 +287,7 @@ class EnginePort:
         (``SaveBacklog``): over it, the oldest waiting saves are dropped (``on_done``
         False), counted, never waited for. ``reserved``: their room was taken by
         ``reserve`` before the engine copied them out."""
+        self.leases.expire()  # before the saves need room
         self._saves.add(saves, reserved)
 
     def reserve(self, nbytes: int) -> bool:
@@ -304,6 +318,7 @@ class EnginePort:
         thread helps the tiers' writers while it waits; it returns once every object
         is written through every tier. Per object, stored or not."""
         self._open()
+        self.leases.expire()  # before the saves need room
         return write_lent(self.thread, steps, self.timeout)
 
     def touch(self, names: Sequence[str]) -> None:
@@ -359,6 +374,8 @@ class EnginePort:
             "port": {
                 **self.counts,
                 **self.bound.counts,
+                "leases": len(self.leases),
+                "leases_expired": self.leases.expired,
                 **{f"saves_{k}": v for k, v in self._saves.counts.items()},
                 "saves_pending_bytes": self._saves.nbytes,
                 "events_dropped": self._events.dropped,
@@ -376,6 +393,7 @@ class EnginePort:
         finally:
             self._saves.closed = True
             self._unwatch()
+            self.leases.close()
             if self.relay is not None:
                 self.relay.close()
             self._loads.close()

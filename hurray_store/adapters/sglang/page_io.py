@@ -63,8 +63,9 @@ class PageIO:
             return (key.encode(),)
 
     def held(self, keys: list[str]) -> int:
-        """How many of ``keys``, from the first, a get will find."""
-        return self.port.lookup(self.name_of(k) for k in keys).n
+        """How many of ``keys``, from the first, a get will find: leased (pinned until
+        that get, or ``engine.lease_s``), so eviction does not take them meanwhile."""
+        return self.port.lookup((self.name_of(k) for k in keys), lease=True).n
 
     # ------------------------------------------------------------------ reads
 

@@ -211,8 +211,26 @@ def _safetensors_entries(folder: Path) -> dict[str, tuple[Path, torch.dtype, tup
     return out
 
 
-@lru_cache(maxsize=8)
 def checkpoint_id(model: str) -> str:
+    """The identity of the weights in folder ``model`` (see the module doc). Hashed once
+    per folder, and again whenever one of its files changed (``folder_signature``):
+    weights replaced in place get a new identity."""
+    return _checkpoint_id(model, folder_signature(model))
+
+
+def folder_signature(path: str) -> tuple[tuple[str, int, int, int], ...]:
+    """The files of folder ``path`` as (name, size, modification time, inode): what
+    changes when a file is written, replaced or renamed into place. One ``stat`` per
+    file; empty when ``path`` is no folder."""
+    try:
+        files = sorted(p for p in Path(path).iterdir() if p.is_file())
+        return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino) for p in files)
+    except OSError:
+        return ()
+
+
+@lru_cache(maxsize=8)
+def _checkpoint_id(model: str, signature: tuple[tuple[str, int, int, int], ...]) -> str:
     folder = Path(model)
     if not folder.is_dir():
         log.warning(
@@ -258,11 +276,9 @@ def adapter_id(path: str) -> str | None:
     gets a new identity); the check costs one ``stat`` per file. None: ``path`` is no
     folder (the adapter cannot be identified by its weights)."""
     folder = Path(path)
-    try:
-        files = sorted(p for p in folder.iterdir() if p.is_file())
-        sig = tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino) for p in files)
-    except OSError:
+    if not folder.is_dir():
         return None
+    sig = folder_signature(path)
     known = _ADAPTERS.get(path)
     if known is not None and known[0] == sig:
         return known[1]

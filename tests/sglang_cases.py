@@ -142,6 +142,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         return _evict_between(spec, dtype, P)
     if op == "down_remote":  # the remote tier's server hangs under the backend
         return _down_remote(spec, dtype, P)
+    if op == "weights_change":  # the weights replaced in the folder, then clear()
+        return _weights_change(spec, dtype, P)
     if op == "construct":
         try:
             make_backend(spec, None)
@@ -230,6 +232,41 @@ def _evict_between(spec: dict[str, Any], dtype: Any, P: int) -> dict[str, Any]:
         for s, k in zip([1, 2, 3, 4], first, strict=True)
     ]
     out["after"] = b.batch_exists(first)  # the get ended the leases: fair game again
+    b.close()
+    return out
+
+
+def _weights_change(spec: dict[str, Any], dtype: Any, P: int) -> dict[str, Any]:
+    """Six pages set; the model's weights file replaced in place (other values, as
+    update_weights_from_disk after a checkpoint is rewritten); then clear() (as after a
+    weight sync in memory). What exists and get find at each point."""
+    from safetensors.torch import save_file
+
+    pool = make_pool("layer_first", dtype, P, 10)
+    b = make_backend(spec, pool)
+    keys = [f"page{i}" for i in range(6)]
+    slots = [1, 2, 3, 4, 5, 6]
+    out: dict[str, Any] = {"set": _set(b, pool, keys, slots, dtype, P)}
+    out["exists_before"] = b.batch_exists(keys)
+    first = b.identity
+    g = torch.Generator().manual_seed(99)
+    save_file(
+        {"w": torch.randn(16, 16, generator=g)}, str(Path(spec["model"]) / "model.safetensors")
+    )
+    time.sleep(1.2)  # past the backend's folder check interval (1 s)
+    out["exists_after_replace"] = b.batch_exists(keys)
+    out["get_after_replace"] = b.batch_get_v1(keys, indices(pool, slots))
+    end = time.monotonic() + 30
+    while "generation" in b.weights.value and time.monotonic() < end:
+        time.sleep(0.05)  # the new weights hashed on the backend's thread
+    out["new_identity"] = b.identity != first and "generation" not in b.weights.value
+    b.batch_exists(keys)  # the backend takes the new identity on its next call
+    out["rehashed"] = b.identity == b.weights.value
+    out["set_new"] = _set(b, pool, keys, slots, dtype, P)
+    out["exists_new"] = b.batch_exists(keys)
+    b.clear()
+    out["exists_after_clear"] = b.batch_exists(keys)
+    out["identity_after_clear"] = b.identity
     b.close()
     return out
 

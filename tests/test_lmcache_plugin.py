@@ -1164,3 +1164,33 @@ def test_l2_adapter_publishes_kv_events_keyed_by_lmcaches_chunk_hashes(tmp_path:
         a.close()
     got = {(e.medium, bytes(e.block_hashes[0])) for e in evs if type(e).__name__ == "BlockStored"}
     assert got == {(m, bytes([i]) * 16) for m in ("CPU", "STORAGE") for i in range(3)}
+
+
+def test_lmcaches_clear_after_a_weight_update_never_finds_the_old_chunks(
+    opened: Any, tmp_path: Path
+) -> None:
+    """LMCache's storage manager clears every backend (as after a weight update): the
+    plugin's chunks stored before are not found after it (a new generation of the
+    weights' identity names chunks), pins held across it are let go, and chunks put
+    after it are found."""
+    from hurray_store.tiny_model import build_tiny_model
+
+    build_tiny_model(str(tmp_path / "m1"), layers=1, seed=1)
+    b = opened(model_path=tmp_path / "m1")
+    p = plugin_of(b)
+    objs = [chunk(b, 64, 31), chunk(b, 64, 32)]
+    p.batched_submit_put_task([key(31), key(32)], objs)
+    p.flush()
+    assert p.batched_contains([key(31), key(32)], pin=True) == 2
+    cleared = p.clear()
+    assert cleared == 0 and "+generation:" in p.identity
+    assert p.batched_contains([key(31), key(32)]) == 0
+    assert p.get_blocking(key(31)) is None
+    assert not p.unpin(key(31)), "its pin was let go at the clear"
+    again = [chunk(b, 64, 31)]
+    want = again[0].tensor.clone()
+    p.batched_submit_put_task([key(31)], again)
+    p.flush()
+    got = p.get_blocking(key(31))
+    assert got is not None and torch.equal(got.tensor, want)
+    got.ref_count_down()

@@ -477,3 +477,20 @@ def test_a_hung_remote_tier_under_sglang_counts_nothing_and_no_get_waits(
     assert got["log"].count("stored in no tier") <= 1, "one warning per 10 s"
     assert got["not_stored"]["groups"] >= 1
     assert got["exists_after"] == 4 and got["get_after"] == [True] * 4
+
+
+def test_weights_replaced_in_the_folder_or_a_clear_never_find_the_old_kv(
+    tmp_path: Path,
+) -> None:
+    """The model's weights file is rewritten in place under a running backend: within
+    its folder check (1 s) no old page is found (exists 0, every get a miss: they used
+    to find all six), the new weights are hashed and keyed by from then on; clear() (a
+    weight sync in memory, nothing on disk) starts a new generation: nothing found."""
+    got = sglang(
+        {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1), "op": "weights_change"}
+    )
+    assert got["set"] == [True] * 6 and got["exists_before"] == 6
+    assert got["exists_after_replace"] == 0 and got["get_after_replace"] == [False] * 6
+    assert got["new_identity"] and got["rehashed"]
+    assert got["set_new"] == [True] * 6 and got["exists_new"] == 6
+    assert got["exists_after_clear"] == 0 and "+generation:" in got["identity_after_clear"]

@@ -104,6 +104,8 @@ def main() -> None:
     loras: dict[str, int] = {}
     for p in prompts:
         p = p if isinstance(p, dict) else {"ids": p}
+        if p.get("reset_before"):  # as a weight update does: vLLM's cache and the connector's
+            assert llm.reset_prefix_cache(reset_connector=True)
         req: dict = {"prompt_token_ids": p["ids"]}
         if p.get("embeds"):
             req = {"prompt_embeds": _embeddings(a.model, p["ids"])}

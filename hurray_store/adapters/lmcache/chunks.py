@@ -106,6 +106,18 @@ class ChunkRegistry:
             self.others[key] = c  # its chunk hash is another key's
         return c
 
+    def rename(self, prefix: str) -> list[Chunk]:
+        """Name chunks under ``prefix`` from now on (a new identity of the weights):
+        every entry is forgotten, so no lookup finds a chunk under its old name; the
+        entries, for the caller to let their pins go (an unpin that comes later for one
+        finds nothing, as after ``remove``). Lookups under way start over (``drops``)."""
+        with self.lock:
+            old = self.entries()
+            self.prefix = prefix
+            self.by_hash, self.others = {}, {}
+            self.drops += 1
+        return old
+
     def remove(self, key: Any) -> Chunk | None:
         """Take ``key``'s entry out (its pins stay in it, for the caller). Under
         ``lock``."""

@@ -51,7 +51,7 @@ from hurray_store.adapters.lmcache.layout import ChunkLayout
 from hurray_store.adapters.lmcache.lookups import ChunkLookups
 from hurray_store.adapters.lmcache.puts import ChunkPuts
 from hurray_store.engine import EnginePort
-from hurray_store.engine.identity import folder_identity, identity_tag
+from hurray_store.engine.identity import WeightsIdentity, identity_tag
 from hurray_store.store import TieredStore
 
 
@@ -96,16 +96,14 @@ class HurrayStoragePlugin(StoragePluginInterface):
         self.fingerprint = self.layout.fingerprint
         # The model's identity: its weights where the folder is known (model_path, or
         # LMCache's model name when that is a folder), else its name, with a warning.
-        self.identity = folder_identity(
+        self.weights = WeightsIdentity(
             extra.get(f"storage_plugin.{name}.model_path"), metadata.model_name, "hurray plugin"
         )
-        prefix = f"lmc/{self.fingerprint[:8].hex()}/"  # the chunk's names name the model too
-        if not self.identity.startswith("name:"):
-            prefix = f"lmc/{self.fingerprint[:8].hex()}.{identity_tag(self.identity)}/"
+        self.identity = self.weights.value
         self.port = EnginePort(path, name="hurray-store-plugin")
         self.store: TieredStore = self.port.store
         # The chunks this engine named lately, and its pins on them.
-        self.chunks = ChunkRegistry(prefix, self.port.ref)
+        self.chunks = ChunkRegistry(self._prefix(), self.port.ref)
         self.lookups = ChunkLookups(self.port, self.chunks)
         self.puts = ChunkPuts(self.port, self.chunks, self.layout)
         self.gets = ChunkGets(self.port, self.chunks, self.layout, local_cpu_backend)
@@ -124,6 +122,28 @@ class HurrayStoragePlugin(StoragePluginInterface):
 
     def __str__(self) -> str:
         return "HurrayStoragePlugin"
+
+    def _prefix(self) -> str:
+        """The chunks' names name the layout and the model's identity (its weights)."""
+        if self.identity.startswith("name:") and not self.weights.generation:
+            return f"lmc/{self.fingerprint[:8].hex()}/"  # LMCache's model name in the key
+        return f"lmc/{self.fingerprint[:8].hex()}.{identity_tag(self.identity)}/"
+
+    def clear(self) -> int:
+        """LMCache's ``clear`` (its storage manager calls it on every backend, as after a
+        weight update): the chunks stored so far are no longer found by this engine,
+        which names chunks by a new generation of its identity from now on, or by the
+        new weights' when the model folder's files changed. Nothing is deleted (another
+        engine on the old weights may use it; eviction takes it). Returns 0: no tokens
+        were deleted."""
+        self.identity = self.weights.reset()
+        for c in self.chunks.rename(self._prefix()):
+            while True:  # pin by pin: an unpin may be popping from the same entry
+                try:
+                    self.port.release_one(c.pop())
+                except IndexError:
+                    break
+        return 0
 
     # ------------------------------------------------------------------ put
 

@@ -58,7 +58,7 @@ from hurray_store.adapters.sglang.pages import (
     page_view,
 )
 from hurray_store.engine import EnginePort
-from hurray_store.engine.identity import folder_identity
+from hurray_store.engine.identity import WeightsIdentity
 
 log = logging.getLogger(__name__)
 _WARN_EVERY_S = 10.0  # a failing store is logged at most this often
@@ -82,9 +82,12 @@ class HurrayHiCacheStorage(HiCacheStorage):
                 "heterogeneous TP) is not supported"
             )
         self.storage_config = storage_config
-        self.identity = folder_identity(
+        # The model's identity, kept up with its weights: files replaced in the folder,
+        # or clear() (docs/sglang.md, "When the weights change").
+        self.weights = WeightsIdentity(
             extra.get("model_path"), storage_config.model_name, "HurrayHiCacheStorage"
         )
+        self.identity = self.weights.value
         self.port = EnginePort(extra.get("config"), name="hurray-sglang")
         self.store = self.port.store
         self.salt = str(extra.get("salt", "")) or self.store.config.salt
@@ -130,19 +133,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
             pool.dtype,
             token_major=self.layout in TOKEN_MAJOR,
         )
-        fields = {
-            "model": self.identity,
-            "salt": self.salt,
-            "layers": self.codec.layers,
-            "heads": self.codec.heads,
-            "head_dim": self.codec.head_dim,
-            "page_size": self.codec.page_size,
-            "dtype": str(self.codec.dtype),
-            "ranks": self.ranks,
-        }
-        if self.codec.token_major:  # the per-layer form's names are those stored before
-            fields["pages"] = "token_major"
-        self.prefix = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        self.prefix = self._prefix()
         self.io = PageIO(self.port, self.codec, self.prefix, self.counts, self._failed)
         self.disabled = ""
         model = str(self.storage_config.model_name or self.identity)
@@ -158,6 +149,43 @@ class HurrayHiCacheStorage(HiCacheStorage):
             self.codec.page_bytes >> 10,
             self.ranks,
         )
+
+    def _prefix(self) -> str:
+        """What a page's name and fingerprint hash besides its key: the model's identity
+        now, the salt, the pool's geometry, the ranks."""
+        assert self.codec is not None
+        fields = {
+            "model": self.identity,
+            "salt": self.salt,
+            "layers": self.codec.layers,
+            "heads": self.codec.heads,
+            "head_dim": self.codec.head_dim,
+            "page_size": self.codec.page_size,
+            "dtype": str(self.codec.dtype),
+            "ranks": self.ranks,
+        }
+        if self.codec.token_major:  # the per-layer form's names are those stored before
+            fields["pages"] = "token_major"
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+    def _off(self) -> str:
+        """Why every call is a miss ("" when none); first, the identity is kept up with
+        the weights: when it changed, pages are named under the new one from now on."""
+        if not self.disabled and (now := self.weights.current()) != self.identity:
+            assert self.io is not None
+            self.identity = now
+            self.prefix = self._prefix()
+            self.io.set_prefix(self.prefix)
+        return self.disabled
+
+    def clear(self) -> None:
+        """SGLang's ``clear_hicache_storage`` (and what an operator calls after a weight
+        sync in memory): the pages stored so far are no longer found. They are not
+        deleted (another instance on the same weights may use them; eviction takes
+        them): this instance keys by a new generation of its identity, or by the new
+        weights' identity when the model folder's files changed."""
+        self.weights.reset()
+        self._off()
 
     def name_of(self, key: str) -> str:
         """The store's object name of SGLang's page ``key``."""
@@ -210,7 +238,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """How many of ``keys``, from the first, a get will find."""
-        if self.disabled or not keys:
+        if self._off() or not keys:
             return 0
         try:
             assert self.io is not None
@@ -231,7 +259,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
         ``host_indices[i * page_size]``): True for each page read and checked, up to
         the first that is not."""
         out = [False] * len(keys)
-        if self.disabled or not keys:
+        if self._off() or not keys:
             return out
         assert self.codec is not None and self.io is not None
         t0 = time.perf_counter()
@@ -256,7 +284,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
         """Store the pages at ``host_indices`` under ``keys``; a page the store holds
         already is not written again. True for each page stored (or held)."""
         out = [False] * len(keys)
-        if self.disabled or not keys or not self._distinct(keys, "batch_set_v1"):
+        if self._off() or not keys or not self._distinct(keys, "batch_set_v1"):
             return out
         assert self.codec is not None and self.io is not None
         t0 = time.perf_counter()
@@ -282,7 +310,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
         layout's page order, ``get_dummy_flat_data_page``); None from the first page
         that cannot be read."""
         out: list[torch.Tensor | None] = [None] * len(keys)
-        if self.disabled or not keys or target_locations is None:
+        if self._off() or not keys or target_locations is None:
             return out
         assert self.codec is not None and self.io is not None
         try:
@@ -310,7 +338,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
     ) -> bool:
         """SGLang's non-zero-copy path: flat pages (``get_data_page(flat=True)``, the host
         layout's page order)."""
-        if self.disabled or not keys or values is None or not self._distinct(keys, "batch_set"):
+        if self._off() or not keys or values is None or not self._distinct(keys, "batch_set"):
             return False
         assert self.codec is not None and self.io is not None
         try:

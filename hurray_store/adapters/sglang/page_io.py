@@ -37,12 +37,17 @@ class PageIO:
         counts: dict[str, int],
         failed: Callable[[str, BaseException], None],
     ) -> None:
-        self.port, self.codec, self.prefix = port, codec, prefix
+        self.port, self.codec = port, codec
         self.counts, self.failed = counts, failed
-        self.names = f"sgl.{xxhash.xxh3_128_hexdigest(prefix.encode())}."
+        self.set_prefix(prefix)
         self._set_staging: torch.Tensor | None = None
         self._set_lock = threading.Lock()
         self._storage: tuple[tuple[int, int], memoryview] | None = None  # a host pool's bytes
+
+    def set_prefix(self, prefix: str) -> None:
+        """Name (and fingerprint) pages under ``prefix`` from now on."""
+        self.prefix = prefix
+        self.names = f"sgl.{xxhash.xxh3_128_hexdigest(prefix.encode())}."
 
     def name_of(self, key: str) -> str:
         """The store's object name of SGLang's page ``key``."""

@@ -77,6 +77,7 @@ from hurray_store.adapters.vllm.scheduler import TIMEOUT_S, HurrayMetadata, Sche
 from hurray_store.adapters.vllm.spec import hit_source, spec_for_vllm, unkeyable
 from hurray_store.adapters.vllm.transfer import BlockTransfers, Loading, Transfer
 from hurray_store.engine import EnginePort
+from hurray_store.engine.identity import WeightsIdentity
 from hurray_store.keys import check_salt
 from hurray_store.spec import KVSpec
 
@@ -169,6 +170,7 @@ class HurrayConnector(KVConnectorBase_V1):
             disabled=self.disabled,
             base_salt=base.encode(),
             events=self.kv_events,
+            weights=_weights(vllm_config, role, self.disabled),
         )
         # worker
         self.xfer: BlockTransfers | None = None  # the data path, once the KV is registered
@@ -223,6 +225,14 @@ class HurrayConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         self.scheduler.update_connector_output(connector_output)
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (a weight update, or
+        ``pause_generation(clear_cache=True)``): the KV stored so far is no longer found
+        by this instance (docs/vllm.md, "When the weights change"). Nothing is deleted:
+        another instance on the old weights may still use it; eviction takes it."""
+        self.scheduler.reset_cache()
+        return True
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -430,3 +440,11 @@ class HurrayConnector(KVConnectorBase_V1):
             log.warning("HurrayConnector: %d bytes of saves lost at shutdown", lost)
         self._dump_counts()
         self.port.close()
+
+
+def _weights(vllm_config: VllmConfig, role: KVConnectorRole, disabled: str) -> Any:
+    """The scheduler's ``WeightsIdentity`` of the model folder vLLM serves (None on a
+    worker, or when the cache is off): its changes and resets enter the request salts."""
+    if role != KVConnectorRole.SCHEDULER or disabled:
+        return None
+    return WeightsIdentity(None, str(vllm_config.model_config.model), "HurrayConnector")

@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from hurray_store.adapters.vllm.events import block_infos
 from hurray_store.adapters.vllm.transfer import Transfer
 from hurray_store.engine import EnginePort
+from hurray_store.engine.identity import WeightsIdentity
 from hurray_store.identity import adapter_id
 from hurray_store.keys import request_salt
 from hurray_store.spec import KVSpec
@@ -59,6 +60,7 @@ class SchedulerSide:
         disabled: str,
         base_salt: bytes,
         events: bool = False,
+        weights: WeightsIdentity | None = None,
     ) -> None:
         self.port, self.rank_specs, self.block_size = port, rank_specs, block_size
         self.loads, self.saves, self.disabled, self.base_salt = loads, saves, disabled, base_salt
@@ -76,12 +78,37 @@ class SchedulerSide:
         self.events = events
         self._requests: dict[str, Request] = {}
         self._kv_events: Any = None
+        # The weights' identity, kept up: a change (files replaced, a cache reset after
+        # a weight sync) enters every request's salt from then on.
+        self.weights = weights
+        self._first_weights = self._last_weights = weights.value if weights is not None else ""
+
+    def reset_cache(self) -> None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, which a weight update
+        (a sync in memory, a reload) and ``pause_generation(clear_cache=True)`` call: no
+        request from now on finds or saves KV under the old weights' keys."""
+        if self.weights is not None:
+            self.weights.reset()
+        self._salts.clear()
+        self._stored.clear()
+
+    def _weights_salt(self) -> str | None:
+        """What the request salt holds of the weights: nothing while they are those
+        the instance started with, else their identity now."""
+        if self.weights is None:
+            return None
+        now = self.weights.current()
+        if now != self._last_weights:  # the salts made so far were of other weights
+            self._last_weights = now
+            self._salts.clear()
+        return None if now == self._first_weights else now
 
     def salt_of(self, request: Request) -> bytes | None:
         """The request's page salt, made once per request: everything vLLM's own block
         hash keys by besides the tokens, or None when the key cannot say it (the
         request is then neither looked up nor saved)."""
         rid = request.request_id
+        weights = self._weights_salt()
         if rid in self._salts:
             return self._salts[rid]
         if self.events:
@@ -104,7 +131,8 @@ class SchedulerSide:
         salt = None
         if not why:
             cache_salt = getattr(request, "cache_salt", None) or None  # vLLM: "" is none
-            salt = request_salt(self.base_salt, [("cache_salt", cache_salt), ("lora", lora)])
+            parts = [("cache_salt", cache_salt), ("lora", lora), ("weights", weights)]
+            salt = request_salt(self.base_salt, parts)
         elif why != "disabled" and why not in self._refused:
             self._refused.add(why)
             log.info("HurrayConnector: requests with %s are not cached", why)

@@ -28,6 +28,7 @@ class ServerProc:
         token: str = "",
         cpu_bytes: int = 256 << 20,
         events: dict[str, Any] | None = None,
+        tiers: list[dict[str, Any]] | None = None,
         **server: Any,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -37,7 +38,8 @@ class ServerProc:
         self.token = token
         self.config = workdir / "server.yaml"
         cfg = {
-            "tiers": [
+            "tiers": tiers
+            or [
                 {"type": "cpu", "capacity_bytes": cpu_bytes},
                 {"type": "disk", "path": "cache", "capacity_bytes": 4 << 30},
             ],

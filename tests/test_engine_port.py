@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hurray_store.engine import EnginePort, Save
+from hurray_store.tiers.memory import memory_charge
 
 
 def disk(tmp_path: Path, cap: int = 1 << 20) -> dict[str, Any]:
@@ -71,7 +72,7 @@ def test_a_lookup_counts_the_leading_run_and_takes_no_key_past_the_first_miss(
 
 
 def test_a_pinned_object_is_not_evicted_until_it_is_released(ports: list[EnginePort]) -> None:
-    port = open_port(ports, cpu(cap=3000))
+    port = open_port(ports, cpu(cap=3 * memory_charge(1000)))
     saved(port, {"a": b"a" * 1000, "b": b"b" * 1000})
     held = port.lookup(["a"], pin=True)
     saved(port, {"c": b"c" * 1000, "d": b"d" * 1000})  # room for two more: b goes, not a
@@ -179,7 +180,7 @@ def test_a_save_of_an_object_already_saving_is_not_made_twice(ports: list[Engine
 def test_events_tell_each_object_stored_and_removed_with_its_tier_and_reason(
     tmp_path: Path, ports: list[EnginePort]
 ) -> None:
-    port = open_port(ports, cpu(cap=2500), disk(tmp_path))
+    port = open_port(ports, cpu(cap=int(2.5 * memory_charge(1000))), disk(tmp_path))
     saved(port, {"a": b"a" * 1000, "b": b"b" * 1000})
     got = [(e.kind, e.tier, e.name, e.reason) for e in port.take_events()]
     assert sorted(got) == sorted(
@@ -331,7 +332,7 @@ def test_what_a_leased_lookup_counted_survives_eviction_until_its_load(
     p = EnginePort(
         {
             "namespace": "t",
-            "tiers": [{"type": "cpu", "capacity_bytes": 8 * 1024}],
+            "tiers": [{"type": "cpu", "capacity_bytes": 8 * memory_charge(1024)}],
             "engine": {"lease_s": 0.3},
         }
     )

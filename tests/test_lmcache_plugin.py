@@ -18,6 +18,8 @@ import hurray
 import pytest
 import torch
 
+from hurray_store.tiers.memory import memory_charge
+
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 lmcache = pytest.importorskip(
     "lmcache", reason="the lmcache extra is not installed (make test installs it)"
@@ -821,7 +823,8 @@ def test_l2_adapter_touch_keeps_keys_from_eviction(tmp_path: Path) -> None:
     from hurray_store.adapters.lmcache import HurrayL2Adapter
 
     n = 1 << 20
-    (tmp_path / "h.yaml").write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: {3 * n + 4096}}}\n")
+    cap = 3 * memory_charge(n) + 4096
+    (tmp_path / "h.yaml").write_text(f"tiers:\n  - {{type: cpu, capacity_bytes: {cap}}}\n")
     keys = [ObjectKey(bytes([i]) * 16, "tiny", 0) for i in range(4)]
     a = HurrayL2Adapter({"config": str(tmp_path / "h.yaml")})
     try:

@@ -16,6 +16,7 @@ from hurray_store import PagedKVPool
 from hurray_store.keys import object_stored
 from hurray_store.metrics import MOVE_REASONS
 from hurray_store.store import TieredStore, open_store
+from hurray_store.tiers.memory import memory_charge
 from tests.store_helpers import random_pool, shared_batch, spec
 
 BLOB = bytes(range(256)) * 16  # 4 KiB
@@ -32,7 +33,7 @@ def _moved(store: TieredStore, reason: str, tier: str) -> int:
 async def test_evict_is_counted_logged_and_exported(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 16 << 10}]}
+    cfg = {"tiers": [{"type": "cpu", "capacity_bytes": 4 * memory_charge(len(BLOB))}]}
     async with await open_store(cfg) as store:
         with caplog.at_level(logging.DEBUG, logger="hurray_store.metrics"):
             for i in range(8):
@@ -48,7 +49,7 @@ async def test_evict_is_counted_logged_and_exported(
 async def test_demote_and_flush_in_write_back(tmp_path: Path) -> None:
     cfg = {
         "policy": {"write_mode": "back"},
-        "tiers": [{"type": "cpu", "capacity_bytes": 16 << 10}, _disk(tmp_path)],
+        "tiers": [{"type": "cpu", "capacity_bytes": 4 * memory_charge(len(BLOB))}, _disk(tmp_path)],
     }
     async with await open_store(cfg) as store:
         for i in range(6):

@@ -4,6 +4,7 @@ tenant (or anyone who can connect) can make, each a test named for it. Real
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -298,3 +299,93 @@ def test_a_capacity_beyond_any_machine_is_a_config_error(tmp_path: Path) -> None
         )
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_large_non_put_messages_held_open_hold_no_more_than_their_budgets(
+    tmp_path: Path,
+) -> None:
+    """One tenant opens connections that each announce a 16 MiB PING (or X_LOOKUP), send
+    15 MiB of it and stall: the server holds at most the tenant's message budget for
+    them (the rest wait without a byte allocated, then are told BUSY or cut at the
+    request timeout); the other tenant's PINGs are answered meanwhile. It used to hold
+    every such message whole: 48 of them, 3 GB."""
+    big, budget = 16 << 20, 32 << 20
+    srv = ServerProc(
+        tmp_path / "srv",
+        token="ops-token",
+        tenants=[ALICE, BOB],
+        max_inflight_message_bytes_per_tenant=budget,
+        request_timeout_s=3.0,
+    ).start()
+    conns: list[Raw] = []
+    try:
+        ops = Raw(srv.port)
+        ops.hello("ops-token")
+        before = _rss(srv)
+        for i in range(8):
+            r = Raw(srv.port)
+            r.hello(ALICE["token"])
+            kind = Msg.PING if i % 2 else Msg.X_LOOKUP
+            head = tp.HEADER.pack(kind, 5, big) + b"\1" * (15 << 20)
+            # Sent from a thread: a message waiting for room is not read, its send blocks.
+            threading.Thread(target=_send_quietly, args=(r, head), daemon=True).start()
+            conns.append(r)
+        time.sleep(2.0)
+        held = _stats(ops)["server"]["inflight_message_bytes"]
+        grown = _rss(srv) - before
+        b = Raw(srv.port)
+        b.hello(BOB["token"])
+        t0 = time.monotonic()
+        assert b.ping(), "the other tenant is still served"
+        assert time.monotonic() - t0 < 1.0
+        assert held == budget, f"{held} bytes of messages held; the budget is {budget}"
+        assert grown < budget + (16 << 20), f"RSS grew {grown >> 20} MiB"
+        # Each stalled one is cut at request_timeout_s (those that waited for room, once
+        # they had it): every byte is given back.
+        end = time.monotonic() + 20
+        while _stats(ops)["server"]["inflight_message_bytes"] and time.monotonic() < end:
+            time.sleep(0.2)
+        assert _stats(ops)["server"]["inflight_message_bytes"] == 0
+    finally:
+        for r in conns:
+            r.close()
+        srv.kill()
+
+
+def _send_quietly(r: Raw, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        r.s.sendall(data)
+
+
+def test_a_flood_of_tiny_objects_fills_the_cpu_tier_by_what_they_really_cost(
+    tmp_path: Path,
+) -> None:
+    """100,000 one-byte puts into a server whose only tier is 8 MiB of CPU memory: the
+    tier charges each object what it costs (1 byte used to be charged 1 byte: 33 GiB
+    before the first eviction), so it evicts past about 8 MiB of them, and the
+    server's memory grows by about the tier's budget, not by the flood."""
+    from hurray_store.tiers.memory import memory_charge
+
+    cap = 8 << 20
+    srv = ServerProc(
+        tmp_path / "srv", tiers=[{"type": "cpu", "capacity_bytes": cap}], max_object_bytes=4096
+    ).start()
+    try:
+        r = Raw(srv.port)
+        r.hello()
+        warm, n = 10_000, 100_000
+        assert set(_pipelined_puts(r, [f"w{i:08d}" for i in range(warm)], b"x")) == {
+            Msg.TENSOR_PUT_ACK
+        }
+        time.sleep(0.3)
+        before = _rss(srv)
+        kinds = _pipelined_puts(r, [f"o{i:08d}" for i in range(n)], b"x")
+        assert set(kinds) == {Msg.TENSOR_PUT_ACK}
+        time.sleep(0.3)
+        grown = _rss(srv) - before
+        cpu = _stats(r)["tiers"]["cpu"]
+        assert cpu["objects"] <= cap // memory_charge(1) and cpu["bytes"] <= cap
+        assert cpu["evictions"] >= warm + n - cap // memory_charge(1)
+        assert grown < 2 * cap, f"RSS grew {grown >> 20} MiB for an {cap >> 20} MiB tier"
+    finally:
+        srv.kill()

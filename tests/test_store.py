@@ -20,6 +20,7 @@ from hurray_store.keys import ObjectKey
 from hurray_store.store import open_store
 from hurray_store.testing.services import RedisProc, SeaweedProc
 from hurray_store.tiers import SelfChecked
+from hurray_store.tiers.memory import memory_charge
 from tests.store_helpers import Batch, assert_pages_equal, random_pool, shared_batch, spec
 
 PREFIX = list(range(1000, 1018))  # 4 full pages + 2 tokens
@@ -328,9 +329,8 @@ async def test_eviction_keeps_data_reachable_in_lower_tiers(tmp_path: Path) -> N
     src = random_pool(sp, 512)
     batches = [shared_batch(src, [g] * 16, [[]]) for g in range(6)]
     async with await open_store({"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}]}) as probe:
-        seg_bytes = (await probe.put(src, batches[0].tokens, batches[0].tables)).bytes_per_tier[
-            "cpu"
-        ]
+        await probe.put(src, batches[0].tokens, batches[0].tables)
+        seg_bytes = probe.stats()["tiers"]["cpu"]["bytes"]  # what the cpu tier charges it
     cfg = {
         "tiers": [
             {"type": "cpu", "capacity_bytes": 2 * seg_bytes},
@@ -358,7 +358,8 @@ async def test_write_back_moves_evicted_groups_down_and_flush_persists_the_rest(
     src = random_pool(sp, 512)
     batches = [shared_batch(src, [g] * 16, [[]]) for g in range(4)]
     async with await open_store({"tiers": [{"type": "cpu", "capacity_bytes": 1 << 30}]}) as probe:
-        one = (await probe.put(src, batches[0].tokens, batches[0].tables)).bytes_per_tier["cpu"]
+        await probe.put(src, batches[0].tokens, batches[0].tables)
+        one = probe.stats()["tiers"]["cpu"]["bytes"]  # what the cpu tier charges a segment
     cfg = {
         "tiers": [
             {"type": "cpu", "capacity_bytes": int(2.5 * one)},
@@ -486,11 +487,12 @@ async def test_delete_right_after_put_is_not_undone_by_write_through(tmp_path: P
 async def test_put_objects_is_one_group_written_record_last(tmp_path: Path) -> None:
     cfg = {
         "tiers": [
-            {"type": "cpu", "capacity_bytes": 2000},
+            # room for one group of 600, 600, 3 bytes and its member list in memory
+            {"type": "cpu", "capacity_bytes": sum(map(memory_charge, [600, 600, 3, 200]))},
             {"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30},
         ]
     }
-    async with await open_store(cfg) as store:  # room for one 1203-byte group in memory
+    async with await open_store(cfg) as store:
         assert await store.put_objects(
             [("c1/0", b"a" * 600), ("c1/1", b"b" * 600), ("c1/r", b"rec")]
         )

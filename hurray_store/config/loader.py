@@ -159,6 +159,8 @@ def _check_server(s: ServerConfig, namespace: str) -> ServerConfig:
         "max_unauthenticated",
         "max_requests_per_connection",
         "max_inflight_put_bytes",
+        "max_inflight_message_bytes",
+        "max_inflight_message_bytes_per_tenant",
         "max_claims_per_connection",
         "max_claims_per_tenant",
     ):

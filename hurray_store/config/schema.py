@@ -123,6 +123,15 @@ class ServerConfig:
         "then its put gets ERROR (busy)",
         1 << 30,
     )
+    max_inflight_message_bytes: int = documented(
+        "bytes of the other messages (requests, PINGs) of 64 KiB or more being received "
+        "or answered, all connections together; one waits for room (up to "
+        "request_timeout_s), then gets ERROR (busy) and its payload is skipped",
+        256 << 20,
+    )
+    max_inflight_message_bytes_per_tenant: int = documented(
+        "the same, for all of one tenant's connections together", 128 << 20
+    )
     staging_timeout_s: float = documented(
         "how long a segment's layer objects wait for their commit before they are dropped", 120.0
     )

@@ -84,6 +84,11 @@ class CacheServer:
         self.store = ServedStore(store, tenants)
         self.cfg = cfg
         self.budget = PutBudget(cfg.max_inflight_put_bytes)
+        # The other messages' bytes (requests, PINGs), in all and per tenant.
+        self.messages = PutBudget(cfg.max_inflight_message_bytes)
+        self.tenant_messages = {
+            t.name: PutBudget(cfg.max_inflight_message_bytes_per_tenant) for t in tenants.all
+        }
         self.hello_failures = HelloFailures(cfg.hello_failures_per_s)
         self.staging = SegmentStaging(self.store, cfg)
         self.sessions: set[Session] = set()

@@ -139,6 +139,7 @@ class Requests:
         stats["server"] = {
             "connections": len(srv.sessions),
             "inflight_put_bytes": srv.budget.used,
+            "inflight_message_bytes": srv.messages.used,
             "staged_segments": len(srv.staging.staged),
             "claimed_pages": len(srv.staging.claims),
             "draining": srv.draining,

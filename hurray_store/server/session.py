@@ -31,6 +31,11 @@ from hurray_store.transport import Err, Msg
 log = logging.getLogger(__name__)
 _HELLO_LIMIT = 64 << 10
 # Messages a client may send; the rest flow server -> client only.
+# Messages answered in the read loop; every other request runs as a task of its own.
+_IN_LOOP = {Msg.TENSOR_PUT, Msg.TENSOR_DATA_END, Msg.PING, Msg.PONG, Msg.ERROR}
+# Messages this size or more hold room in the message budgets while they are handled
+# (smaller ones are bounded by max_requests_per_connection times this, per connection).
+SMALL_MESSAGE = 64 << 10
 _CLIENT_SENDS = {
     Msg.TENSOR_REQUEST,
     Msg.TENSOR_DATA,
@@ -54,6 +59,8 @@ class SessionHost(Protocol):
     store: ServedStore
     staging: SegmentStaging
     budget: PutBudget
+    messages: PutBudget  # the other messages' bytes, all connections
+    tenant_messages: dict[str, PutBudget]  # the same, per tenant
     metrics: ServerMetrics
     sessions: set[Session]
     unauthenticated: dict[Session, None]  # before their CLIENT_HELLO, oldest first
@@ -260,32 +267,80 @@ class Session:
                 raise ProtocolError(
                     Err.INVALID_MESSAGE, f"message {Msg(kind).name} is not one a client sends here"
                 )
-            async with asyncio.timeout(self.cfg.request_timeout_s):
-                if kind == Msg.TENSOR_DATA:
-                    await self.puts.data(sid, n)
+            release = None
+            if kind != Msg.TENSOR_DATA and n >= SMALL_MESSAGE:
+                # Its bytes held until it is answered: room in the server's and the
+                # tenant's message budgets first (else busy, and the payload skipped).
+                release = await self._room(n)
+                if release is None:
+                    async with asyncio.timeout(self.cfg.request_timeout_s):
+                        await ch.skip(n)
+                    await self.error(sid, Err.BUSY, f"no room for a {n}-byte message now")
                     continue
-                payload = memoryview(await ch.read(n))
-            if kind == Msg.TENSOR_PUT:
-                await self.puts.begin(sid, payload)
-            elif kind == Msg.TENSOR_DATA_END:
-                self.puts.end(sid, n)
-            elif kind == Msg.PING:
-                # A client that does not read its PONG loses its connection (TIMEOUT).
-                async with ch.send_lock, asyncio.timeout(self.cfg.request_timeout_s):
-                    await ch.send(Msg.PONG, sid, payload)
-            elif kind in (Msg.PONG, Msg.ERROR):
-                pass  # a client's ERROR ends its own stream; nothing is in flight for it here
-            else:
-                self._spawn(Msg(kind), sid, payload)
+            try:
+                async with asyncio.timeout(self.cfg.request_timeout_s):
+                    if kind == Msg.TENSOR_DATA:
+                        await self.puts.data(sid, n)
+                        continue
+                    payload = memoryview(await ch.read(n))
+            except BaseException:
+                if release is not None:
+                    release()
+                raise
+            if kind not in _IN_LOOP:
+                self._spawn(Msg(kind), sid, payload, release)  # gives the room back when done
+                continue
+            try:
+                await self._answer_now(Msg(kind), sid, n, payload)
+            finally:
+                if release is not None:
+                    release()
+
+    async def _answer_now(self, kind: Msg, sid: int, n: int, payload: memoryview) -> None:
+        """The messages answered in the read loop itself (not spawned)."""
+        ch = self.ch
+        assert ch is not None
+        if kind == Msg.TENSOR_PUT:
+            await self.puts.begin(sid, payload)
+        elif kind == Msg.TENSOR_DATA_END:
+            self.puts.end(sid, n)
+        elif kind == Msg.PING:
+            # A client that does not read its PONG loses its connection (TIMEOUT).
+            async with ch.send_lock, asyncio.timeout(self.cfg.request_timeout_s):
+                await ch.send(Msg.PONG, sid, payload)
+        # PONG, ERROR: a client's ERROR ends its own stream; nothing is in flight for it
+
+    async def _room(self, n: int) -> Callable[[], None] | None:
+        """``n`` bytes of a message taken from the server's and this tenant's message
+        budgets, waiting up to ``request_timeout_s``; what gives them back, or None."""
+        srv, wait = self.server, self.cfg.request_timeout_s
+        mine = srv.tenant_messages.get(self.tenant.name) if self.tenant is not None else None
+        if mine is not None and not await mine.take(n, wait):
+            return None
+        if not await srv.messages.take(n, wait):
+            if mine is not None:
+                mine.give(n)
+            return None
+
+        def give() -> None:
+            srv.messages.give(n)
+            if mine is not None:
+                mine.give(n)
+
+        return give
 
     # ------------------------------------------------------------------ requests
 
-    def _spawn(self, kind: Msg, sid: int, payload: memoryview) -> None:
+    def _spawn(
+        self, kind: Msg, sid: int, payload: memoryview, release: Callable[[], None] | None = None
+    ) -> None:
         self.server.metrics.requests.labels(kind.name).inc()
         handler = self.requests[kind]
-        self.track(handler(sid, payload), kind.name, sid)
+        self.track(handler(sid, payload), kind.name, sid, release)
 
-    def track(self, coro: Any, name: str, sid: int) -> None:
+    def track(
+        self, coro: Any, name: str, sid: int, release: Callable[[], None] | None = None
+    ) -> None:
         async def timed() -> None:
             t0 = time.perf_counter()
             try:
@@ -325,5 +380,7 @@ class Session:
         def done(t: asyncio.Task[None]) -> None:
             self.handlers.discard(t)
             coro.close()  # cancelled before it started: closed, not left "never awaited"
+            if release is not None:  # the request's payload is no longer held
+                release()
 
         task.add_done_callback(done)

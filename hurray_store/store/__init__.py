@@ -100,6 +100,7 @@ class TieredStore(ObjectLevel):
                     t.caps.persistent,
                     t.caps.trusted,
                     t.offers(SharedTier),
+                    t.charge,
                 )
                 for t, c in zip(tiers, config.tiers, strict=True)
             ]

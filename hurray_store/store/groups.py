@@ -119,7 +119,7 @@ class GroupLevel:
         for i in range(len(self._cascade.tiers)):
             for g, e in self._ledger.entries(i):
                 if e.ready:
-                    yield g, e.nbytes, len(e.sizes)
+                    yield g, sum(e.sizes.values()), len(e.sizes)
 
     def pin(self, keys: Iterable[str]) -> list[Group]:
         """Pin the groups holding ``keys`` (a segment key pins its segment); let go with

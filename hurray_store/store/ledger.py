@@ -49,6 +49,9 @@ class TierInfo:
     persistent: bool
     trusted: bool = False  # in-process memory only this process writes
     shared: bool = False  # other processes write to it (a cache server)
+    # What the tier's budget is charged for an object of n bytes: n, plus what the
+    # medium really spends per object (``Tier.charge``).
+    charge: Callable[[int], int] = int
 
 
 @dataclass(slots=True, eq=False)
@@ -61,7 +64,7 @@ class Entry:
 
     sizes: dict[str, int]
     depth: int
-    nbytes: int
+    nbytes: int  # what the tier's budget is charged for it (``TierInfo.charge``)
     ready: bool
     pins: int = 0
     moved: bool = False
@@ -180,8 +183,12 @@ class Ledger:
         e = self._tiers[tier].groups.get(group)
         return dict(e.sizes) if e else {}
 
+    def charged(self, tier: int, sizes: Mapping[str, int]) -> int:
+        """What ``tier``'s budget is charged for a group of objects of ``sizes``."""
+        return sum(map(self.tiers[tier].charge, sizes.values()))
+
     def group_bytes(self, tier: int, group: Group) -> int:
-        """The bytes the ledger gives ``group`` in ``tier`` (0: not there)."""
+        """The bytes the ledger charges ``group`` in ``tier`` (0: not there)."""
         e = self._tiers[tier].groups.get(group)
         return e.nbytes if e else 0
 
@@ -398,7 +405,7 @@ class Ledger:
         self, tier: int, group: Group, sizes: dict[str, int], depth: int, *, ready: bool
     ) -> None:
         b = self._tiers[tier]
-        e = Entry(sizes, depth, sum(sizes.values()), ready)
+        e = Entry(sizes, depth, self.charged(tier, sizes), ready)
         b.groups[group] = e
         b.used += e.nbytes
         r = self._recent.setdefault(getattr(group, "namespace", None), OrderedDict())

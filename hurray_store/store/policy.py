@@ -86,7 +86,7 @@ class Policy:
         led = self.ledger
         with led.lock:
             cap = self.tiers[tier].capacity_bytes
-            need = sum(sizes.values())
+            need = led.charged(tier, sizes)
             if cap is not None and need > cap:
                 return Admission(
                     False, reason=f"{need} bytes exceed the tier's whole budget of {cap}"

@@ -150,6 +150,12 @@ class Tier(ABC):
         # then lowers the budget to what the tier holds, and evicts to make room.
         self.out_of_space = False
 
+    def charge(self, nbytes: int) -> int:
+        """What the tier's budget is charged for an object of ``nbytes``: its bytes, and
+        what the medium spends per object besides (a memory tier's bookkeeping): tiny
+        objects are not free (docs/store.md, "What an object costs")."""
+        return nbytes
+
     @property
     def available(self) -> bool:
         """False while the backing service is known to be down."""

@@ -25,6 +25,18 @@ def _ranges_of(obj: Blob, ranges: Sequence[Range]) -> list[Blob] | None:
     return [obj[off : off + ln] for off, ln in ranges]
 
 
+# What host memory an object of the cpu tier costs besides its bytes (rounded up to
+# the arena's alignment): its entries in the tier, the ledger and the object level, its
+# key's strings. Measured at about 1.2 KiB (tools/bench_attack.py's tiny-object row;
+# tests/test_budgets.py checks a 1-byte object costs no more); charged with a margin.
+MEMORY_OBJECT_BYTES = 1536
+
+
+def memory_charge(nbytes: int) -> int:
+    """What the cpu tier's budget is charged for an object of ``nbytes``."""
+    return -(-max(nbytes, 1) // Arena.ALIGN) * Arena.ALIGN + MEMORY_OBJECT_BYTES
+
+
 class CpuTier(Tier):
     """Encoded objects in host memory: an arena of ``capacity_bytes`` (reserved, filled
     on first use, reused after eviction), or page-locked tensors when pinned. An object
@@ -39,6 +51,9 @@ class CpuTier(Tier):
         self.pinned = torch.cuda.is_available() if pin == "auto" else pin == "true"
         self._arena = None if self.pinned else Arena(cfg.capacity_bytes, populate=cfg.preallocate)
         self._objects: dict[str, tuple[int, int] | Blob] = {}
+
+    def charge(self, nbytes: int) -> int:
+        return memory_charge(nbytes)
 
     def _view(self, key: str) -> Blob | None:
         obj = self._objects.get(key)

@@ -26,6 +26,10 @@ reference), then again while these attackers run from threads of this process:
 Besides the engine's put and get, each phase times 20 fresh connections' CLIENT_HELLO
 (an engine that connects while the flood runs) and samples the server's RSS.
 
+Then two rows of their own (``tools/_bench_sick.py``; ``--sick-only`` runs only them):
+an engine's step loop while its cache server hangs (steps against the same loop with no
+hang), and 200,000 one-byte puts into a 32 MiB cpu tier (RSS against the capacity).
+
 Everything goes to 127.0.0.1, every loop is bounded in time, and the tool stops by
 itself. It prints p50 and p99 of the engine's put and get, and its failures, per phase.
 """
@@ -390,7 +394,15 @@ def main() -> None:
         help="run these attacks only (silent, non_reader, empty_puts, announced, lookups, "
         "flood, abandoned, claims, staging, commits, tiny_puts, bad_hellos, connect_flood)",
     )
+    ap.add_argument(
+        "--sick-only",
+        action="store_true",
+        help="run only the rows of a hung server and a tiny-object flood (tools/_bench_sick.py)",
+    )
     a = ap.parse_args()
+    if a.sick_only:
+        _sick_rows()
+        return
     ONLY[:] = a.only
     work = Path(tempfile.mkdtemp(prefix="bench-attack-"))
     proc, port = start_server(work, None if a.no_quota else TIER_BYTES // 4)
@@ -462,6 +474,16 @@ def main() -> None:
         f"after it: {left}"
     )
     print(f"the server survived the attack: {alive}; exit code on SIGTERM: {proc.returncode}")
+    _sick_rows()
+
+
+def _sick_rows() -> None:
+    import _bench_sick
+
+    print("\n| row | reference (same run) | measured | result |")
+    print("|---|---|---|---|")
+    for row in _bench_sick.rows():
+        print(row)
 
 
 if __name__ == "__main__":

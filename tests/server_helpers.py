@@ -13,12 +13,12 @@ from typing import Any
 import yaml
 
 from hurray_store import transport as tp
-from hurray_store.testing.services import free_port, wait_listening
+from hurray_store.testing.services import Pausable, free_port, wait_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class ServerProc:
+class ServerProc(Pausable):
     """``hurray-store serve`` on a cpu + disk config under ``workdir``."""
 
     def __init__(
@@ -85,15 +85,6 @@ class ServerProc:
         rc = self.proc.wait(timeout=60)
         self.proc = None
         return rc
-
-    def pause(self) -> None:
-        """SIGSTOP: the server hangs (its connections stay open, nothing answers)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         if self.proc is not None:

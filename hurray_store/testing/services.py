@@ -81,20 +81,10 @@ def wait_listening(
     )
 
 
-class ServiceProc:
-    """A server process of a test: ``stop`` kills it (its subclass's ``start`` brings it
-    back on the same ports)."""
+class Pausable:
+    """A process of a test that can be made to hang (``pause``) and go on (``resume``)."""
 
     proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Self:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
 
     def pause(self) -> None:
         """SIGSTOP: the server hangs (its connections stay open, nothing answers)."""
@@ -104,6 +94,20 @@ class ServiceProc:
     def resume(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGCONT)
+
+
+class ServiceProc(Pausable):
+    """A server process of a test: ``stop`` kills it (its subclass's ``start`` brings it
+    back on the same ports)."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
 
 
 P = TypeVar("P", bound=ServiceProc)

@@ -1,0 +1,39 @@
+"""vLLM when the weights change (issue V item 1): ``reset_prefix_cache(reset_connector=True)``,
+which a weight sync in memory and ``pause_generation(clear_cache=True)`` call, reaches the
+connector's ``reset_cache``. Real vLLM instances (vLLM's CPU build, from .venv-vllm) on a
+tiny model built here; a file of its own so that it runs beside tests/test_vllm.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hurray_store.tiny_model import build_tiny_model
+from tests.test_vllm import _config, _prompts, _vllm, pytestmark  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def fp32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("vllm-model") / "llama-fp32"
+    build_tiny_model(str(d), dtype="float32")
+    return d
+
+
+def test_a_cache_reset_after_a_weight_update_never_serves_the_old_weights_kv(
+    fp32_model: Path, tmp_path: Path
+) -> None:
+    """vLLM's reset_prefix_cache(reset_connector=True), which a weight sync in memory and
+    pause_generation(clear_cache=True) call: the prompt loaded from the store before it
+    is not found after it (the connector keys by a new generation of the weights), and
+    each reset is a generation of its own."""
+    prompts = _prompts(200, [30])
+    cfg = _config(tmp_path / "hs.yaml", tmp_path / "cache")
+    _vllm(tmp_path, fp32_model, prompts[:1], "--config", str(cfg), split=False)  # stored
+    p = prompts[0]
+    runs = [{"ids": p}, {"ids": p, "reset_before": True}, {"ids": p, "reset_before": True}]
+    got, counts = _vllm(tmp_path, fp32_model, runs, "--config", str(cfg), split=False)  # type: ignore[arg-type]
+    assert got[0]["cached"] == 224, "the store's KV before the reset"
+    assert got[1]["cached"] == 0, "the old weights' KV was served after the reset"
+    assert got[2]["cached"] == 0, "each reset is a generation of its own"
+    assert counts["blocks_loaded"] == 7 and counts["blocks_saved"] >= 14, counts

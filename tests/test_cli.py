@@ -128,6 +128,86 @@ def test_serve_on_a_taken_port_says_so(tmp_path: Path) -> None:
             timeout=60,
         )
     assert r.returncode == 1 and "cannot listen" in r.stderr
+    assert f"the transport port 127.0.0.1:{port} (server.port, --port)" in r.stderr
+
+
+def test_a_taken_metrics_port_is_named_as_the_metrics_port(tmp_path: Path) -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(
+            "tiers: [{type: cpu, capacity_bytes: 1048576}]\n"
+            f"server: {{port: 0, metrics_host: 127.0.0.1, metrics_port: {port}}}\n"
+        )
+        r = subprocess.run(
+            [sys.executable, "-m", "hurray_store.cli", "serve", "--config", str(cfg)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert r.returncode == 1
+    assert f"the metrics port 127.0.0.1:{port} (server.metrics_port, --metrics-port)" in r.stderr
+
+
+def test_version_and_a_bare_call_print_what_they_should(capsys) -> None:
+    from hurray_store import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"hurray-store {__version__}"
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: hurray-store") and "check-config" in err and "--help" in err
+
+
+def test_every_argument_of_every_command_has_help() -> None:
+    import argparse
+
+    from hurray_store.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [
+        f"{name} {a.dest}"
+        for name, p in sub.choices.items()
+        for a in p._actions
+        if not a.help and not isinstance(a, argparse._HelpAction)
+    ]
+    assert missing == [], missing
+    no_example = [n for n, p in sub.choices.items() if "Example: hurray-store" not in p.description]
+    assert no_example == [], no_example
+
+
+def test_check_config_prints_the_resolved_config_or_names_the_bad_key(
+    tmp_path: Path, capsys
+) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(f"tiers: [{{type: disk, path: {tmp_path / 'c'}, capacity_bytes: 1048576}}]\n")
+    assert main(["check-config", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert '"request_timeout_s": 30.0' in out or '"request_timeout_s"' in out  # defaults shown
+    assert '"wait_s": 0.25' in out and "disk (disk): 1 MiB" in out and "valid" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers: [{type: cpu, capacity_bytes: 1024}]\nengine: {wait_s: 0}\n")
+    assert main(["check-config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "engine.wait_s" in err[0], err
+
+
+def test_a_model_job_checks_its_config_and_model_folder_before_loading_anything(
+    tmp_path: Path, capsys
+) -> None:
+    """A typo in the config or the model folder is an error at once, before any model is
+    loaded (with a real model that took minutes), and no Hub lookup happens."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers: [{type: cpu, capacity_bytes: lots}]\n")
+    argv = ["--prompts", "p.jsonl", "--model", str(tmp_path / "no-model")]
+    for cmd in ("warmup", "replay"):
+        assert main([cmd, "--config", str(bad), *argv]) == 2
+        assert "tiers.cpu.capacity_bytes" in capsys.readouterr().err
+        assert main([cmd, *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "no such model folder (nothing is downloaded)" in err[0], err
 
 
 def test_stats_with_no_server(capsys) -> None:

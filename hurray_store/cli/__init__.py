@@ -35,6 +35,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics_port = (
         -1 if args.metrics_port is None else (None if args.metrics_port < 0 else args.metrics_port)
     )
+    if args.port == 0 and args.metrics_port is None:  # a free port: its metrics' too
+        metrics_port = 0
     try:
         asyncio.run(
             serve(store, cfg.server, host=args.host, port=args.port, metrics_port=metrics_port)
@@ -138,7 +140,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="JSON: config fields to override, as vLLM's --hf-overrides takes them (the "
         "cache is keyed by the config the model runs with: give the serving instances' own)",
     )
-    p.add_argument("--batch-size", type=_positive, default=8)
+    p.add_argument(
+        "--batch-size",
+        type=_positive,
+        default=8,
+        help="prompts prefilled at once (more: faster on a GPU, more memory)",
+    )
     p.add_argument(
         "--strict", action="store_true", help="abort on a bad corpus line instead of skipping it"
     )
@@ -153,12 +160,57 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def cmd_check_config(args: argparse.Namespace) -> int:
+    """Validate a store config and print it resolved: every key with its default filled
+    in, and what each tier will use. Exit 2 with the dotted key on an error."""
+    import json
+    from dataclasses import asdict
+
+    from hurray_store.config import load_config
+
+    cfg = load_config(args.file)
+    print(json.dumps(asdict(cfg), indent=2, default=str))
+    print(f"\n{args.file or '(the embedded default)'}: valid; tiers, fastest first:")
+    for t in cfg.tiers:
+        cap = getattr(t, "capacity_bytes", None)
+        where = getattr(t, "path", "") or getattr(t, "url", "") or getattr(t, "bucket", "")
+        budget = "no budget of ours" if cap is None else f"{cap / (1 << 20):,.0f} MiB"
+        print(f"  {t.name or t.kind} ({t.kind}): {budget}{', ' + str(where) if where else ''}")
+    return 0
+
+
+def _version() -> str:
+    from hurray_store import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
-        prog="hurray-store", description="KV-cache storage on Hurray block-paged descriptors"
+        prog="hurray-store",
+        description="KV-cache storage on Hurray block-paged descriptors. "
+        "Run `hurray-store COMMAND --help` for a command's arguments and an example.",
     )
-    sub = p.add_subparsers(dest="command", required=True)
-    w = sub.add_parser("warmup", help="prefill a prompt corpus with a model and fill the cache")
+    p.add_argument("--version", action="version", version=f"hurray-store {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    cc = sub.add_parser(
+        "check-config",
+        help="validate a store config and print it resolved, with every default",
+        description="Validate a store config (YAML) and print it resolved: every key with "
+        "its default, and what each tier will use. Exit 2 naming the dotted key of the "
+        "first error. Example: hurray-store check-config configs/server.yaml",
+    )
+    cc.add_argument(
+        "file", nargs="?", default=None, help="the config's path (default: the embedded one)"
+    )
+    cc.set_defaults(func=cmd_check_config)
+    w = sub.add_parser(
+        "warmup",
+        help="prefill a prompt corpus with a model and fill the cache",
+        description="Prefill a prompt corpus with a model and store its KV. Example: "
+        "hurray-store warmup --model .hurray-cache/tiny-model --prompts "
+        "configs/sample_prompts.jsonl --config configs/default.yaml",
+    )
     _model_args(w)
     w.add_argument(
         "--prompts", required=True, help='JSONL: {"text": ...} or {"token_ids": [...]} per line'
@@ -174,7 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.set_defaults(func=cmd_warmup)
     r = sub.add_parser(
-        "replay", help="replay requests against the cache: hit rate and time to first token"
+        "replay",
+        help="replay requests against the cache: hit rate and time to first token",
+        description="Replay requests against the cache: hit rate and time to first token. "
+        "Example: hurray-store replay --model .hurray-cache/tiny-model --prompts "
+        "configs/sample_replay.jsonl --warmup-prompts configs/sample_prompts.jsonl",
     )
     _model_args(r)
     r.add_argument("--prompts", required=True, help="JSONL requests to replay")
@@ -183,17 +239,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.set_defaults(func=cmd_replay)
     d = sub.add_parser(
-        "codec-demo", help="encode, decode and check a synthetic batch with shared prefixes"
+        "codec-demo",
+        help="encode, decode and check a synthetic batch with shared prefixes",
+        description="Encode, decode and check a synthetic batch with shared prefixes. "
+        "Example: hurray-store codec-demo --layers 2 --tokens 256",
     )
-    d.add_argument("--layers", type=_positive, default=4)
-    d.add_argument("--seqs", type=_positive, default=16)
-    d.add_argument("--tokens", type=_positive, default=2048)
-    d.add_argument("--heads", type=_positive, default=8)
-    d.add_argument("--dim", type=_positive, default=128)
-    d.add_argument("--page-size", type=_positive, default=16)
+    d.add_argument("--layers", type=_positive, default=4, help="layers of the batch")
+    d.add_argument("--seqs", type=_positive, default=16, help="sequences of the batch")
+    d.add_argument("--tokens", type=_positive, default=2048, help="tokens per sequence")
+    d.add_argument("--heads", type=_positive, default=8, help="KV heads")
+    d.add_argument("--dim", type=_positive, default=128, help="head size")
+    d.add_argument("--page-size", type=_positive, default=16, help="tokens per page")
     d.set_defaults(func=cmd_demo)
     sv = sub.add_parser(
-        "serve", help="run the cache server (Hurray network transport) on a config's tiers"
+        "serve",
+        help="run the cache server (Hurray network transport) on a config's tiers",
+        description="Run the cache server on a config's tiers until SIGTERM or SIGINT. "
+        "Example: hurray-store serve --config configs/server.yaml",
     )
     sv.add_argument(
         "--config",
@@ -202,7 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--host", default=None, help="address to listen on (default: server.host)")
     sv.add_argument(
-        "--port", type=_port, default=None, help="port (default: server.port; 0 picks a free one)"
+        "--port",
+        type=_port,
+        default=None,
+        help="port (default: server.port; 0 picks a free one, and a free metrics port "
+        "unless --metrics-port says otherwise)",
     )
     sv.add_argument(
         "--metrics-port",
@@ -210,10 +276,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HTTP port for /metrics and health (default: server.metrics_port; -1: none)",
     )
-    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sv.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="what the server logs (default: info)",
+    )
     sv.set_defaults(func=cmd_serve)
-    st = sub.add_parser("stats", help="print a running cache server's stats as JSON")
-    st.add_argument("--url", default="hurray://127.0.0.1:9470")
+    st = sub.add_parser(
+        "stats",
+        help="print a running cache server's stats as JSON",
+        description="Print a running cache server's stats as JSON. "
+        "Example: hurray-store stats --url hurray://127.0.0.1:9470",
+    )
+    st.add_argument(
+        "--url", default="hurray://127.0.0.1:9470", help="the server (default: this machine's)"
+    )
     st.add_argument("--token", default=None, help="the server's token, if it asks for one")
     st.set_defaults(func=cmd_stats)
     ev = sub.add_parser(
@@ -244,18 +322,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.set_defaults(func=cmd_events)
     i = sub.add_parser(
-        "inspect", help="print every descriptor field of a layer object or a manifest"
+        "inspect",
+        help="print every descriptor field of a layer object or a manifest",
+        description="Print every descriptor field of a stored layer object or manifest. "
+        "Example: hurray-store inspect \"$(find .hurray-cache -path '*objects*' -type f "
+        '| head -1)"',
     )
-    i.add_argument("path")
+    i.add_argument(
+        "path",
+        help="a stored object's file (a disk tier's objects/ folder: its names are the "
+        "objects' keys, URL-encoded), or any file holding one",
+    )
     i.set_defaults(func=cmd_inspect)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a command. Bad input (a config, a file, a URL, a value) is one line on stderr
-    and exit code 2, never a traceback."""
+    and exit code 2, never a traceback. A bare call prints the usage (exit 2)."""
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else list(argv)):
+        parser.print_help(sys.stderr)
+        return 2
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or a bad argument (its one line is printed)
         return e.code if isinstance(e.code, int) else 2
     try:

@@ -28,6 +28,21 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _check_first(args: argparse.Namespace) -> None:
+    """What can be checked before a model is loaded (minutes with a real one): the
+    store config, and that the model is a local folder (nothing here downloads)."""
+    from pathlib import Path
+
+    from hurray_store.config import load_config
+
+    load_config(args.config)  # a ConfigError naming the dotted key, now
+    m = Path(args.model)
+    if not m.is_dir():
+        raise ValueError(f"--model {args.model}: no such model folder (nothing is downloaded)")
+    if not (m / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: no config.json (not a save_pretrained folder)")
+
+
 def _load_model(path: str, dtype: str | None, overrides: dict[str, Any] | None = None) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -152,6 +167,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     from hurray_store.store import open_store
 
     vllm = getattr(args, "engine", "transformers") == "vllm"
+    _check_first(args)
     if args.page_size is None:
         args.page_size = 32 if vllm else 16
     if vllm:
@@ -185,6 +201,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from hurray_store.store import open_store
     from hurray_store.warmup import replay
 
+    _check_first(args)
     if args.page_size is None:
         args.page_size = 16
     model = _load_model(args.model, args.dtype, _overrides(args))

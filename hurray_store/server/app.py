@@ -126,13 +126,25 @@ class CacheServer:
             self.http = HealthEndpoint(
                 self.store.registry, lambda: self.beat, lambda: self.draining
             )
-            self.http.start(self.cfg.metrics_host, mport)
+            try:
+                self.http.start(self.cfg.metrics_host, mport)
+            except OSError as e:
+                raise OSError(
+                    e.errno,
+                    f"the metrics port {self.cfg.metrics_host}:{mport} (server.metrics_port, "
+                    f"--metrics-port): {e.strerror}",
+                ) from None
             log.info(
                 "metrics and health on http://%s:%d/metrics (/healthz, /readyz)",
                 self.cfg.metrics_host,
                 self.http.port,
             )
-        sock = socket.create_server((host, port), backlog=512, reuse_port=False)
+        try:
+            sock = socket.create_server((host, port), backlog=512, reuse_port=False)
+        except OSError as e:
+            raise OSError(
+                e.errno, f"the transport port {host}:{port} (server.port, --port): {e.strerror}"
+            ) from None
         sock.setblocking(False)
         self._listener = sock
         self.port = sock.getsockname()[1]

@@ -80,6 +80,7 @@ def make_backend(spec: dict[str, Any], pool: Any) -> Any:
         "interface_v1": 1,
         "config": spec.get("config"),
         "model_path": spec["model"],
+        **spec.get("extra", {}),
     }
     cfg = HiCacheStorageConfig(
         tp_rank=spec.get("tp_rank", 0),

@@ -559,6 +559,36 @@ def test_batched_gets_from_several_threads_read_disk_at_once_and_a_corrupt_chunk
     assert p2.contains(key(1)) and p2.contains(key(6))
 
 
+def test_a_mistyped_key_of_the_plugin_or_the_l2_adapter_is_an_error_naming_it(
+    tmp_path: Path,
+) -> None:
+    """A typo'd ``storage_plugin.hurray.*`` key in LMCache's real config, or in the L2
+    adapter's params, is one error naming it and the key meant (it used to be ignored)."""
+    from hurray_store.adapters.lmcache.l2 import HurrayL2AdapterConfig
+
+    extra = {
+        "storage_plugin.hurray.module_path": "hurray_store.adapters.lmcache",
+        "storage_plugin.hurray.class_name": "HurrayStoragePlugin",
+        "storage_plugin.hurray.config": str(tmp_path / "h.yaml"),
+        "storage_plugin.hurray.modelpath": str(tmp_path),
+        "some_other_feature": 1,  # LMCache's and other plugins' keys are theirs
+    }
+    cfg = LMCacheEngineConfig.from_dict({"storage_plugins": ["hurray"], "extra_config": extra})
+    md = LMCacheMetadata(
+        model_name="tiny",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.float16,
+        kv_shape=(LAYERS, 2, 64, HEADS, DIM),
+    )
+    with pytest.raises(ValueError, match="'storage_plugin.hurray.modelpath'.*did you mean"):
+        HurrayStoragePlugin(config=cfg, metadata=md)
+    with pytest.raises(ValueError, match="unknown key 'confg'.*did you mean 'config'"):
+        HurrayL2AdapterConfig.from_dict({"confg": "x.yaml"})
+
+
 def test_plugin_refuses_to_load_without_a_config(tmp_path: Path) -> None:
     from types import SimpleNamespace
 

@@ -429,3 +429,13 @@ def test_sglangs_argument_rules_are_enforced_and_calls_after_close_return_at_onc
     assert got["after"] == {"exists": 0, "set": [False], "get": [False]}
     assert got["after_s"] < 30
     assert not page_files(tmp_path)[2:], "only the good call's two pages were stored"
+
+
+def test_a_mistyped_extra_config_key_is_an_error_naming_it(tmp_path: Path) -> None:
+    """SGLang's storage extra_config with "confg" for "config": one error naming it (the
+    backend used to open the embedded default store: 4 GiB of memory, 64 GiB of disk in
+    SGLang's working folder)."""
+    got = sglang(
+        {"op": "construct", "model": model(tmp_path / "m", 1), "extra": {"confg": "x.yaml"}}
+    )
+    assert "unknown key 'confg'" in got["error"] and "did you mean 'config'" in got["error"]

@@ -37,3 +37,26 @@ def test_a_cache_reset_after_a_weight_update_never_serves_the_old_weights_kv(
     assert got[1]["cached"] == 0, "the old weights' KV was served after the reset"
     assert got[2]["cached"] == 0, "each reset is a generation of its own"
     assert counts["blocks_loaded"] == 7 and counts["blocks_saved"] >= 14, counts
+
+
+def test_a_mistyped_extra_config_key_stops_vllm_with_an_error_naming_it(
+    fp32_model: Path, tmp_path: Path
+) -> None:
+    """kv_connector_extra_config with "save_backlog_gb" (for "save_backlog_mb"): vLLM does
+    not start, and says which key and what it takes (it used to be ignored)."""
+    import json
+    import os
+    import subprocess
+
+    from tests.test_vllm import ROOT, VLLM_PY
+
+    cfg = _config(tmp_path / "hs.yaml", tmp_path / "cache")
+    pfile = tmp_path / "p.json"
+    pfile.write_text(json.dumps(_prompts(40, [8])))
+    cmd = [str(VLLM_PY), "-m", "tests.vllm_run", "--model", str(fp32_model), "--prompts"]
+    cmd += [str(pfile), "--config", str(cfg), "--extra", '{"save_backlog_gb": 2}']
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode != 0
+    assert "unknown key 'save_backlog_gb' in kv_connector_extra_config" in p.stderr
+    assert "did you mean 'save_backlog_mb'" in p.stderr

@@ -20,6 +20,8 @@ from hurray_store.adapters.vllm import HurrayConnector
 
 
 class LosingConnector(HurrayConnector):
+    extra_keys = (*HurrayConnector.extra_keys, "after_first_hit")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}

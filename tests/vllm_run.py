@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--stats", default="", help="where the connector's worker writes its counts")
     ap.add_argument("--kv-events", default="", help="vLLM's KV events on, published here (ZMQ)")
+    ap.add_argument("--extra", default="", help="JSON: more kv_connector_extra_config keys")
     ap.add_argument(
         "--after-first-hit",
         default="",
@@ -48,7 +49,7 @@ def main() -> None:
 
     kv = None
     if a.config:
-        extra = {"config": a.config, "stats_file": a.stats}
+        extra = {"config": a.config, "stats_file": a.stats, **json.loads(a.extra or "{}")}
         connector = ("HurrayConnector", "hurray_store.adapters.vllm")
         if a.after_first_hit:
             extra["after_first_hit"] = json.loads(a.after_first_hit)

@@ -27,6 +27,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from hurray_store.batches import batches
 from hurray_store.engine import EnginePort, Save
+from hurray_store.engine.extra import check_keys
 from hurray_store.engine.identity import folder_identity, identity_tag
 from hurray_store.errors import FormatError
 from hurray_store.format import checksum
@@ -61,6 +62,7 @@ class HurrayL2AdapterConfig(L2AdapterConfigBase):
 
     @classmethod
     def from_dict(cls, d: dict) -> HurrayL2AdapterConfig:
+        check_keys(d, ("config", "max_capacity_gb", "model_path"), "HurrayL2Adapter", "its config")
         path = d.get("config")
         if not isinstance(path, str) or not path:
             raise ValueError("config must be the path of a hurray_store YAML")

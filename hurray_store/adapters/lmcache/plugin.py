@@ -51,6 +51,7 @@ from hurray_store.adapters.lmcache.layout import ChunkLayout
 from hurray_store.adapters.lmcache.lookups import ChunkLookups
 from hurray_store.adapters.lmcache.puts import ChunkPuts
 from hurray_store.engine import EnginePort
+from hurray_store.engine.extra import check_keys
 from hurray_store.engine.identity import WeightsIdentity, identity_tag
 from hurray_store.store import TieredStore
 
@@ -75,6 +76,13 @@ class HurrayStoragePlugin(StoragePluginInterface):
         )
         extra = dict(getattr(config, "extra_config", None) or {})
         name = self._plugin_name(extra)
+        mine = f"storage_plugin.{name}."
+        check_keys(
+            (k for k in extra if k.startswith(mine)),
+            (mine + k for k in ("config", "page_size", "model_path", "module_path", "class_name")),
+            "hurray plugin",
+            "LMCache's extra_config",
+        )
         path = extra.get(f"storage_plugin.{name}.config")
         if not path:
             raise ValueError(

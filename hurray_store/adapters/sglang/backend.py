@@ -58,10 +58,23 @@ from hurray_store.adapters.sglang.pages import (
     page_view,
 )
 from hurray_store.engine import EnginePort
+from hurray_store.engine.extra import check_keys
 from hurray_store.engine.identity import WeightsIdentity
 
 log = logging.getLogger(__name__)
 _WARN_EVERY_S = 10.0  # a failing store is logged at most this often
+# What the storage extra_config takes: SGLang's keys for a backend it loads by name, and
+# ours (docs/sglang.md).
+EXTRA_KEYS = (
+    "backend_name",
+    "module_path",
+    "class_name",
+    "interface_v1",
+    "extra_backend_tag",
+    "config",
+    "model_path",
+    "salt",
+)
 
 
 class HurrayHiCacheStorage(HiCacheStorage):
@@ -69,6 +82,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         extra = dict(storage_config.extra_config or {})
+        check_keys(extra, EXTRA_KEYS, "HurrayHiCacheStorage", "the storage extra_config")
         if storage_config.is_mla_model:
             # SGLang stores an MLA model's latent once for all TP ranks (one writer);
             # this backend keys per rank and has not been tested on MLA pools.

@@ -77,6 +77,7 @@ from hurray_store.adapters.vllm.scheduler import TIMEOUT_S, HurrayMetadata, Sche
 from hurray_store.adapters.vllm.spec import hit_source, spec_for_vllm, unkeyable
 from hurray_store.adapters.vllm.transfer import BlockTransfers, Loading, Transfer
 from hurray_store.engine import EnginePort
+from hurray_store.engine.extra import check_keys
 from hurray_store.engine.identity import WeightsIdentity
 from hurray_store.keys import check_salt
 from hurray_store.spec import KVSpec
@@ -91,11 +92,15 @@ log = logging.getLogger(__name__)
 
 
 class HurrayConnector(KVConnectorBase_V1):
+    # What kv_connector_extra_config takes (a subclass adds its own).
+    extra_keys: tuple[str, ...] = ("config", "salt", "save_backlog_mb", "stats_file")
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        check_keys(extra, self.extra_keys, type(self).__name__, "kv_connector_extra_config")
         if "config" not in extra:
             raise ValueError(
                 'HurrayConnector: kv_connector_extra_config needs "config": the path of a '

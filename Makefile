@@ -24,7 +24,7 @@ LMCACHE_NEXT ?= 0.5.7rc2
 NEXT_VENV    ?= .venv-lmcache-next
 NEXT_STAMP   := $(NEXT_VENV)/.hurray-setup-$(LMCACHE_NEXT)
 
-.PHONY: setup vllm-env sglang-env vllm-next-src gpu-wheels lmcache-next-env redis run test test-lmcache-next lint bench clean
+.PHONY: setup vllm-env sglang-env vllm-next-src gpu-wheels lmcache-next-env redis run test test-lmcache-next lint bench clean clean-cache
 
 setup: $(STAMP)
 
@@ -84,9 +84,18 @@ MODEL ?= models/tiny-llama
 # The main job on the embedded default config (CPU memory + ./.hurray-cache on disk):
 # build the tiny random-weight model if absent, warm the cache from the sample corpus,
 # replay requests that share its prefixes, print hit rate and time to first token.
-run: setup
+run:
+	@echo "[1/3] setting up .venv (the first time about a minute: torch, LMCache; then nothing to do)"
+	@$(MAKE) --no-print-directory setup
+	@echo "[2/3] a tiny model with random weights in $(MODEL) (a few seconds; nothing is downloaded)"
 	@test -f $(MODEL)/config.json || $(PY) tools/make_tiny_model.py $(MODEL)
+	@echo "[3/3] warmup of configs/sample_prompts.jsonl into the cache, then replay of configs/sample_replay.jsonl against it (about 20 s)"
 	$(VENV)/bin/hurray-store replay --model $(MODEL) --warmup-prompts configs/sample_prompts.jsonl --prompts configs/sample_replay.jsonl
+	@echo "The cache is in ./.hurray-cache (the embedded default config: CPU memory and that folder); make clean-cache empties only it."
+
+# Empty the cache of `make run` (the embedded default's disk tier), nothing else.
+clean-cache:
+	rm -rf .hurray-cache
 
 # Two test processes: the vLLM tests (about 9 minutes here) in one, the rest in the other.
 test: setup redis vllm-env sglang-env vllm-next-src

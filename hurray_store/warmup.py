@@ -218,11 +218,15 @@ class ReplayRow:
 
 
 async def replay(
-    model: Any, store: Any, pool: PagedKVPool, prompts: Sequence[Sequence[int]]
+    model: Any,
+    store: Any,
+    pool: PagedKVPool,
+    prompts: Sequence[Sequence[int]],
+    on_each: Callable[[], None] | None = None,
 ) -> list[ReplayRow]:
     """For each prompt: time to first token without the cache (a full prefill) and
     with it (``prefill_with_cache``, nothing stored), and the largest difference
-    between their next-token logits."""
+    between their next-token logits. ``on_each()`` after each (a progress bar)."""
     rows = []
     for p in prompts:
         ids = torch.tensor([list(p)], dtype=torch.long)
@@ -236,6 +240,8 @@ async def replay(
         t_warm = time.perf_counter() - t0
         diff = (logits[:, -1].float() - cold.float()).abs().max().item()
         rows.append(ReplayRow(len(p), reused, t_cold, t_warm, diff))
+        if on_each is not None:
+            on_each()
     return rows
 
 

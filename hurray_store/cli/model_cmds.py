@@ -215,10 +215,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return 2
     spec = spec_for_model(model, page_size=args.page_size)
 
+    from tqdm import tqdm
+
     async def run() -> tuple[Any, Any, dict[str, Any]]:
         async with await open_store(args.config) as store:
             res = await _warmup(args, model, warm, store) if warm else None
-            rows = await replay(model, store, _pool_for(spec, requests, 1), requests)
+            with tqdm(
+                total=len(requests), unit="request", desc="replay", disable=args.quiet
+            ) as bar:
+                rows = await replay(
+                    model, store, _pool_for(spec, requests, 1), requests, bar.update
+                )
             return res, rows, store.stats()
 
     res, rows, stats = asyncio.run(run())

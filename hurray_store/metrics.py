@@ -181,3 +181,46 @@ class _Collector(Collector):
                 if v is not None:
                     g.add_metric([tier], float(v))
             yield g
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int | None:
+    """Serve ``registry`` on ``http://host:port/metrics`` from a daemon thread (an
+    in-process store's metrics: ``engine.metrics_port``); the port served, or None,
+    logged, when it cannot be bound (another rank of the same engine took it)."""
+    from prometheus_client import start_http_server
+
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        log.warning("metrics: http://%s:%d/metrics not served: %s", host, port, e)
+        return None
+    log.info("metrics on http://%s:%d/metrics", host, server.server_port)
+    return int(server.server_port)
+
+
+class EngineCollector(Collector):
+    """An engine port's counts (``EnginePort.counts`` and its bound's) as Prometheus
+    counters ``hurray_store_engine_<count>_total{engine=...}``: what an engine asked
+    for, found, loaded and rejected, the hit rate's terms (docs/metrics.md)."""
+
+    DOCS = {
+        "lookups": "lookups an engine made",
+        "objects_asked": "objects (pages, chunks) an engine's lookups asked about",
+        "objects_held": "leading objects its lookups found",
+        "tokens_asked": "prompt tokens an engine's prefix lookups asked about (vLLM)",
+        "tokens_found": "leading tokens its prefix lookups found stored",
+        "loaded": "objects loaded into the engine's memory, checked",
+        "rejected": "objects read that failed their check (a miss, deleted)",
+        "calls_late": "calls past engine.wait_s (a miss; the store was slow or hung)",
+        "missed_while_late": "calls answered as a miss at once while one was late",
+    }
+
+    def __init__(self, engine: str, counts: Callable[[], dict[str, float]]) -> None:
+        self.engine, self.counts = engine, counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        got = self.counts()
+        for name, doc in self.DOCS.items():
+            fam = CounterMetricFamily(f"hurray_store_engine_{name}", doc, labels=["engine"])
+            fam.add_metric([self.engine], float(got.get(name, 0)))
+            yield fam

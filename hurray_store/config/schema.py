@@ -193,6 +193,13 @@ class EngineConfig:
         "every lookup is a miss at once. Stores of only cpu and disk tiers do not apply it",
         0.25,
     )
+    metrics_port: int | None = documented(
+        "an HTTP port for /metrics of an in-process store (the vLLM connector, the SGLang "
+        "backend, the LMCache plugin and L2 adapter): its tiers' and the engine's counts "
+        "(docs/metrics.md); 0 picks a free one; null: none",
+        None,
+    )
+    metrics_host: str = documented("the address the metrics port listens on", "127.0.0.1")
     lease_s: float = documented(
         "what an engine's existence check counted (SGLang's batch_exists) stays pinned, "
         "safe from eviction, until its get or this long, whichever comes first",

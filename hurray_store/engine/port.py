@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ from hurray_store.engine.reads import Check, OrderedLoads, Take, read_all
 from hurray_store.engine.saves import Save, SaveBacklog, write_lent
 from hurray_store.engine.thread import StoreThread
 from hurray_store.keys import ObjectKey, object_stored
+from hurray_store.metrics import EngineCollector, serve_metrics
 from hurray_store.paging import PagedKVPool
 from hurray_store.spec import KVSpec
 from hurray_store.store import Pin, PutResult, RetrievedLayer, TieredStore
@@ -78,7 +79,26 @@ class EnginePort:
         self.leases = Leases(self.store.unpin, self.store.config.engine.lease_s)
         self.release_one = self.store.unpin_one  # one pin, any thread, no lock
         self._stored = len(object_stored(self.store.namespace, ""))  # a ref's key: this + name
-        self.counts = {"lookups": 0, "objects_held": 0, "loaded": 0, "rejected": 0}
+        self.counts = {
+            "lookups": 0,
+            "objects_asked": 0,
+            "objects_held": 0,
+            "tokens_asked": 0,
+            "tokens_found": 0,
+            "loaded": 0,
+            "rejected": 0,
+        }
+        # The counts as Prometheus counters in the store's registry, and served over
+        # HTTP where the config asks (engine.metrics_port).
+        self.store.metrics.registry.register(
+            EngineCollector(name, lambda: {**self.counts, **self.bound.counts})
+        )
+        eng = self.store.config.engine
+        self.metrics_port = (
+            None
+            if eng.metrics_port is None
+            else serve_metrics(self.store.metrics.registry, eng.metrics_host, eng.metrics_port)
+        )
         self._closed = False
         self.relay: Any = None  # the KV-event publisher, once ``publish_events`` starts it
 
@@ -106,11 +126,17 @@ class EnginePort:
             self.call(self.store.sync())
 
     def lookup(
-        self, keys: Iterable[str] | Iterable[KeyRef], *, pin: bool = False, lease: bool = False
+        self,
+        keys: Iterable[str] | Iterable[KeyRef],
+        *,
+        pin: bool = False,
+        lease: bool = False,
+        asked: int | None = None,
     ) -> Held:
         """How many of ``keys`` (object names, or ``ref``'s handles), from the first, a
         load will find; with ``pin``, pinned until ``release``; with ``lease``, pinned
-        until ``load`` takes them or ``engine.lease_s`` passes. Without a shared tier
+        until ``load`` takes them or ``engine.lease_s`` passes. ``asked``: how many keys
+        a lazy ``keys`` holds (for the metrics; a list counts itself). Without a shared tier
         the ledger answers on this thread and ``keys`` is taken lazily, none past the
         first miss; a shared tier (a cache server) is asked on the store's loop about
         those the ledger lacks, all at once."""
@@ -119,6 +145,7 @@ class EnginePort:
             got = self.lookup(names, pin=True)
             self.leases.add(names[: got.n], got.pins)
             return Held(got.n)
+        self._asked(keys, asked)
         self.sync_others()
         if self.store.shared:
             self._open()
@@ -127,10 +154,11 @@ class EnginePort:
         return self._counted(self._held_here(keys, pin))
 
     async def lookup_async(
-        self, keys: Iterable[str] | Iterable[KeyRef], *, pin: bool = False
+        self, keys: Iterable[str] | Iterable[KeyRef], *, pin: bool = False, asked: int | None = None
     ) -> Held:
         """``lookup`` from an engine's event loop, which it never blocks."""
         self._open()
+        self._asked(keys, asked)
         if self.store.shared or self.store.others_changed():
             if self.bound.late:
                 return self._counted(Held(0))
@@ -141,6 +169,11 @@ class EnginePort:
                 return self._counted(Held(0))
             return self._counted(fut.result())
         return self._counted(self._held_here(keys, pin))
+
+    def _asked(self, keys: Iterable[Any], asked: int | None) -> None:
+        if asked is None and isinstance(keys, Sized):
+            asked = len(keys)
+        self.counts["objects_asked"] += asked or 0
 
     def _held_here(self, keys: Iterable[str] | Iterable[KeyRef], pin: bool) -> Held:
         if pin:
@@ -200,7 +233,10 @@ class EnginePort:
         deliver under every one of ``specs`` (one per rank: each rank stores its own
         heads), under ``salt``. On the store's loop, the ranks asked at once."""
         self._open()
-        return int(self.bound.run(_tokens_held(self.store, specs, list(token_ids), salt), 0))
+        n = int(self.bound.run(_tokens_held(self.store, specs, list(token_ids), salt), 0))
+        self.counts["tokens_asked"] += len(token_ids)
+        self.counts["tokens_found"] += n
+        return n
 
     def held_each(self, names: Sequence[str]) -> list[bool]:
         """Whether a load will find each of ``names`` (not only the leading ones)."""

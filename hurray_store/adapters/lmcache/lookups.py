@@ -24,15 +24,16 @@ class ChunkLookups:
         """How many of ``keys``, from the first, a get will find (pinned with ``pin``)."""
         if pin:
             return self.pin_prefix(keys)
-        return self.port.lookup(map(self.chunks.name, keys)).n  # lazy: none past a miss
+        # lazy: none past a miss
+        return self.port.lookup(map(self.chunks.name, keys), asked=len(keys)).n
 
     async def count_async(self, keys: Sequence[Any], pin: bool) -> int:
         """``count`` from LMCache's event loop, which it never blocks."""
         if not pin:
-            return (await self.port.lookup_async(map(self.chunks.name, keys))).n
+            return (await self.port.lookup_async(map(self.chunks.name, keys), asked=len(keys))).n
         found: list[Chunk | KeyRef | None] = []
         drops = self.chunks.drops  # before the names are made
-        held = await self.port.lookup_async(self._refs(keys, found), pin=True)
+        held = await self.port.lookup_async(self._refs(keys, found), pin=True, asked=len(keys))
         self._hold(keys, found, drops, held.pins)
         return held.n
 
@@ -43,7 +44,7 @@ class ChunkLookups:
         per key."""
         found: list[Chunk | KeyRef | None] = []
         drops = self.chunks.drops  # before the names' ``get``: entries leaving after, seen
-        held = self.port.lookup(self._refs(keys, found), pin=True)
+        held = self.port.lookup(self._refs(keys, found), pin=True, asked=len(keys))
         self._hold(keys, found, drops, held.pins)
         return held.n
 

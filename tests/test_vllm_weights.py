@@ -60,3 +60,27 @@ def test_a_mistyped_extra_config_key_stops_vllm_with_an_error_naming_it(
     assert p.returncode != 0
     assert "unknown key 'save_backlog_gb' in kv_connector_extra_config" in p.stderr
     assert "did you mean 'save_backlog_mb'" in p.stderr
+
+
+def test_the_readme_llm_script_runs_as_written(fp32_model: Path, tmp_path: Path) -> None:
+    """The README's LLM(...) form, pasted into a script as it is (paths to this test's),
+    runs: it prints the tokens, and the prompt is saved to the cache."""
+    import os
+    import subprocess
+
+    from tests.test_vllm import ROOT, VLLM_PY, _readme_block
+
+    block = _readme_block("In Python, the same connector", "text")
+    cfg = _config(tmp_path / "vllm.yaml", tmp_path / "cache")
+    script = tmp_path / "readme_llm.py"
+    script.write_text(
+        block.replace("models/tiny-llama", str(fp32_model)).replace("configs/vllm.yaml", str(cfg))
+    )
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
+    p = subprocess.run(
+        [str(VLLM_PY), str(script)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600
+    )
+    assert p.returncode == 0 and "tokens" in p.stdout and "cached 0" in p.stdout, (
+        p.stdout + p.stderr
+    )[-3000:]
+    assert (tmp_path / "cache" / "journal").read_text().count("+") >= 1, "the prompt was saved"

@@ -60,7 +60,7 @@ def test_inspect_bad_file_prints_one_line(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert r.stdout == ""
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: {p}:")
+    assert len(lines) == 1 and lines[0].startswith(f"hurray-store inspect: error: {p}:")
 
 
 def test_inspect_missing_file(tmp_path: Path, capsys) -> None:

@@ -30,7 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         store = server_store(cfg)
     except ConfigError as e:
-        print(f"hurray-store serve: {e}", file=sys.stderr)
+        print(f"hurray-store serve: error: {e}", file=sys.stderr)
         return 2
     metrics_port = (
         -1 if args.metrics_port is None else (None if args.metrics_port < 0 else args.metrics_port)
@@ -42,7 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             serve(store, cfg.server, host=args.host, port=args.port, metrics_port=metrics_port)
         )
     except OSError as e:  # the port is taken, the address is not ours
-        print(f"hurray-store serve: cannot listen: {e}", file=sys.stderr)
+        print(f"hurray-store serve: error: cannot listen: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -126,12 +126,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         data = path.read_bytes()
     except OSError as e:
-        print(f"error: {path}: cannot read: {e.strerror}", file=sys.stderr)
+        print(f"hurray-store inspect: error: {path}: cannot read: {e.strerror}", file=sys.stderr)
         return 2
     try:
         print(inspect_bytes(data))
     except FormatError as e:
-        print(f"error: {path}: {e}", file=sys.stderr)
+        print(f"hurray-store inspect: error: {path}: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -69,15 +69,7 @@ def backends(
             "extra_config": extra,
         }
     )
-    md = LMCacheMetadata(
-        model_name="tiny",
-        world_size=1,
-        local_world_size=1,
-        worker_id=0,
-        local_worker_id=0,
-        kv_dtype=torch.float16,
-        kv_shape=(LAYERS, 2, chunk, heads, DIM),
-    )
+    md = metadata(chunk, heads)
     import asyncio
     import threading
 
@@ -102,6 +94,19 @@ def opened(tmp_path: Path) -> Iterator[Any]:
             for be in b.values():
                 be.close()
             loop.call_soon_threadsafe(loop.stop)
+
+
+def metadata(chunk: int, heads: int = HEADS) -> LMCacheMetadata:
+    """LMCache's metadata of the test model's KV, in chunks of ``chunk`` tokens."""
+    return LMCacheMetadata(
+        model_name="tiny",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.float16,
+        kv_shape=(LAYERS, 2, chunk, heads, DIM),
+    )
 
 
 def plugin_of(b: Any) -> HurrayStoragePlugin:
@@ -574,15 +579,7 @@ def test_a_mistyped_key_of_the_plugin_or_the_l2_adapter_is_an_error_naming_it(
         "some_other_feature": 1,  # LMCache's and other plugins' keys are theirs
     }
     cfg = LMCacheEngineConfig.from_dict({"storage_plugins": ["hurray"], "extra_config": extra})
-    md = LMCacheMetadata(
-        model_name="tiny",
-        world_size=1,
-        local_world_size=1,
-        worker_id=0,
-        local_worker_id=0,
-        kv_dtype=torch.float16,
-        kv_shape=(LAYERS, 2, 64, HEADS, DIM),
-    )
+    md = metadata(64, HEADS)
     with pytest.raises(ValueError, match="'storage_plugin.hurray.modelpath'.*did you mean"):
         HurrayStoragePlugin(config=cfg, metadata=md)
     with pytest.raises(ValueError, match="unknown key 'confg'.*did you mean 'config'"):
@@ -616,15 +613,7 @@ def test_shipped_lmcache_config_loads_the_plugin_over_the_shipped_tiers(
     (tmp_path / "h.yaml").write_text(yaml.safe_dump(raw))
     cfg.extra_config["storage_plugin.hurray.config"] = str(tmp_path / "h.yaml")
     cfg.max_local_cpu_size = 0.25
-    md = LMCacheMetadata(
-        model_name="tiny",
-        world_size=1,
-        local_world_size=1,
-        worker_id=0,
-        local_worker_id=0,
-        kv_dtype=torch.float16,
-        kv_shape=(LAYERS, 2, 256, HEADS, DIM),
-    )
+    md = metadata(256, HEADS)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     b = CreateStorageBackends(cfg, md, loop)

@@ -170,3 +170,29 @@ def test_a_vllm_load_from_a_hung_server_is_abandoned_after_the_bound_and_writes_
         server.resume()
         saver.close()
         loader.close()
+
+
+def test_a_ranged_read_from_a_hung_server_is_a_miss_after_the_bound_and_writes_nothing(
+    server: ServerProc,
+) -> None:
+    """The port's ranged reads (LMCache's gets) on a hung server: a miss after the bound,
+    and the caller's buffers stay as they were, even when the late read ends after the
+    server resumes; with the server back, the same read delivers the bytes."""
+    writer, reader = _port(server), _port(server)
+    try:
+        assert writer.save_lent([list(ITEMS.items())]) == [True] * 4
+        assert reader.lookup(list(ITEMS)).n == 4  # the reader asked the server: it knows
+        into = memoryview(bytearray(b"\xee" * 1024))
+        server.pause()
+        got, took = _timed(lambda: reader.read([("obj-1", [(0, 1024)], [into])]))
+        assert got == [False] and took < TIMEOUT_S / 2
+        server.resume()
+        _until(lambda: not reader.bound.late)
+        assert bytes(into) == b"\xee" * 1024, "a late read wrote into the caller's buffer"
+        _until(lambda: reader.store.tiers[0].available)
+        _until(lambda: reader.read([("obj-1", [(0, 1024)], [into])]) == [True])
+        assert bytes(into) == ITEMS["obj-1"][:1024]
+    finally:
+        server.resume()
+        writer.close()
+        reader.close()

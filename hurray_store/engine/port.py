@@ -279,13 +279,39 @@ class EnginePort:
         on this thread, here, ``each(j, i, sum)`` called as range ``i`` of item ``j`` is
         in (its checksum taken while in the CPU's cache); the others on the store's
         loop, ``in_flight`` at a time, with no ``each``. Per item, read or not (a miss).
-        The caller checks what was read before it trusts it; what fails, it ``reject``s."""
+        The caller checks what was read before it trusts it; what fails, it ``reject``s.
+        On a store with a tier that can hang, the loop's reads are bounded by
+        ``engine.wait_s``: they land in buffers of the port's own first (a late read
+        never writes into the caller's), copied over when they are in."""
         got = self.store.read_objects_into_now(items, each)
         later = [j for j, ok in enumerate(got) if not ok]
         if later:
-            more = self.call(read_all(self.store, [items[j] for j in later], in_flight))
+            rest = [items[j] for j in later]
+            if self.bound.wait_s is None:
+                more = self.call(read_all(self.store, rest, in_flight))
+            else:
+                more = self._read_bounded(rest, in_flight)
             for j, ok in zip(later, more, strict=True):
                 got[j] = ok
+        return got
+
+    def _read_bounded(
+        self, items: Sequence[tuple[str, Sequence[Range], Sequence[memoryview]]], in_flight: int
+    ) -> list[bool]:
+        """``read``'s loop part within the engine's bound, through staging buffers."""
+        self._open()
+        staged = [
+            (name, ranges, [memoryview(bytearray(b.nbytes)) for b in bufs])
+            for name, ranges, bufs in items
+        ]
+        nbytes = sum(b.nbytes for _, _, bufs in items for b in bufs)
+        got = self.bound.run(read_all(self.store, staged, in_flight), None, nbytes=nbytes)
+        if got is None:  # late: misses; the staging stays the late read's
+            return [False] * len(items)
+        for ok, (_, _, dst), (_, _, src) in zip(got, items, staged, strict=True):
+            if ok:
+                for d, s in zip(dst, src, strict=True):
+                    d.cast("B")[:] = s
         return got
 
     def load(self, names: Sequence[str], size: int, check: Check, take: Take) -> int:

@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from hurray_store.throttle import Every
+
 log = logging.getLogger(__name__)
 WARN_EVERY_S = 10.0  # a warning repeated for many groups is logged at most this often
 
@@ -85,7 +87,8 @@ class StoreMetrics:
         # Groups no tier took (every tier down, full or refusing): saves lost, in
         # groups and bytes; and when the last warning about them was logged.
         self.not_stored = [0, 0]
-        self._not_stored_logged = (-WARN_EVERY_S, 0)
+        self._not_stored_warn = Every(WARN_EVERY_S)
+        self._not_stored_seen = 0  # groups not stored at the last warning
         self.registry.register(_Collector(self))
 
     def stored_nowhere(self, group: object, nbytes: int) -> None:
@@ -93,10 +96,8 @@ class StoreMetrics:
         (with how many since the last warning), never once per group."""
         self.not_stored[0] += 1
         self.not_stored[1] += nbytes
-        at, seen = self._not_stored_logged
-        now = time.monotonic()
-        if now - at >= WARN_EVERY_S:
-            self._not_stored_logged = (now, self.not_stored[0])
+        if self._not_stored_warn.due():
+            seen, self._not_stored_seen = self._not_stored_seen, self.not_stored[0]
             log.warning(
                 "group %s (%d bytes) stored in no tier (%d groups so far, %d since the last "
                 "warning; stats: not_stored)",

@@ -65,6 +65,7 @@ LAYER_OF = {
     "buffers": 0,
     "tokenizer": 0,
     "metrics": 0,
+    "throttle": 0,
     "config": 1,
     "format": 1,
     "keys": 1,

@@ -6,14 +6,15 @@ engine one bound, not one timeout per step (docs/engine.md, "A tier that hangs")
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from hurray_store.engine.thread import StoreThread
+from hurray_store.throttle import Every
 from hurray_store.tiers.helpers import transfer_timeout_s
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ class WaitBound:
         self.st, self.wait_s, self.timeout = st, wait_s, timeout
         self._late: list[Future[Any]] = []
         self.counts = {"calls_late": 0, "missed_while_late": 0}
-        self._warned = -WARN_EVERY_S
+        self._warn = Every(WARN_EVERY_S)
 
     @property
     def late(self) -> bool:
@@ -68,14 +69,33 @@ class WaitBound:
             self.went_late(fut, on_late)
             return default
 
+    async def run_async(
+        self,
+        coro: Coroutine[Any, Any, T],
+        default: T,
+        *,
+        on_late: Callable[[T], None] | None = None,
+    ) -> T:
+        """``run`` from an engine's own event loop, which it never blocks: ``coro`` on
+        the store's loop, awaited at most ``limit()``; ``default`` at once while a call
+        is late."""
+        if self.late:
+            coro.close()
+            self.counts["missed_while_late"] += 1
+            return default
+        fut = self.st.submit(coro)
+        done, _ = await asyncio.wait({asyncio.wrap_future(fut)}, timeout=self.limit())
+        if not done:
+            self.went_late(fut, on_late)
+            return default
+        return fut.result()
+
     def went_late(self, fut: Future[T], on_late: Callable[[T], None] | None = None) -> None:
         """``fut``, a call of the engine, went past its bound: every call is a miss at
         once until it ends (``on_late(result)`` then, when it ended well)."""
         self.counts["calls_late"] += 1
         self._late.append(fut)
-        now = time.monotonic()
-        if now - self._warned >= WARN_EVERY_S:
-            self._warned = now
+        if self._warn.due():
             log.warning(
                 "engine port: a call to the store took longer than engine.wait_s (%.2f s): "
                 "misses until it ends (%d calls late so far)",

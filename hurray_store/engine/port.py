@@ -73,10 +73,10 @@ class EnginePort:
         self._saves = SaveBacklog(self.thread, save_backlog_bytes, saves_in_flight)
         # A store with a tier that can hang: an engine's lookups and loads wait at most
         # ``engine.wait_s`` (``engine/bound.py``).
-        wait_s = self.store.config.engine.wait_s if self.store.networked else None
-        self.bound = WaitBound(self.thread, wait_s, timeout_s)
+        eng = self.store.config.engine
+        self.bound = WaitBound(self.thread, eng.wait_s if self.store.networked else None, timeout_s)
         self._loads = OrderedLoads(self.bound)
-        self.leases = Leases(self.store.unpin, self.store.config.engine.lease_s)
+        self.leases = Leases(self.store.unpin, eng.lease_s)
         self.release_one = self.store.unpin_one  # one pin, any thread, no lock
         self._stored = len(object_stored(self.store.namespace, ""))  # a ref's key: this + name
         self.counts = {
@@ -93,7 +93,6 @@ class EnginePort:
         self.store.metrics.registry.register(
             EngineCollector(name, lambda: {**self.counts, **self.bound.counts})
         )
-        eng = self.store.config.engine
         self.metrics_port = (
             None
             if eng.metrics_port is None
@@ -160,14 +159,8 @@ class EnginePort:
         self._open()
         self._asked(keys, asked)
         if self.store.shared or self.store.others_changed():
-            if self.bound.late:
-                return self._counted(Held(0))
-            fut = self.thread.submit(_held_shared(self.store, self._names(keys), pin))
-            done, _ = await asyncio.wait({asyncio.wrap_future(fut)}, timeout=self.bound.limit())
-            if not done:
-                self.bound.went_late(fut, self.release)
-                return self._counted(Held(0))
-            return self._counted(fut.result())
+            held = _held_shared(self.store, self._names(keys), pin)
+            return self._counted(await self.bound.run_async(held, Held(0), on_late=self.release))
         return self._counted(self._held_here(keys, pin))
 
     def _asked(self, keys: Iterable[Any], asked: int | None) -> None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections.abc import Sequence
+
+from hurray_store.throttle import Every
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class Journal:
         self.seen = 0  # bytes read
         self.skipping = False  # in the middle of an overlong line
         self.bad_lines = 0
-        self._bad_line_at = -_BAD_LINE_EVERY_S
+        self._bad_line_warn = Every(_BAD_LINE_EVERY_S)
 
     def restart(self, at: int = 0) -> None:
         """Read from ``at`` on (another file at the path, or one emptied)."""
@@ -125,9 +126,7 @@ class Journal:
     def _bad_line(self) -> None:
         """Count a line no store wrote; warn at most once a minute."""
         self.bad_lines += 1
-        now = time.monotonic()
-        if now - self._bad_line_at >= _BAD_LINE_EVERY_S:
-            self._bad_line_at = now
+        if self._bad_line_warn.due():
             log.warning(
                 "disk tier %s: %d lines of %s are not a store's (too long, too deep or not "
                 "JSON) and were skipped: something else writes to the folder",

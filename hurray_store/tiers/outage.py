@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from hurray_store.throttle import Every
 from hurray_store.tiers.base import Tier
 from hurray_store.tiers.helpers import transfer_timeout_s
 
@@ -36,6 +37,7 @@ class Outage:
         self.backoff = initial_s
         self.count = 0
         self.probes = 0  # background probes made
+        self.upkeep_warn = Every(60.0)  # the tier's upkeep failing: once a minute at most
         self._probe: Callable[[], Awaitable[object]] | None = None
         self._probe_timeout_s = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -172,13 +174,9 @@ class ServiceTier(Tier):
             async with self._calls, asyncio.timeout(limit_s):
                 return await call()
         except Exception as e:  # noqa: BLE001 - upkeep retried at its next turn
-            now = time.monotonic()
-            if now - self._upkeep_logged >= 60.0:
-                self._upkeep_logged = now
+            if self.outage.upkeep_warn.due():
                 log.info("tier %s: %s did not finish (%r); retried later", self.name, what, e)
             return default
-
-    _upkeep_logged = -60.0
 
     async def _failed(self, what: str, e: Exception) -> None:
         """A guarded call raised ``e``: an outage by default. A subclass tells its

@@ -60,6 +60,7 @@ from hurray_store.adapters.sglang.pages import (
 from hurray_store.engine import EnginePort
 from hurray_store.engine.extra import check_keys
 from hurray_store.engine.identity import WeightsIdentity
+from hurray_store.throttle import Every
 
 log = logging.getLogger(__name__)
 _WARN_EVERY_S = 10.0  # a failing store is logged at most this often
@@ -116,7 +117,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
         self.prefix = ""  # what a page's name and fingerprint hash besides its key
         self.io: PageIO | None = None  # once a host pool is registered
         self._get_lock = threading.Lock()  # SGLang's prefetch and backup threads
-        self._warned = 0.0
+        self._warn = Every(_WARN_EVERY_S)
         self.counts = {
             "pages_read": 0,
             "pages_written": 0,
@@ -238,9 +239,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
 
     def _failed(self, what: str, e: BaseException) -> None:
         self.counts["store_errors"] += 1
-        now = time.monotonic()
-        if now - self._warned >= _WARN_EVERY_S:
-            self._warned = now
+        if self._warn.due():
             log.warning("HurrayHiCacheStorage: %s failed, served as misses: %r", what, e)
 
     # ------------------------------------------------------------------ exists

@@ -21,7 +21,7 @@ SPEC = KVSpec("tiny-llama", 4, 2, 64, 4, torch.float16)
 def test_fingerprint_golden_vector() -> None:
     assert (
         SPEC.fingerprint().hex()
-        == "3bcbac95e487a5249cf9b08ded1d2c15377f0a7890f93e176b298e6e6aac83dd"
+        == "5b223aba61dbba252822352df71a680ab101e2b50a1eaa03acdcebac267a2c5a"
     )
 
 
@@ -30,12 +30,12 @@ def test_fingerprint_is_sha256_of_the_documented_encoding() -> None:
         return struct.pack("<I", len(s.encode())) + s.encode()
 
     enc = (
-        text("hurray_store/kvspec/v1")
+        text("hurray_store/kvspec/v2")
         + text("tiny-llama")
         + text("")
         + struct.pack("<QQQQ", 4, 2, 64, 4)
         + text("float16")
-        + struct.pack("<QQ", 0, 1)
+        + struct.pack("<QQ", 0, 2)  # head_start, total_kv_heads
     )
     assert SPEC.canonical() == enc
     assert SPEC.fingerprint() == hashlib.sha256(enc).digest()
@@ -51,8 +51,8 @@ def test_fingerprint_is_sha256_of_the_documented_encoding() -> None:
         dict(page_size=16),
         dict(dtype=torch.bfloat16),
         dict(revision="r2"),
-        dict(tp_rank=1, tp_size=2),
-        dict(tp_size=2),
+        dict(head_start=2, total_kv_heads=4),
+        dict(total_kv_heads=4),
     ],
 )
 def test_every_field_changes_the_fingerprint(change) -> None:
@@ -75,7 +75,8 @@ def test_every_field_changes_the_fingerprint(change) -> None:
         (dict(page_size=0), "page_size"),
         (dict(dtype=torch.int8), "dtype"),
         (dict(model=""), "model"),
-        (dict(tp_rank=1), "tp_rank"),
+        (dict(head_start=1), "head_start"),
+        (dict(total_kv_heads=2, head_start=2), "within the model"),
         (dict(num_kv_heads=2.0), "num_kv_heads"),
     ],
 )
@@ -94,12 +95,12 @@ def test_spec_is_frozen() -> None:
 
 def test_page_hash_golden_vectors() -> None:
     assert [h.hex() for h in page_hashes(SPEC, list(range(10)))] == [
-        "9a85303246b9fb4d8955bab8ad4920f7",
-        "16e5be5e212d55ad3e1c82e4d4e496c7",
+        "72a5b4c2f82211168a5e5f7732abac1a",
+        "59f03ead4eff3ce2237579902185921c",
     ]
     assert [h.hex() for h in page_hashes(SPEC, list(range(10)), salt=b"tenant-a")] == [
-        "775b993496568a77b5236c0e6f7cda5f",
-        "ed77217aa53a800c7d7bf4ec8b066a4a",
+        "68f1ce793d96d43f524d93a7220f74a6",
+        "e3fd8a6e44fa0784e49a279dcdb48fed",
     ]
 
 

@@ -112,9 +112,7 @@ def check_supported(config: Any) -> None:
         )
 
 
-def spec_for_model(
-    model: Any, *, page_size: int = 16, revision: str = "", tp_rank: int = 0, tp_size: int = 1
-) -> KVSpec:
+def spec_for_model(model: Any, *, page_size: int = 16, revision: str = "") -> KVSpec:
     """The KVSpec of ``model``'s cache, in the dtype the model runs in. An architecture
     the store cannot page is refused at once (``check_supported``), not after a forward
     pass."""
@@ -132,8 +130,6 @@ def spec_for_model(
         page_size,
         dtype,
         revision,
-        tp_rank,
-        tp_size,
     )
 
 

@@ -90,6 +90,10 @@ def load_config(
     cfg = _replace(cfg, server=_check_server(cfg.server, cfg.namespace))
     if not cfg.engine.lease_s >= 0:
         raise ConfigError(f"engine.lease_s: expected seconds (0: none), got {cfg.engine.lease_s}")
+    if any(q < 1 for q in cfg.engine.page_sizes):
+        raise ConfigError(
+            f"engine.page_sizes: expected page sizes >= 1, got {cfg.engine.page_sizes}"
+        )
     if not cfg.engine.wait_s > 0:
         raise ConfigError(
             f"engine.wait_s: expected a positive number of seconds, got {cfg.engine.wait_s}"

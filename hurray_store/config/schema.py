@@ -205,6 +205,12 @@ class EngineConfig:
         "safe from eviction, until its get or this long, whichever comes first",
         10.0,
     )
+    page_sizes: tuple[int, ...] = documented(
+        "other page sizes an engine's lookup and load also read, where its own layout "
+        "falls short: each that divides the engine's page size or that it divides "
+        "(docs/store.md, 'Portable pages'); [] reads the engine's own page size only",
+        (16, 32, 64, 128),
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from typing import Any
 from hurray_store.engine.bound import WaitBound
 from hurray_store.engine.events import EVENTS_KEPT, EventFeed, StoreEvent
 from hurray_store.engine.leases import Leases
+from hurray_store.engine.portable import load_layers, tokens_held
 from hurray_store.engine.reads import Check, OrderedLoads, Take, read_all
 from hurray_store.engine.saves import Save, SaveBacklog, write_lent
 from hurray_store.engine.thread import StoreThread
@@ -77,6 +78,7 @@ class EnginePort:
         self.bound = WaitBound(self.thread, eng.wait_s if self.store.networked else None, timeout_s)
         self._loads = OrderedLoads(self.bound)
         self.leases = Leases(self.store.unpin, eng.lease_s)
+        self.page_sizes = eng.page_sizes  # other page sizes a prefix load reads
         self.release_one = self.store.unpin_one  # one pin, any thread, no lock
         self._stored = len(object_stored(self.store.namespace, ""))  # a ref's key: this + name
         self.counts = {
@@ -215,18 +217,22 @@ class EnginePort:
         salts: Sequence[bytes | str | None],
     ) -> AsyncIterator[RetrievedLayer]:
         """The longest stored prefix of each sequence, re-paged into ``pool`` a layer at
-        a time (``TieredStore.retrieve_layers``; every page checked before it is in)."""
-        return self.store.retrieve_layers(pool, token_ids, salt=list(salts))
+        a time (``TieredStore.retrieve_layers``; every page checked before it is in),
+        from pages of the pool's own heads and page size, else from other head ranges
+        and page sizes (``engine/portable.py``)."""
+        return load_layers(self.store, pool, token_ids, list(salts), self.page_sizes)
 
     def lookup_tokens(
         self, specs: Sequence[KVSpec], token_ids: Sequence[int], salt: bytes | str | None
     ) -> int:
         """For an engine whose pages are stored as segments of a token prefix (the vLLM
         connector): how many leading tokens of ``token_ids`` (whole pages) a load can
-        deliver under every one of ``specs`` (one per rank: each rank stores its own
-        heads), under ``salt``. On the store's loop, the ranks asked at once."""
+        deliver under every one of ``specs`` (one per rank: each reads the heads it
+        holds, from whatever head ranges and page sizes are stored), under ``salt``. On
+        the store's loop, the ranks asked at once."""
         self._open()
-        n = int(self.bound.run(_tokens_held(self.store, specs, list(token_ids), salt), 0))
+        held = tokens_held(self.store, specs, list(token_ids), salt, self.page_sizes)
+        n = int(self.bound.run(held, 0))
         self.counts["tokens_asked"] += len(token_ids)
         self.counts["tokens_found"] += n
         return n
@@ -472,13 +478,6 @@ async def _held_shared(store: TieredStore, keys: Iterable[str], pin: bool) -> He
         rest = await _contains_all(store, names[n:])
         n += rest.index(False) if False in rest else len(rest)
     return Held(n, store.pin(names[:n])) if pin else Held(n)
-
-
-async def _tokens_held(
-    store: TieredStore, specs: Sequence[KVSpec], toks: list[int], salt: bytes | str | None
-) -> int:
-    got = await asyncio.gather(*(store.lookup(s, [toks], salt=salt) for s in specs))
-    return min(n for (n,) in got)
 
 
 async def _contains_all(store: TieredStore, names: Sequence[str]) -> list[bool]:

@@ -42,7 +42,9 @@ What a page is keyed by (docs/vllm.md, "What the key includes"): its tokens, cha
 from the request's first; the model's identity (``identity.model_identity``: the
 checkpoint's weights, not the folder's name, and the KV-shaping fields of the config as
 vLLM runs it, after ``--hf-overrides``); the KV cache's geometry and dtype as vLLM
-allocated it; the worker's tensor-parallel rank and size; and per request its
+allocated it; the model's KV heads the worker holds (their range, not the rank: an
+instance of another TP size or block size loads them, ``engine/portable.py``); and per
+request its
 ``cache_salt`` and its LoRA adapter (by the adapter's weights), mixed into the page
 salt (``keys.request_salt``). A request whose KV depends on what the key cannot say
 (multimodal inputs, prompt embeddings) is neither looked up nor saved, and an instance
@@ -60,7 +62,6 @@ import json
 import logging
 import os
 import threading
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,7 +75,13 @@ from hurray_store.adapters.vllm.events import WorkerEvents
 from hurray_store.adapters.vllm.layout import LayoutError
 from hurray_store.adapters.vllm.probe import check_views
 from hurray_store.adapters.vllm.scheduler import TIMEOUT_S, HurrayMetadata, SchedulerSide
-from hurray_store.adapters.vllm.spec import hit_source, spec_for_vllm, unkeyable
+from hurray_store.adapters.vllm.spec import (
+    first_holder,
+    hit_source,
+    rank_specs,
+    spec_for_vllm,
+    unkeyable,
+)
 from hurray_store.adapters.vllm.transfer import BlockTransfers, Loading, Transfer
 from hurray_store.engine import EnginePort
 from hurray_store.engine.extra import check_keys
@@ -119,6 +126,7 @@ class HurrayConnector(KVConnectorBase_V1):
             self.spec = KVSpec("unkeyable", 1, 1, 1, self.block_size, torch.float32)
         else:
             self.spec = spec_for_vllm(vllm_config, kv_cache_config, rank)
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
         # A JSON file the worker writes its counts to at shutdown (tests, debugging).
         self.stats_file = str(extra.get("stats_file", ""))
         self.counts: dict[str, Any] = {
@@ -162,11 +170,15 @@ class HurrayConnector(KVConnectorBase_V1):
         # it stores and loses among them, keyed by vLLM's block hashes (docs/events.md).
         kve = getattr(vllm_config, "kv_events_config", None)
         self.kv_events = bool(kve is not None and getattr(kve, "enable_kv_cache_events", False))
+        # Pages are named by the KV heads they hold: of ranks holding the same heads
+        # (more ranks than KV heads) the first saves them; the others save only where
+        # vLLM's KV events need every worker to report its blocks.
+        self.saves_heads = self.kv_events or first_holder(self.spec, rank, tp)
         self.scheduler = SchedulerSide(
             self.port,
             # The scheduler serves a prefix only when every rank can deliver it: it
             # looks it up under each rank's spec and takes the shortest.
-            [replace(self.spec, tp_rank=r) for r in range(self.spec.tp_size)],
+            rank_specs(self.spec, vllm_config, self.disabled),
             self.block_size,
             # kv_role: kv_both loads and saves; kv_consumer only loads (a read-only
             # instance); kv_producer only saves.
@@ -400,6 +412,8 @@ class HurrayConnector(KVConnectorBase_V1):
         self._finish_load()  # the loads are done before a save reads those blocks
         meta = self._connector_metadata
         if not isinstance(meta, HurrayMetadata) or not meta.saves or self.xfer is None:
+            return
+        if not self.saves_heads:  # another rank holding these heads saves them
             return
         self.xfer.save(meta.saves)
 

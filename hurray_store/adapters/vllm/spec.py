@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hurray_store.identity import checkpoint_id, model_identity
-from hurray_store.spec import SUPPORTED_DTYPES, KVSpec
+from hurray_store.spec import SUPPORTED_DTYPES, KVSpec, rank_heads
 
 
 def spec_for_vllm(vllm_config: Any, kv_cache_config: Any = None, tp_rank: int = 0) -> KVSpec:
@@ -18,25 +19,50 @@ def spec_for_vllm(vllm_config: Any, kv_cache_config: Any = None, tp_rank: int = 
     identity (its checkpoint's weights and its config as vLLM runs it), its layers, the
     rank's KV heads, the head size, the KV cache's dtype as vLLM allocated it (from
     ``kv_cache_config``; without it, ``cache_dtype`` or the model's dtype), the block
-    size as the page size, and the rank and tensor-parallel size. Raises ValueError for
-    a cache the connector cannot key (``unkeyable``)."""
+    size as the page size, and which of the model's KV heads the rank holds
+    (``spec.rank_heads``: by their range, never by the rank, so another TP size reads
+    them). Raises ValueError for a cache the connector cannot key (``unkeyable``)."""
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
     why = unkeyable(vllm_config, kv_cache_config)
     if why:
         raise ValueError(why)
     kv = attention_spec(kv_cache_config)
+    heads = int(kv.num_kv_heads) if kv is not None else int(mc.get_num_kv_heads(pc))
+    total = int(mc.get_total_num_kv_heads())
+    start, n = rank_heads(total, tp_rank, int(pc.tensor_parallel_size))
+    if n != heads:
+        raise ValueError(f"rank {tp_rank} holds {heads} KV heads, not {n} of {total}")
     return KVSpec(
         model_identity(checkpoint_id(mc.model), mc.hf_config),
         int(mc.get_num_layers(pc)),
-        int(kv.num_kv_heads) if kv is not None else int(mc.get_num_kv_heads(pc)),
+        heads,
         int(kv.head_size) if kv is not None else int(mc.get_head_size()),
         int(vllm_config.cache_config.block_size),
         kv_dtype(vllm_config, kv),
         "",
-        tp_rank,
-        int(pc.tensor_parallel_size),
+        start,
+        total,
     )
+
+
+def rank_specs(spec: KVSpec, vllm_config: Any, disabled: str = "") -> list[KVSpec]:
+    """The spec of every tensor-parallel rank of the instance ``spec`` is one rank of,
+    each rank's heads once (ranks holding the same heads read the same pages)."""
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    if disabled:
+        return [spec]
+    out = []
+    for r in range(tp):
+        start, n = rank_heads(spec.total_kv_heads, r, tp)
+        out.append(replace(spec, head_start=start, num_kv_heads=n))
+    return list(dict.fromkeys(out))
+
+
+def first_holder(spec: KVSpec, tp_rank: int, tp_size: int) -> bool:
+    """Whether ``tp_rank`` is the first rank holding its heads (with more ranks than KV
+    heads several hold each head: one of them saves)."""
+    return tp_rank == 0 or rank_heads(spec.total_kv_heads, tp_rank - 1, tp_size) != spec.heads
 
 
 def attention_spec(kv_cache_config: Any) -> Any:

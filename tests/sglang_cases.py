@@ -31,21 +31,27 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from hurray_store.adapters.sglang import cpu_host_pool
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-LAYERS, HEADS, HEAD_DIM = 3, 2, 16
+LAYERS, HEADS, HEAD_DIM = 3, 2, 16  # HEADS: the model's KV heads
+# The model's KV heads this process's rank holds, [start, end): set by ``run`` from the
+# case's tp_rank and tp_size as SGLang splits them (more ranks than heads: replicated).
+RANK_HEADS = (0, HEADS)
 
 
 def make_pool(layout: str, dtype: torch.dtype, page_size: int, pages: int) -> Any:
+    heads = RANK_HEADS[1] - RANK_HEADS[0]
     pool = cpu_host_pool(
-        layout, dtype, page_size, pages, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM
+        layout, dtype, page_size, pages, layers=LAYERS, heads=heads, head_dim=HEAD_DIM
     )
     pool.kv_buffer.fill_(-7)  # a sentinel: what no page holds
     return pool
 
 
 def page_data(key: str, dtype: torch.dtype, page_size: int) -> torch.Tensor:
-    """Page ``key``'s K and V, ``[2, layers, page_size, heads, head_dim]``."""
+    """Page ``key``'s K and V of this rank's heads, ``[2, layers, page_size, heads,
+    head_dim]`` (a slice of the model's page: every rank of every TP size agrees)."""
     g = torch.Generator().manual_seed(xxhash.xxh64_intdigest(key.encode()) >> 1)
-    return torch.randn((2, LAYERS, page_size, HEADS, HEAD_DIM), generator=g).to(dtype)
+    page = torch.randn((2, LAYERS, page_size, HEADS, HEAD_DIM), generator=g).to(dtype)
+    return page[:, :, :, RANK_HEADS[0] : RANK_HEADS[1]].contiguous()
 
 
 def layer_slot(pool: Any, role: int, layer: int, start: int) -> torch.Tensor:
@@ -111,6 +117,12 @@ def indices(pool: Any, slots: list[int]) -> torch.Tensor:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    global RANK_HEADS
+    tp, rank = spec.get("tp_size", 1), spec.get("tp_rank", 0)
+    if spec["op"] != "batch":
+        w = max(1, HEADS // tp)
+        start = rank * w if tp <= HEADS else rank // (tp // HEADS)
+        RANK_HEADS = (start, start + w)
     dtype = DTYPES[spec.get("dtype", "float32")]
     P = spec.get("page_size", 16)
     keys: list[str] = spec.get("keys", [])

@@ -58,7 +58,8 @@ def model(d: Path, seed: int) -> str:
     d.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     save_file({"w": torch.randn(16, 16, generator=g)}, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3}))
+    cfg = {"model_type": "llama", "num_hidden_layers": 3, "num_key_value_heads": 2}
+    (d / "config.json").write_text(json.dumps(cfg))
     return str(d)
 
 
@@ -200,27 +201,96 @@ def test_a_damaged_page_object_is_a_miss_from_that_page_on(tmp_path: Path, damag
         assert again["exists"] == 1 and again["get"] == [True, False, False, False]
 
 
-def test_two_models_of_one_geometry_and_two_tp_ranks_never_share_a_page(tmp_path: Path) -> None:
+def test_two_models_of_one_geometry_never_share_a_page(tmp_path: Path) -> None:
     cfg = disk_config(tmp_path)
     a, b = model(tmp_path / "a", 1), model(tmp_path / "b", 2)
     k = keys("id", 3)
-    sglang({"config": cfg, "model": a, "op": "set", "keys": k, "tp_size": 2})
+    sglang({"config": cfg, "model": a, "op": "set", "keys": k})
     got = sglang(
         {
             "config": cfg,
             "op": "batch",
             "keys": k,
+            "runs": [{"op": "get", "model": a}, {"op": "get", "model": b}],  # other weights
+        }
+    )["runs"]
+    assert [r["exists"] for r in got] == [3, 0]
+    assert got[0]["get"] == [True] * 3 and all(got[0]["equal"])
+    assert got[1]["get"] == [False] * 3 and all(got[1]["untouched"])
+
+
+def test_pages_of_tp2_ranks_are_read_bit_exact_at_tp1_and_the_reverse(tmp_path: Path) -> None:
+    """Ranks 0 and 1 of TP=2 each write their head; a TP=1 pool reads both heads,
+    assembled from the two ranks' pages; TP=1 pages are read by each TP=2 rank (a slice
+    of them) and by each of TP=4's ranks (replicated heads)."""
+    cfg, m = disk_config(tmp_path), model(tmp_path / "m", 1)
+    a, b = keys("tp2-", 3), keys("tp1-", 3)
+    got = sglang(
+        {
+            "config": cfg,
+            "model": m,
+            "op": "batch",
             "runs": [
-                {"op": "get", "model": a, "tp_size": 2},
-                {"op": "get", "model": b, "tp_size": 2},  # other weights
-                {"op": "get", "model": a, "tp_size": 2, "tp_rank": 1},  # the other rank
-                {"op": "get", "model": a, "tp_size": 1},  # another TP size
+                {"op": "set", "keys": a, "tp_size": 2, "tp_rank": 0},
+                {"op": "set", "keys": a, "tp_size": 2, "tp_rank": 1},
+                {"op": "set", "keys": b},
+                {"op": "get", "keys": a},
+                *({"op": "get", "keys": b, "tp_size": 2, "tp_rank": r} for r in range(2)),
+                *({"op": "get", "keys": b, "tp_size": 4, "tp_rank": r} for r in range(4)),
             ],
         }
     )["runs"]
-    assert [r["exists"] for r in got] == [3, 0, 0, 0]
-    assert [r["get"] for r in got[1:]] == [[False] * 3] * 3
-    assert all(all(r["untouched"]) for r in got[1:])
+    for r in got[3:]:
+        assert r["exists"] == 3 and r["get"] == [True] * 3 and all(r["equal"]), r
+        assert r["counts"]["pages_assembled"] == 3 and r["counts"]["pages_written"] == 0
+    # the objects: one per page per head range, never one per rank
+    assert len(page_files(tmp_path)) == 3 * 2 + 3
+
+
+def test_replicated_heads_are_stored_once_and_a_missing_range_is_a_miss(tmp_path: Path) -> None:
+    """TP=4 over 2 KV heads: ranks 0 and 1 hold head 0, ranks 2 and 3 head 1; each
+    head range is stored once (count objects). Only head 0 written: a TP=1 reader
+    finds nothing and leaves its slots untouched; a head-0 reader finds it all."""
+    cfg, m = disk_config(tmp_path), model(tmp_path / "m", 1)
+    k = keys("rep", 2)
+    got = sglang(
+        {
+            "config": cfg,
+            "model": m,
+            "op": "batch",
+            "runs": [
+                {"op": "set", "keys": k, "tp_size": 4, "tp_rank": 0},
+                {"op": "set", "keys": k, "tp_size": 4, "tp_rank": 1},
+                {"op": "get", "keys": k},
+                {"op": "get", "keys": k, "tp_size": 2, "tp_rank": 0},
+                {"op": "get", "keys": k, "tp_size": 2, "tp_rank": 1},
+            ],
+        }
+    )["runs"]
+    assert got[0]["counts"]["pages_written"] == 2
+    assert got[1]["counts"]["pages_written"] == 0 and got[1]["counts"]["pages_deduplicated"] == 2
+    assert len(page_files(tmp_path)) == 2
+    assert got[2]["exists"] == 0 and got[2]["get"] == [False] * 2 and all(got[2]["untouched"])
+    assert got[3]["exists"] == 2 and all(got[3]["equal"])
+    assert got[4]["exists"] == 0 and all(got[4]["untouched"])
+
+
+def test_a_corrupt_piece_is_a_miss_for_its_page_and_the_pages_after(tmp_path: Path) -> None:
+    cfg, m = disk_config(tmp_path), model(tmp_path / "m", 1)
+    k = keys("cp", 3)
+    base = {"config": cfg, "model": m, "keys": k}
+    sglang({**base, "op": "set", "tp_size": 2, "tp_rank": 0})
+    before = set(page_files(tmp_path))
+    sglang({**base, "op": "set", "tp_size": 2, "tp_rank": 1})
+    rank1 = sorted(set(page_files(tmp_path)) - before)
+    (victim,) = [f for f in rank1 if f.name.endswith(k[1])]
+    raw = bytearray(victim.read_bytes())
+    raw[-400] ^= 0x40  # a byte of the last layer's value pool
+    victim.write_bytes(bytes(raw))
+    got = sglang({**base, "op": "get"})
+    assert got["get"] == [True, False, False]
+    assert got["equal"][0] and got["untouched"][1:] == [True, True]
+    assert got["counts"]["pages_rejected"] == 1
 
 
 def test_page_first_pages_are_a_miss_in_a_per_layer_layout_and_the_other_way_round(

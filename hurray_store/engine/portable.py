@@ -60,26 +60,37 @@ class Source:
         return self.pieces[0].spec.page_size
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [w for w in range(1, n + 1) if n % w == 0]
+
+
+def tiles(
+    heads: tuple[int, int], total: int, width: int
+) -> list[tuple[int, tuple[int, int], int]] | None:
+    """How stored ranges ``width`` heads wide (aligned to it) of a model's ``total``
+    heads hold the heads ``[c, d)``: per range its first head, the heads taken of it
+    (local to it) and where they go (local to ``[c, d)``); None when they cannot."""
+    c, d = heads
+    W = d - c
+    if width >= W:
+        s = c // width * width
+        if s + width < d or s + width > total:
+            return None
+        return [(s, (c - s, d - s), 0)]
+    if W % width or c % width:
+        return None
+    return [(c + j, (0, width), j) for j in range(0, W, width)]
 
 
 def head_pieces(spec: KVSpec, width: int, page_size: int) -> tuple[Piece, ...] | None:
     """The pieces of stored ranges ``width`` heads wide (aligned to it) that hold the
     heads of ``spec``; None when that width cannot tile them."""
-    c, d = spec.heads
-    W = d - c
-    base = replace(spec, page_size=page_size)
-    if width >= W:
-        s = c // width * width
-        if s + width < d or s + width > spec.total_kv_heads:
-            return None
-        return (Piece(replace(base, head_start=s, num_kv_heads=width), (c - s, d - s), 0),)
-    if W % width or c % width:
+    got = tiles(spec.heads, spec.total_kv_heads, width)
+    if got is None:
         return None
     return tuple(
-        Piece(replace(base, head_start=c + j, num_kv_heads=width), (0, width), j)
-        for j in range(0, W, width)
+        Piece(replace(spec, page_size=page_size, num_kv_heads=width, head_start=s), take, put)
+        for s, take, put in got
     )
 
 
@@ -90,7 +101,7 @@ def sources(spec: KVSpec, page_sizes: Sequence[int] = ()) -> list[Source]:
     P = spec.page_size
     own = Source((Piece(spec, (0, spec.num_kv_heads), 0),), exact=True)
     out = [own]
-    widths = _divisors(spec.total_kv_heads)
+    widths = divisors(spec.total_kv_heads)
     others = sorted(
         {q for q in page_sizes if q != P and q > 0 and (q % P == 0 or P % q == 0)},
         key=lambda q: (max(q, P) // min(q, P), q),

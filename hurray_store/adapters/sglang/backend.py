@@ -49,7 +49,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from hurray_store.adapters.sglang.page_io import PageIO, unsupported_pool
+from hurray_store.adapters.sglang.page_io import PageIO, Piece, unsupported_pool
 from hurray_store.adapters.sglang.pages import (
     TOKEN_MAJOR,
     PageCodec,
@@ -60,6 +60,8 @@ from hurray_store.adapters.sglang.pages import (
 from hurray_store.engine import EnginePort
 from hurray_store.engine.extra import check_keys
 from hurray_store.engine.identity import WeightsIdentity
+from hurray_store.engine.portable import divisors, tiles
+from hurray_store.spec import rank_heads
 from hurray_store.throttle import Every
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ EXTRA_KEYS = (
     "config",
     "model_path",
     "salt",
+    "total_kv_heads",
 )
 
 
@@ -107,10 +110,11 @@ class HurrayHiCacheStorage(HiCacheStorage):
         self.store = self.port.store
         self.salt = str(extra.get("salt", "")) or self.store.config.salt
         c = storage_config
-        self.ranks = (
-            f"tp{c.tp_rank}/{c.tp_size}.pp{c.pp_rank}/{c.pp_size}"
-            f".cp{c.attn_cp_rank}/{c.attn_cp_size}"
-        )
+        # Pages are named by the model's KV heads they hold, not by the TP rank
+        # (``register_mem_pool_host`` learns them); pipeline and context ranks stay.
+        self.ranks = f"pp{c.pp_rank}/{c.pp_size}.cp{c.attn_cp_rank}/{c.attn_cp_size}"
+        self.total_heads = _total_kv_heads(extra)
+        self.heads = (0, 0)
         self.codec: PageCodec | None = None
         self.layout = ""
         self.disabled = "no host pool registered"
@@ -123,6 +127,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
             "pages_written": 0,
             "pages_deduplicated": 0,  # a set of pages the store already held
             "pages_rejected": 0,  # read, but not this page's object (dropped)
+            "pages_assembled": 0,  # read from the pages of other head ranges
             "store_errors": 0,
         }
         # SGLang's StorageMetrics, per call since the last get_stats
@@ -148,8 +153,23 @@ class HurrayHiCacheStorage(HiCacheStorage):
             pool.dtype,
             token_major=self.layout in TOKEN_MAJOR,
         )
+        c = self.storage_config
+        total = self.total_heads or self.codec.heads * c.tp_size
+        try:
+            start, n = rank_heads(total, c.tp_rank, c.tp_size)
+        except ValueError as e:
+            n, start = 0, str(e)
+        if n != self.codec.heads:
+            self.disabled = (
+                f"rank {c.tp_rank} of {c.tp_size} holds {self.codec.heads} KV heads, not the "
+                f"model's {total} split ({start}): set total_kv_heads in the extra_config"
+            )
+            log.warning("HurrayHiCacheStorage: every page a miss: %s", self.disabled)
+            return
+        self.total_heads, self.heads = total, (start, start + n)
         self.prefix = self._prefix()
         self.io = PageIO(self.port, self.codec, self.prefix, self.counts, self._failed)
+        self.io.set_prefix(self.prefix, self._sources())
         self.disabled = ""
         model = str(self.storage_config.model_name or self.identity)
         self.port.publish_events(self.io.page_key, model=model, block_size=self.codec.page_size)
@@ -165,15 +185,17 @@ class HurrayHiCacheStorage(HiCacheStorage):
             self.ranks,
         )
 
-    def _prefix(self) -> str:
+    def _prefix(self, heads: tuple[int, int] | None = None) -> str:
         """What a page's name and fingerprint hash besides its key: the model's identity
-        now, the salt, the pool's geometry, the ranks."""
+        now, the salt, the pool's geometry, the model's KV heads it holds (``heads``:
+        another range's), the pipeline and context ranks."""
         assert self.codec is not None
+        a, b = heads or self.heads
         fields = {
             "model": self.identity,
             "salt": self.salt,
             "layers": self.codec.layers,
-            "heads": self.codec.heads,
+            "heads": f"{a}-{b}/{self.total_heads}",
             "head_dim": self.codec.head_dim,
             "page_size": self.codec.page_size,
             "dtype": str(self.codec.dtype),
@@ -183,6 +205,28 @@ class HurrayHiCacheStorage(HiCacheStorage):
             fields["pages"] = "token_major"
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
+    def _sources(self) -> list[list[Piece]]:
+        """The other head ranges this pool's pages can be assembled from: for every
+        width that divides the model's heads, the stored ranges of that width (a wider
+        one sliced, or the narrower that tile this rank's)."""
+        assert self.codec is not None
+        out = []
+        own = self.heads[1] - self.heads[0]
+        for w in divisors(self.total_heads):
+            got = tiles(self.heads, self.total_heads, w) if w != own else None
+            if got is None:
+                continue
+            codec = PageCodec(
+                self.codec.layers,
+                w,
+                self.codec.head_dim,
+                self.codec.page_size,
+                self.codec.dtype,
+                token_major=self.codec.token_major,
+            )
+            out.append([Piece(self._prefix((s, s + w)), codec, t, p) for s, t, p in got])
+        return out
+
     def _off(self) -> str:
         """Why every call is a miss ("" when none); first, the identity is kept up with
         the weights: when it changed, pages are named under the new one from now on."""
@@ -190,7 +234,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
             assert self.io is not None
             self.identity = now
             self.prefix = self._prefix()
-            self.io.set_prefix(self.prefix)
+            self.io.set_prefix(self.prefix, self._sources())
         return self.disabled
 
     def clear(self) -> None:
@@ -387,6 +431,28 @@ class HurrayHiCacheStorage(HiCacheStorage):
         not stored) at once."""
         self.disabled = "closed"
         self.port.close()
+
+
+def _total_kv_heads(extra: dict[str, Any]) -> int:
+    """The model's KV heads: the extra_config's ``total_kv_heads``, else the model
+    folder's config.json, else 0 (the pool's heads times the TP size, exact whenever
+    the TP size does not exceed the model's KV heads)."""
+    if "total_kv_heads" in extra:
+        n = extra["total_kv_heads"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"HurrayHiCacheStorage: total_kv_heads {n!r}: a positive int")
+        return n
+    path = extra.get("model_path")
+    if path:
+        try:
+            with open(f"{path}/config.json") as f:
+                cfg = json.load(f)
+            cfg = cfg.get("text_config", cfg)
+            n = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+            return int(n) if n else 0
+        except (OSError, ValueError, TypeError):
+            return 0
+    return 0
 
 
 def cpu_host_pool(

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,10 +25,32 @@ SET_STEP = 16  # pages a set copies before their writes start
 _SAFE_KEY = re.compile(r"[0-9A-Za-z_-]{1,128}")
 
 
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Pages of another head range a reader's pages can be made of: their ``prefix``
+    (what their names and fingerprints hash), their ``codec``, the heads ``take`` of
+    them (local) and where those go among the reader's (``put``)."""
+
+    prefix: str
+    codec: PageCodec
+    take: tuple[int, int]
+    put: int
+
+    @property
+    def names(self) -> str:
+        return _names(self.prefix)
+
+
+def _names(prefix: str) -> str:
+    return f"sgl.{xxhash.xxh3_128_hexdigest(prefix.encode())}."
+
+
 class PageIO:
     """Reads and writes of one host pool's pages (``codec``) through the engine port.
     ``prefix`` is what a page's name and fingerprint hash besides its key; ``failed``
-    counts and logs a store error (served as misses); ``counts`` are the backend's."""
+    counts and logs a store error (served as misses); ``counts`` are the backend's.
+    ``sources``: other head ranges the pool's pages can be assembled from (each a list
+    of pieces, all needed), asked where the pool's own pages fall short."""
 
     def __init__(
         self,
@@ -44,16 +67,16 @@ class PageIO:
         self._set_lock = threading.Lock()
         self._storage: tuple[tuple[int, int], memoryview] | None = None  # a host pool's bytes
 
-    def set_prefix(self, prefix: str) -> None:
-        """Name (and fingerprint) pages under ``prefix`` from now on."""
+    def set_prefix(self, prefix: str, sources: Sequence[Sequence[Piece]] = ()) -> None:
+        """Name (and fingerprint) pages under ``prefix`` from now on, and read other
+        head ranges from ``sources``."""
         self.prefix = prefix
-        self.names = f"sgl.{xxhash.xxh3_128_hexdigest(prefix.encode())}."
+        self.names = _names(prefix)
+        self.sources = [list(s) for s in sources]
 
     def name_of(self, key: str) -> str:
         """The store's object name of SGLang's page ``key``."""
-        if _SAFE_KEY.fullmatch(key):
-            return self.names + key
-        return self.names + "h" + xxhash.xxh3_128_hexdigest(key.encode())
+        return self.names + _key(key)
 
     def page_key(self, name: str) -> tuple[bytes, ...]:
         """SGLang's page key of one of our object names, as a KV event's block hash: the
@@ -69,8 +92,30 @@ class PageIO:
 
     def held(self, keys: list[str]) -> int:
         """How many of ``keys``, from the first, a get will find: leased (pinned until
-        that get, or ``engine.lease_s``), so eviction does not take them meanwhile."""
-        return self.port.lookup((self.name_of(k) for k in keys), lease=True).n
+        that get, or ``engine.lease_s``), so eviction does not take them meanwhile. Past
+        the pool's own pages, the pages of the source that holds the longest run after
+        them (a page counts only where every piece of it is held)."""
+        n = self.port.lookup((self.name_of(k) for k in keys), lease=True).n
+        if n < len(keys) and self.sources:
+            n += self._best_source(keys[n:], lease=True)[1]
+        return n
+
+    def _best_source(self, keys: list[str], lease: bool = False) -> tuple[list[Piece], int]:
+        """The source whose pieces all hold the longest run of ``keys``, and its length
+        (leased, with ``lease``: the pieces' pages up to it)."""
+        best: tuple[list[Piece], int] = ([], 0)
+        for src in self.sources:
+            m = len(keys)
+            for piece in src:
+                if m == 0:
+                    break
+                m = min(m, self.port.lookup([piece.names + _key(k) for k in keys[:m]]).n)
+            if m > best[1]:
+                best = (src, m)
+        if lease and best[1]:
+            for piece in best[0]:
+                self.port.lookup([piece.names + _key(k) for k in keys[: best[1]]], lease=True)
+        return best
 
     # ------------------------------------------------------------------ reads
 
@@ -79,7 +124,14 @@ class PageIO:
         layers, page_size, heads, head_dim]`` view beside it (``EnginePort.load``);
         how many, from the first, were read, right and copied. Nothing is written into
         the slots of a page that is not among them; a page read that is not its key's
-        object leaves the store."""
+        object leaves the store. Past the pool's own pages, the pages of the source
+        that holds the longest run after them, assembled from its pieces."""
+        n = self._read_own(keys, dests)
+        if n < len(keys) and self.sources:
+            n += self._read_source(keys[n:], dests[n:])
+        return n
+
+    def _read_own(self, keys: list[str], dests: list[torch.Tensor]) -> int:
         codec = self.codec
         fps = [page_fingerprint(self.prefix, k) for k in keys]
         wrong: list[int] = []
@@ -102,6 +154,43 @@ class PageIO:
         self.counts["pages_read"] += n
         self.counts["pages_rejected"] += len(wrong)  # the port dropped it, and logged why
         return n
+
+    def _read_source(self, keys: list[str], dests: list[torch.Tensor]) -> int:
+        """Pages of ``keys`` assembled from the pieces of the best source: each piece's
+        pages read and checked as the pool's own are, their heads copied into a staging
+        page, and only the pages every piece delivered copied into ``dests``."""
+        src, m = self._best_source(keys)
+        if not m:
+            return 0
+        staged = torch.empty((m, *self.codec.shape), dtype=self.codec.dtype)
+        for piece in src:
+            pc = piece.codec
+            fps = [page_fingerprint(piece.prefix, k) for k in keys[:m]]
+            wrong: list[int] = []
+
+            def check(j: int, mv: memoryview, pc: PageCodec = pc, fps: list = fps) -> str:
+                why = pc.check(mv[pc.size - pc.record_bytes :], fps[j], pc.pool_sums(mv))
+                if why:
+                    wrong.append(j)
+                return why
+
+            def take(j: int, obj: torch.Tensor, piece: Piece = piece) -> None:
+                copy_heads(piece, obj, staged[j])
+
+            try:
+                names = [piece.names + _key(k) for k in keys[:m]]
+                m = self.port.load(names, pc.size, check, take)
+            except Exception as e:  # noqa: BLE001
+                self.failed("get", e)
+                return 0
+            self.counts["pages_rejected"] += len(wrong)
+            if not m:
+                return 0
+        for j in range(m):
+            copy_into(dests[j], staged[j])
+        self.counts["pages_read"] += m
+        self.counts["pages_assembled"] += m
+        return m
 
     # ------------------------------------------------------------------ writes
 
@@ -167,6 +256,24 @@ class PageIO:
             flat = torch.empty(0, dtype=torch.uint8).set_(storage)
             self._storage = (at, memoryview(flat.numpy()))  # type: ignore[arg-type]
         return self._storage[1]
+
+
+def _key(key: str) -> str:
+    """An SGLang page key as the last part of an object name."""
+    if _SAFE_KEY.fullmatch(key):
+        return key
+    return "h" + xxhash.xxh3_128_hexdigest(key.encode())
+
+
+def copy_heads(piece: Piece, obj: torch.Tensor, dest: torch.Tensor) -> None:
+    """The heads ``piece.take`` of the page object of another head range read into
+    ``obj`` into heads from ``piece.put`` of ``dest`` (a ``[2, layers, page_size,
+    heads, head_dim]`` page)."""
+    a, b = piece.take
+    d = dest.view(torch.uint8)[:, :, :, piece.put : piece.put + b - a]
+    for part, r, li in piece.codec.page_of(obj):
+        src = part[..., a:b, :]
+        (d if r < 0 else d[r, li]).copy_(src)
 
 
 def copy_into(dest: torch.Tensor, src: torch.Tensor) -> None:

@@ -133,7 +133,24 @@ class PageIO:
 
     def _read_own(self, keys: list[str], dests: list[torch.Tensor]) -> int:
         codec = self.codec
-        fps = [page_fingerprint(self.prefix, k) for k in keys]
+        n = self._load(
+            self.prefix, self.names, codec, keys, lambda j, obj: copy_page(codec, obj, dests[j])
+        )
+        self.counts["pages_read"] += n
+        return n
+
+    def _load(
+        self,
+        prefix: str,
+        names: str,
+        codec: PageCodec,
+        keys: list[str],
+        take: Callable[[int, torch.Tensor], None],
+    ) -> int:
+        """Page objects of ``keys`` named under ``names`` and fingerprinted under
+        ``prefix``, read in order, each checked before ``take(j, object)``: how many,
+        from the first, were (``EnginePort.load``; a wrong one leaves the store)."""
+        fps = [page_fingerprint(prefix, k) for k in keys]
         wrong: list[int] = []
 
         def check(j: int, mv: memoryview) -> str:
@@ -143,15 +160,11 @@ class PageIO:
                 wrong.append(j)
             return why
 
-        def take(j: int, obj: torch.Tensor) -> None:
-            copy_page(codec, obj, dests[j])
-
         try:
-            n = self.port.load([self.name_of(k) for k in keys], codec.size, check, take)
+            n = self.port.load([names + _key(k) for k in keys], codec.size, check, take)
         except Exception as e:  # noqa: BLE001
             self.failed("get", e)
             return 0
-        self.counts["pages_read"] += n
         self.counts["pages_rejected"] += len(wrong)  # the port dropped it, and logged why
         return n
 
@@ -164,26 +177,11 @@ class PageIO:
             return 0
         staged = torch.empty((m, *self.codec.shape), dtype=self.codec.dtype)
         for piece in src:
-            pc = piece.codec
-            fps = [page_fingerprint(piece.prefix, k) for k in keys[:m]]
-            wrong: list[int] = []
-
-            def check(j: int, mv: memoryview, pc: PageCodec = pc, fps: list = fps) -> str:
-                why = pc.check(mv[pc.size - pc.record_bytes :], fps[j], pc.pool_sums(mv))
-                if why:
-                    wrong.append(j)
-                return why
 
             def take(j: int, obj: torch.Tensor, piece: Piece = piece) -> None:
                 copy_heads(piece, obj, staged[j])
 
-            try:
-                names = [piece.names + _key(k) for k in keys[:m]]
-                m = self.port.load(names, pc.size, check, take)
-            except Exception as e:  # noqa: BLE001
-                self.failed("get", e)
-                return 0
-            self.counts["pages_rejected"] += len(wrong)
+            m = self._load(piece.prefix, piece.names, piece.codec, keys[:m], take)
             if not m:
                 return 0
         for j in range(m):

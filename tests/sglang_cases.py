@@ -28,16 +28,22 @@ import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from hurray_store.adapters.sglang import cpu_host_pool
+from hurray_store.adapters.sglang import cpu_host_pool, cpu_mla_host_pool
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 LAYERS, HEADS, HEAD_DIM = 3, 2, 16  # HEADS: the model's KV heads
 # The model's KV heads this process's rank holds, [start, end): set by ``run`` from the
 # case's tp_rank and tp_size as SGLang splits them (more ranks than heads: replicated).
 RANK_HEADS = (0, HEADS)
+MLA = False  # the case runs an MLA pool (one latent of MLA_DIM per token and layer)
+MLA_DIM = 40
 
 
 def make_pool(layout: str, dtype: torch.dtype, page_size: int, pages: int) -> Any:
+    if MLA:
+        pool = cpu_mla_host_pool(layout, dtype, page_size, pages, layers=LAYERS, dim=MLA_DIM)
+        pool.kv_buffer.fill_(-7)
+        return pool
     heads = RANK_HEADS[1] - RANK_HEADS[0]
     pool = cpu_host_pool(
         layout, dtype, page_size, pages, layers=LAYERS, heads=heads, head_dim=HEAD_DIM
@@ -50,6 +56,8 @@ def page_data(key: str, dtype: torch.dtype, page_size: int) -> torch.Tensor:
     """Page ``key``'s K and V of this rank's heads, ``[2, layers, page_size, heads,
     head_dim]`` (a slice of the model's page: every rank of every TP size agrees)."""
     g = torch.Generator().manual_seed(xxhash.xxh64_intdigest(key.encode()) >> 1)
+    if MLA:  # the latent, [1, layers, page_size, 1, dim]: every rank's
+        return torch.randn((1, LAYERS, page_size, 1, MLA_DIM), generator=g).to(dtype)
     page = torch.randn((2, LAYERS, page_size, HEADS, HEAD_DIM), generator=g).to(dtype)
     return page[:, :, :, RANK_HEADS[0] : RANK_HEADS[1]].contiguous()
 
@@ -58,6 +66,13 @@ def layer_slot(pool: Any, role: int, layer: int, start: int) -> torch.Tensor:
     """``[page_size, heads, head_dim]`` of the page at host token ``start``, through
     SGLang's own views of its pool."""
     P = pool.page_size
+    if MLA:  # SGLang's MLA host layouts (MLATokenToKVPoolHost.init_kv_buffer)
+        kv = pool.kv_buffer
+        if pool.layout == "layer_first":  # [layers, tokens, 1, dim]
+            return kv[layer, start : start + P]
+        if pool.layout == "page_first":  # [tokens, layers, 1, dim]
+            return kv[start : start + P, layer]
+        return kv[start // P, layer]  # page_first_direct: [pages, layers, P, 1, dim]
     if pool.layout == "page_head":  # (2, pages, heads, P, layers, D): no per-layer refs
         return pool.kv_buffer[role, start // P, :, :, layer].permute(1, 0, 2)
     refs = pool.k_data_refs if role == 0 else pool.v_data_refs
@@ -67,14 +82,18 @@ def layer_slot(pool: Any, role: int, layer: int, start: int) -> torch.Tensor:
 
 
 def write_page(pool: Any, start: int, data: torch.Tensor) -> None:
-    for r in range(2):
+    for r in range(data.shape[0]):
         for li in range(LAYERS):
             layer_slot(pool, r, li, start).copy_(data[r, li])
 
 
 def read_page(pool: Any, start: int) -> torch.Tensor:
+    roles = 1 if MLA else 2
     return torch.stack(
-        [torch.stack([layer_slot(pool, r, li, start) for li in range(LAYERS)]) for r in range(2)]
+        [
+            torch.stack([layer_slot(pool, r, li, start) for li in range(LAYERS)])
+            for r in range(roles)
+        ]
     )
 
 
@@ -117,7 +136,8 @@ def indices(pool: Any, slots: list[int]) -> torch.Tensor:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    global RANK_HEADS
+    global RANK_HEADS, MLA
+    MLA = bool(spec.get("mla", False))
     tp, rank = spec.get("tp_size", 1), spec.get("tp_rank", 0)
     if spec["op"] != "batch":
         w = max(1, HEADS // tp)

@@ -105,3 +105,57 @@ def test_lmcache_chunks_and_sglang_pages_are_the_same_format() -> None:
     raw = b"".join(bytes(b) for b in codec.encode(pools, fp))
     sums = [checksum(p) for p in pools]
     assert chunk.check(raw[-chunk.record_bytes :], fp, P, 1, sums) == ""
+
+
+def fused_obj(codec: PageCodec, seed: int = 0) -> tuple[bytes, torch.Tensor]:
+    """An MLA page object (one fused latent per layer) and its page."""
+    g = torch.Generator().manual_seed(seed)
+    page = torch.randn(codec.shape, generator=g).to(codec.dtype)
+    staging = page.unsqueeze(0).contiguous()
+    pools = codec.pool_views(codec.staging_bytes(staging), 0)
+    raw = b"".join(bytes(p) for p in codec.encode(pools, page_fingerprint("mla", "k")))
+    return raw, page
+
+
+def test_an_mla_page_is_one_fused_descriptor_per_layer_and_checks_itself() -> None:
+    from hurray_store.adapters.sglang.page_io import copy_page
+    from hurray_store.format.decode import parse_chunk
+
+    codec = PageCodec(L, 1, 40, P, torch.float32, fused=True)
+    assert codec.shape == (1, L, P, 1, 40)
+    raw, page = fused_obj(codec)
+    assert len(raw) == codec.size
+    tensors = list(hurray.StreamReader(raw))
+    assert [t.layout.kv_role for t in tensors[:L]] == ["fused"] * L and len(tensors) == L + 1
+    layers, _ = parse_chunk(raw)
+    assert len(layers) == L and all(k is v for k, v in layers)
+    mv = memoryview(raw)
+    rec = mv[codec.size - codec.record_bytes :]
+    assert codec.check(rec, page_fingerprint("mla", "k"), codec.pool_sums(mv)) == ""
+    out = torch.full(codec.shape, -7.0)
+    copy_page(codec, torch.frombuffer(bytearray(raw), dtype=torch.uint8), out)
+    assert torch.equal(out, page)
+    bad = bytearray(raw)
+    bad[codec.pools[1][0] + 5] ^= 0x10  # a byte of layer 1's latent
+    mb = memoryview(bytes(bad))
+    why = codec.check(
+        mb[codec.size - codec.record_bytes :], page_fingerprint("mla", "k"), codec.pool_sums(mb)
+    )
+    assert "layer 1" in why
+    assert codec.check(rec, page_fingerprint("mla", "other"), codec.pool_sums(mv)) != ""
+
+
+def test_a_chunk_object_that_mixes_fused_and_key_value_layers_is_refused() -> None:
+    """Layer 0 of an MLA page (fused), then layer 1 (a key and a value) and the record
+    of a key/value object: no reader takes it."""
+    from hurray_store.errors import RoleError
+    from hurray_store.format.decode import parse_chunk
+
+    fused, _ = fused_obj(PageCodec(2, 1, 8, P, torch.float32, fused=True))
+    kv, _ = obj_of(ChunkFormat(2, 1, 8, P, torch.float32, max_tokens=P), 1, P)
+    f_layers, _ = parse_chunk(fused)
+    k_layers, _ = parse_chunk(kv)
+    with pytest.raises(RoleError, match="mixes"):
+        parse_chunk(fused[: f_layers[0][0].end] + kv[k_layers[1][0].offset :])
+    with pytest.raises(RoleError, match="mixes"):
+        parse_chunk(kv[: k_layers[0][1].end] + fused[f_layers[1][0].offset :])

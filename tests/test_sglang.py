@@ -35,7 +35,7 @@ def sglang(spec: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
     """Run one case (or a batch of them) in a fresh SGLang process; what it saw."""
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT / "tests" / "sglang_env"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "sglang_env"), str(ROOT)]),
         "SGLANG_LOGGING_LEVEL": "WARNING",
     }
     p = subprocess.run(
@@ -275,6 +275,60 @@ def test_replicated_heads_are_stored_once_and_a_missing_range_is_a_miss(tmp_path
     assert got[4]["exists"] == 0 and all(got[4]["untouched"])
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_mla_pages_written_by_one_rank_are_read_by_every_rank_of_every_tp_size(
+    tmp_path: Path, layout: str
+) -> None:
+    """SGLang's MLA host pool (``MLATokenToKVPoolHost`` on CPU tensors): the latent is
+    the same on every rank, so rank 0 of TP=2 (SGLang's storage writer) writes it once
+    and ranks 0 and 1 of TP=2, TP=1 and rank 3 of TP=4 read it bit-exact, in the other
+    per-layer host layout too (``page_first``'s token-major pages are named apart, as
+    an MHA pool's are); one object per page."""
+    cfg, m = disk_config(tmp_path), model(tmp_path / "m", 1)
+    k = keys("mla", 3)
+    other = {"layer_first": "page_first_direct", "page_first_direct": "layer_first"}.get(
+        layout, layout
+    )
+    got = sglang(
+        {
+            "config": cfg,
+            "model": m,
+            "mla": True,
+            "op": "batch",
+            "runs": [
+                {"op": "set", "keys": k, "tp_size": 2, "tp_rank": 0, "layout": layout},
+                {"op": "get", "keys": k, "tp_size": 2, "tp_rank": 0, "layout": layout},
+                {"op": "get", "keys": k, "tp_size": 2, "tp_rank": 1, "layout": other},
+                {"op": "get", "keys": k, "tp_size": 1, "layout": layout},
+                {"op": "get", "keys": k, "tp_size": 4, "tp_rank": 3, "layout": other},
+                {"op": "get", "keys": k, "tp_size": 1, "layout": layout, "mla": False},
+            ],
+        }
+    )["runs"]
+    assert got[0]["disabled"] == "" and got[0]["set"] == [True] * 3
+    for r in got[1:5]:
+        assert r["exists"] == 3 and r["get"] == [True] * 3 and all(r["equal"]), (r, got[0])
+    assert len(page_files(tmp_path)) == 3
+    # an MHA pool of the same model never reads the latent as K and V
+    assert got[5]["exists"] == 0 and all(got[5]["untouched"])
+
+
+def test_a_corrupt_mla_page_is_a_miss_and_the_legacy_calls_carry_the_latent(
+    tmp_path: Path,
+) -> None:
+    cfg, m = disk_config(tmp_path), model(tmp_path / "m", 1)
+    k = keys("mlc", 3)
+    base = {"config": cfg, "model": m, "mla": True, "keys": k}
+    assert sglang({**base, "op": "set", "legacy": True})["set"] is True
+    (victim,) = [f for f in page_files(tmp_path) if f.name.endswith(k[1])]
+    raw = bytearray(victim.read_bytes())
+    raw[-400] ^= 0x40  # a byte of the last layer's latent
+    victim.write_bytes(bytes(raw))
+    got = sglang({**base, "op": "get", "legacy": True})
+    assert got["get"] == [True, False, False]
+    assert got["equal"][0] and got["untouched"][1:] == [True, True]
+
+
 def test_a_corrupt_piece_is_a_miss_for_its_page_and_the_pages_after(tmp_path: Path) -> None:
     cfg, m = disk_config(tmp_path), model(tmp_path / "m", 1)
     k = keys("cp", 3)
@@ -386,12 +440,9 @@ def test_a_store_that_is_down_is_misses_and_failed_sets_never_an_exception(
     assert got[1]["exists"] == 0 and got[1]["get"] == [False, False]
 
 
-def test_mla_models_are_refused_at_construction_and_unknown_layouts_with_one_line(
-    tmp_path: Path,
-) -> None:
+def test_mla_models_construct_and_a_model_name_warns_once(tmp_path: Path) -> None:
     base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1)}
-    mla = sglang({**base, "op": "construct", "mla": True})
-    assert "MLA models are not supported" in mla["error"]
+    assert sglang({**base, "op": "construct", "mla": True})["error"] == ""
     assert sglang({**base, "op": "construct"})["error"] == ""
     # A model that is no folder and no model_path: a name, with a warning
     named = sglang(
@@ -403,7 +454,7 @@ def test_mla_models_are_refused_at_construction_and_unknown_layouts_with_one_lin
 def test_page_objects_decode_with_pyhurray_and_hurray_store_inspect(tmp_path: Path) -> None:
     base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1), "page_size": 16}
     sglang({**base, "op": "set", "keys": ["insp"], "dtype": "bfloat16"})
-    (obj,) = page_files(tmp_path)
+    (obj,) = [f for f in page_files(tmp_path) if f.name.endswith("insp")]
     raw = obj.read_bytes()
     tensors = list(hurray.StreamReader(raw))
     assert len(tensors) == 2 * 3 + 1  # per layer K and V, then the record
@@ -411,6 +462,12 @@ def test_page_objects_decode_with_pyhurray_and_hurray_store_inspect(tmp_path: Pa
     assert tensors[0].layout.page_size == 16 and tensors[0].layout.num_pages == 1
     text = inspect_bytes(raw)
     assert "chunk object" in text and "3 layers" in text and "HSLC" in text
+    # an MLA page: one fused descriptor of the latent per layer
+    sglang({**base, "op": "set", "keys": ["inspmla"], "mla": True})
+    (mla,) = [f for f in page_files(tmp_path) if f.name.endswith("inspmla")]
+    tensors = list(hurray.StreamReader(mla.read_bytes()))
+    assert [t.layout.kv_role for t in tensors[:3]] == ["fused"] * 3 and len(tensors) == 4
+    assert "chunk object" in inspect_bytes(mla.read_bytes())
     p = subprocess.run(
         [str(ROOT / ".venv" / "bin" / "hurray-store"), "inspect", str(obj)],
         capture_output=True,

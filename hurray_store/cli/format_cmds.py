@@ -46,17 +46,22 @@ def _inspect_chunk(data: bytes) -> str:
     """A chunk object: an LMCache chunk or an SGLang page (docs/format.md)."""
     layers, rec = parse_chunk(data)
     k0 = layers[0][0].descriptor
+    fused = layers[0][0] is layers[0][1]
+    form = "one fused (MLA latent)" if fused else "a key and a value"
     out = [
-        f"chunk object: {len(data)} bytes, {len(layers)} layers of a key and a value "
+        f"chunk object: {len(data)} bytes, {len(layers)} layers of {form} "
         f"block-paged tensor, then a {len(rec)}-byte record",
         f"  dtype {k0.dtype.name}, shape {list(k0.shape)}, page_size {k0.layout.page_size}, "
         f"num_pages {k0.layout.num_pages}",
     ]
     for k, v in layers:
-        out.append(
-            f"    layer {k.descriptor.layout.layer_index}: key pool at {k.buffer_offsets[0]}, "
-            f"value pool at {v.buffer_offsets[0]} ({k.buffer_sizes[0]} bytes each)"
+        where = (
+            f"latent pool at {k.buffer_offsets[0]} ({k.buffer_sizes[0]} bytes)"
+            if fused
+            else f"key pool at {k.buffer_offsets[0]}, value pool at {v.buffer_offsets[0]} "
+            f"({k.buffer_sizes[0]} bytes each)"
         )
+        out.append(f"    layer {k.descriptor.layout.layer_index}: {where}")
     r = describe_chunk_record(rec)
     out.append(
         f"  record {r['magic']} v{r['version']}: {r['tokens']} tokens, {r['layers']} layers, "

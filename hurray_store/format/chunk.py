@@ -1,8 +1,9 @@
 """Chunk objects: the one byte format of a page or chunk as one object, for LMCache's
 chunks and SGLang's pages alike (pure). Per layer a key and a value block-paged
-descriptor with its pool, then the chunk record (``HSLC``, ``records.py``), the commit
-point (docs/format.md, "Chunk objects"). ``ChunkFormat`` lays one out per page count,
-makes its parts and record, and checks one read against its record."""
+descriptor with its pool (or, ``fused``, one descriptor of kv_role ``fused``: an MLA
+latent, which serves as both), then the chunk record (``HSLC``, ``records.py``), the
+commit point (docs/format.md, "Chunk objects"). ``ChunkFormat`` lays one out per page
+count, makes its parts and record, and checks one read against its record."""
 
 from __future__ import annotations
 
@@ -27,9 +28,13 @@ Pools = list[tuple[int, int]]  # per layer, where its key and value pools start
 
 class ChunkFormat:
     """Chunk objects of ``num_layers`` layers of ``[tokens, num_kv_heads, head_size]``
-    keys and values of ``dtype``, in pages of ``page_size``, of up to ``max_tokens``
-    tokens. What it computes per page count is made once and never changed (readers
-    take it from their threads)."""
+    keys and values of ``dtype`` (``fused``: one latent per layer), in pages of
+    ``page_size``, of up to ``max_tokens`` tokens. What it computes per page count is
+    made once and never changed (readers take it from their threads).
+
+    Pools are numbered in stream order: layer 0 key, layer 0 value, layer 1 key, ...;
+    fused, one per layer. The record keeps a key and a value entry per layer whatever
+    the form: a fused layer's names its one pool, and that pool's checksum, as both."""
 
     def __init__(
         self,
@@ -39,9 +44,12 @@ class ChunkFormat:
         page_size: int,
         dtype: torch.dtype,
         max_tokens: int,
+        fused: bool = False,
     ) -> None:
         if min(num_layers, num_kv_heads, head_size, page_size, max_tokens) < 1:
             raise ValueError("a chunk object has at least one layer, head, page and token")
+        self.fused = fused
+        self.roles: tuple[str, ...] = ("fused",) if fused else ("key", "value")
         self.num_layers, self.num_kv_heads, self.head_size = num_layers, num_kv_heads, head_size
         self.page_size, self.dtype, self.max_tokens = page_size, dtype, max_tokens
         self.max_pages = -(-max_tokens // page_size)
@@ -71,6 +79,7 @@ class ChunkFormat:
                 heads=self.num_kv_heads,
                 dim=self.head_size,
                 dtype=self.dtype,
+                roles=self.roles,
             )
         return plan
 
@@ -100,7 +109,7 @@ class ChunkFormat:
             for li in range(self.num_layers):
                 for part in self.plan(li, pages).parts:
                     if isinstance(part, Placeholder):
-                        got.append(2 * li + (0 if part.role == "key" else 1))
+                        got.append(len(self.roles) * li + (part.role == "value"))
                     elif got and isinstance(got[-1], bytes):
                         got[-1] += bytes(part)
                     else:
@@ -116,11 +125,20 @@ class ChunkFormat:
         """The object's parts up to its record, ``pools[i]`` for pool ``i``."""
         return [pools[t] if isinstance(t, int) else t for t in self.template(pages)]
 
+    def pool_offsets(self, pages: int) -> list[int]:
+        """Where each pool starts in an object of ``pages`` pages, in pool order."""
+        pools, _ = self.layout(pages)
+        return [k for k, _ in pools] if self.fused else [off for pair in pools for off in pair]
+
+    def _pairs(self, sums: Sequence[Any]) -> list[Any]:
+        """Per-pool checksums as the record keeps them: a key and a value per layer."""
+        return [x for s in sums for x in (s, s)] if self.fused else list(sums)
+
     def record(self, fingerprint: bytes, tokens: int, pages: int, sums: Sequence[int]) -> bytes:
         """The record that closes an object of ``pages`` pages holding ``tokens`` tokens
-        whose pools' token bytes hash to ``sums`` (layer 0 key first)."""
+        whose pools' token bytes hash to ``sums`` (in pool order)."""
         pools, size = self.layout(pages)
-        return self.record_of(fingerprint, tokens, size, pools, sums)
+        return self.record_of(fingerprint, tokens, size, pools, self._pairs(sums))
 
     def ranges_of(self, pages: int) -> list[tuple[int, int]]:
         """What a reader of an object of ``pages`` pages takes: each pool's token bytes
@@ -130,7 +148,7 @@ class ChunkFormat:
             pools, size = self.layout(pages)
             nb = self.token_bytes(min(pages * self.page_size, self.max_tokens))
             got = self._reads[pages] = [
-                *((off, nb) for pair in pools for off in pair),
+                *((off, nb) for off in self.pool_offsets(pages)),
                 (size - self.record_bytes, self.record_bytes),
             ]
         return got
@@ -174,6 +192,7 @@ class ChunkFormat:
         reason it differs."""
         if None not in sums and record == self.record(fingerprint, tokens, pages, sums):  # type: ignore[arg-type]
             return ""
+        sums = self._pairs(sums)
         try:
             got, layers = self.parse(record, fingerprint, pages)
         except FormatError as e:

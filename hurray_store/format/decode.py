@@ -116,9 +116,10 @@ def parse_chunk(
     data: bytes | bytearray | memoryview,
 ) -> tuple[list[tuple[ParsedTensor, ParsedTensor]], memoryview]:
     """Parse a chunk object (the LMCache plugin's chunks, SGLang's pages): layers, each a
-    key and a value block-paged tensor, then one ``uint8`` tensor that ends the stream
-    (its record). The layers' descriptors, and the record's bytes (not parsed here).
-    Raises a ``FormatError`` subclass for anything else."""
+    key and a value block-paged tensor (or each one tensor of kv_role ``fused``, an MLA
+    latent, given as its layer's key and value), then one ``uint8`` tensor that ends the
+    stream (its record). The layers' descriptors, and the record's bytes (not parsed
+    here). Raises a ``FormatError`` subclass for anything else."""
     from hurray_store.format.wire import parse_blob_descriptor
 
     mv = memoryview(data)
@@ -140,8 +141,15 @@ def parse_chunk(
                 raise errors.TensorCountError("a chunk object with no layer before its record")
             return layers, mv[off + used :]
         k = _parse_tensor(mv, off, f"layer {len(layers)} key tensor")
+        if k.descriptor.layout.kv_role == "fused":  # an MLA latent: the layer's one tensor
+            _check_fused(k, layers)
+            layers.append((k, k))
+            off = k.end
+            continue
         v = _parse_tensor(mv, k.end, f"layer {len(layers)} value tensor")
         _check_pair(k, v, mv[: v.end])
+        if layers and layers[0][0] is layers[0][1]:
+            raise errors.RoleError("a chunk object mixes fused layers and key/value layers")
         layers.append((k, v))
         off = v.end
     raise errors.TensorCountError("a chunk object ends in its record; this one has none")
@@ -268,6 +276,17 @@ def _parse_tensor(mv: memoryview, off: int, what: str) -> ParsedTensor:
         index_type=index_type,
         table_len=table_len,
     )
+
+
+def _check_fused(t: ParsedTensor, layers: list[tuple[ParsedTensor, ParsedTensor]]) -> None:
+    """A fused layer of a chunk object: layer-scoped, and not beside key/value layers."""
+    lay = t.descriptor.layout
+    if lay.layer_index is None or lay.layer_index == UINT32_MAX:
+        raise errors.LayerMismatchError(
+            "layer_index must name a layer, got 0xFFFFFFFF (not layer-scoped)"
+        )
+    if layers and layers[0][0] is not layers[0][1]:
+        raise errors.RoleError("a chunk object mixes fused layers and key/value layers")
 
 
 def _check_pair(k: ParsedTensor, v: ParsedTensor, mv: memoryview) -> None:

@@ -63,9 +63,14 @@ def plan_layer(
     dim: int,
     dtype: torch.dtype,
     quantization: str | None = None,
+    roles: tuple[str, ...] = ("key", "value"),
 ) -> LayerPlan:
     """Descriptors and offsets of a layer object with these index buffers and shapes;
-    validates the index invariants as the encoder does."""
+    validates the index invariants as the encoder does. ``roles``: a key and a value
+    descriptor, or one ``("fused",)`` (an MLA latent that serves as both: its plan
+    names its one pool as the key's and the value's)."""
+    if roles not in (("key", "value"), ("fused",)):
+        raise ValueError(f"roles must be ('key', 'value') or ('fused',), got {roles!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if dtype not in TORCH_TO_HURRAY:
@@ -95,7 +100,7 @@ def plan_layer(
     offsets: dict[str, int] = {}
     pos = 0
     desc_lens = []
-    for role in ("key", "value"):
+    for role in roles:
         sizes = [num_pages * page_bytes, len(bt_b), len(sp_b)]
         if quantization:
             sizes.append(num_pages * scale_bytes)
@@ -121,17 +126,18 @@ def plan_layer(
             parts.append(Placeholder(role, "scales", sizes[3]))
             offsets[f"{role}_scales"] = pos
             pos += sizes[3]
+    k, v = ("fused", "fused") if roles == ("fused",) else roles
     return LayerPlan(
         parts=parts,
         nbytes=pos,
-        key_pool_offset=offsets["key_pool"],
-        value_pool_offset=offsets["value_pool"],
-        key_scales_offset=offsets.get("key_scales", 0),
-        value_scales_offset=offsets.get("value_scales", 0),
+        key_pool_offset=offsets[f"{k}_pool"],
+        value_pool_offset=offsets[f"{v}_pool"],
+        key_scales_offset=offsets.get(f"{k}_scales", 0),
+        value_scales_offset=offsets.get(f"{v}_scales", 0),
         page_bytes=page_bytes,
         scale_bytes=scale_bytes,
         key_descriptor_len=desc_lens[0],
-        value_descriptor_len=desc_lens[1],
+        value_descriptor_len=desc_lens[-1],
         quantization=quantization,
     )
 

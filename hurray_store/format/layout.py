@@ -174,7 +174,7 @@ class Placeholder:
     """A placeholder in a LayerPlan for bytes the caller fills: a role's page pool or
     its scales."""
 
-    role: str  # "key" | "value"
+    role: str  # "key" | "value" | "fused"
     what: str  # "pool" | "scales"
     nbytes: int
 

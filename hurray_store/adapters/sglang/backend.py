@@ -19,9 +19,11 @@ Loaded by SGLang's backend factory::
 Every page is one object (``adapters/sglang/pages.py``); its name is SGLang's page key after a
 prefix that hashes everything else the page's bytes depend on: the model's identity
 from its weights and config (``identity.model_identity``, the rule vLLM's connector and
-the transformers adapter follow), the salt, the KV geometry (layers, heads, head size,
-page size, dtype), the ranks (TP, PP, attention CP) and, for ``page_first``, the
-object's token-major form (``pages.TOKEN_MAJOR``). Pages are shared between
+the transformers adapter follow), the salt, the KV geometry (layers, head size, page
+size, dtype), the model's KV heads the rank holds (never the TP rank: another TP size
+reads them, assembled from whatever ranges are stored, ``PageIO.sources``; an MLA
+model's latent is every rank's, ``heads: latent``), the PP and attention-CP ranks and,
+for ``page_first``, the object's token-major form (``pages.TOKEN_MAJOR``). Pages are shared between
 instances of the per-layer layouts (``layer_first``, ``page_first_direct``,
 ``page_head``), whichever of them wrote it; a ``page_first`` instance's pages are named
 apart from theirs (a miss across, never wrong data).
@@ -49,7 +51,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from hurray_store.adapters.sglang.page_io import PageIO, Piece, unsupported_pool
+from hurray_store.adapters.sglang.page_io import (
+    PageIO,
+    Piece,
+    unsupported_mla_pool,
+    unsupported_pool,
+)
 from hurray_store.adapters.sglang.pages import (
     TOKEN_MAJOR,
     PageCodec,
@@ -87,13 +94,9 @@ class HurrayHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         extra = dict(storage_config.extra_config or {})
         check_keys(extra, EXTRA_KEYS, "HurrayHiCacheStorage", "the storage extra_config")
-        if storage_config.is_mla_model:
-            # SGLang stores an MLA model's latent once for all TP ranks (one writer);
-            # this backend keys per rank and has not been tested on MLA pools.
-            raise ValueError(
-                "HurrayHiCacheStorage: MLA models are not supported (the latent KV is "
-                "shared by every TP rank); serve this model with another L3 backend"
-            )
+        # An MLA model's latent is the same on every TP rank: one rank writes it (SGLang
+        # backs up from its storage writer only) and every rank reads the same pages.
+        self.mla = bool(storage_config.is_mla_model)
         if storage_config.should_split_heads:
             raise ValueError(
                 "HurrayHiCacheStorage: tp_lcm_size (pages split by heads across "
@@ -139,7 +142,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         pool = mem_pool_host
-        why = unsupported_pool(pool)
+        why = unsupported_mla_pool(pool) if self.mla else unsupported_pool(pool)
         if why:
             self.disabled = why
             log.warning("HurrayHiCacheStorage: every page a miss: %s", why)
@@ -147,26 +150,18 @@ class HurrayHiCacheStorage(HiCacheStorage):
         self.layout = str(pool.layout)
         self.codec = PageCodec(
             int(pool.layer_num),
-            int(pool.head_num),
-            int(pool.head_dim),
+            1 if self.mla else int(pool.head_num),
+            int(pool.kv_cache_dim) if self.mla else int(pool.head_dim),
             int(pool.page_size),
             pool.dtype,
             token_major=self.layout in TOKEN_MAJOR,
+            fused=self.mla,
         )
-        c = self.storage_config
-        total = self.total_heads or self.codec.heads * c.tp_size
-        try:
-            start, n = rank_heads(total, c.tp_rank, c.tp_size)
-        except ValueError as e:
-            n, start = 0, str(e)
-        if n != self.codec.heads:
-            self.disabled = (
-                f"rank {c.tp_rank} of {c.tp_size} holds {self.codec.heads} KV heads, not the "
-                f"model's {total} split ({start}): set total_kv_heads in the extra_config"
-            )
-            log.warning("HurrayHiCacheStorage: every page a miss: %s", self.disabled)
+        why = self._learn_heads()
+        if why:
+            self.disabled = why
+            log.warning("HurrayHiCacheStorage: every page a miss: %s", why)
             return
-        self.total_heads, self.heads = total, (start, start + n)
         self.prefix = self._prefix()
         self.io = PageIO(self.port, self.codec, self.prefix, self.counts, self._failed)
         self.io.set_prefix(self.prefix, self._sources())
@@ -185,6 +180,26 @@ class HurrayHiCacheStorage(HiCacheStorage):
             self.ranks,
         )
 
+    def _learn_heads(self) -> str:
+        """The model's KV heads this rank holds (why not known: "" when they are). An
+        MLA pool's latent is every rank's: no head range."""
+        if self.mla:
+            return ""
+        assert self.codec is not None
+        c = self.storage_config
+        total = self.total_heads or self.codec.heads * c.tp_size
+        try:
+            start, n = rank_heads(total, c.tp_rank, c.tp_size)
+        except ValueError as e:
+            return f"{e}: set total_kv_heads in the extra_config"
+        if n != self.codec.heads:
+            return (
+                f"rank {c.tp_rank} of {c.tp_size} holds {self.codec.heads} KV heads, not "
+                f"{n} of the model's {total}: set total_kv_heads in the extra_config"
+            )
+        self.total_heads, self.heads = total, (start, start + n)
+        return ""
+
     def _prefix(self, heads: tuple[int, int] | None = None) -> str:
         """What a page's name and fingerprint hash besides its key: the model's identity
         now, the salt, the pool's geometry, the model's KV heads it holds (``heads``:
@@ -195,7 +210,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
             "model": self.identity,
             "salt": self.salt,
             "layers": self.codec.layers,
-            "heads": f"{a}-{b}/{self.total_heads}",
+            "heads": "latent" if self.mla else f"{a}-{b}/{self.total_heads}",
             "head_dim": self.codec.head_dim,
             "page_size": self.codec.page_size,
             "dtype": str(self.codec.dtype),
@@ -210,7 +225,9 @@ class HurrayHiCacheStorage(HiCacheStorage):
         width that divides the model's heads, the stored ranges of that width (a wider
         one sliced, or the narrower that tile this rank's)."""
         assert self.codec is not None
-        out = []
+        out: list[list[Piece]] = []
+        if self.mla:  # one latent for every rank: nothing else to assemble it from
+            return out
         own = self.heads[1] - self.heads[0]
         for w in divisors(self.total_heads):
             got = tiles(self.heads, self.total_heads, w) if w != own else None
@@ -268,7 +285,8 @@ class HurrayHiCacheStorage(HiCacheStorage):
             if n and not torch.equal(pages - pages[:, :1], torch.arange(P).expand(n, P)):
                 raise PageLayoutError("a page's host indices are not consecutive")
             starts = [int(i) for i in pages[:, 0].tolist()]
-            return [page_view(self.mem_pool_host.kv_buffer, self.layout, P, s) for s in starts]
+            kv = self.mem_pool_host.kv_buffer
+            return [page_view(kv, self.layout, P, s, self.mla) for s in starts]
         except PageLayoutError as e:
             log.error("HurrayHiCacheStorage: %s: %s", call, e)
             return None
@@ -500,5 +518,45 @@ def cpu_host_pool(
         device_capacity_tokens=tokens,
         start_layer=0,
         end_layer=layers,
+        host_token_capacity=tokens,
+    )
+
+
+def cpu_mla_host_pool(
+    layout: str, dtype: torch.dtype, page_size: int, pages: int, *, layers: int, dim: int
+) -> Any:
+    """SGLang's own ``MLATokenToKVPoolHost`` of ``pages`` pages on CPU tensors (its
+    device buffers too: one ``[tokens, 1, dim]`` latent per layer), for checks on a
+    machine without a GPU."""
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    tokens = pages * page_size
+    bufs = tuple(torch.zeros(tokens, 1, dim, dtype=dtype) for _ in range(layers))
+    rope = min(64, dim // 2)
+    info = MLABufferInfo(
+        buffers=bufs,
+        data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
+        layer_indices=tuple(range(layers)),
+        device_layer_num=layers,
+        page_size=page_size,
+        kv_lora_rank=dim - rope,
+        qk_rope_head_dim=rope,
+        kv_cache_dim=dim,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
+    return MLATokenToKVPoolHost(
+        info,
+        1.0,
+        0,
+        page_size,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=tokens,
+        start_layer=0,
+        end_layer=layers,
+        target_layer_num=layers,
         host_token_capacity=tokens,
     )

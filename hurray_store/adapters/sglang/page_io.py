@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import xxhash
 
-from hurray_store.adapters.sglang.pages import LAYOUTS, PageCodec, page_fingerprint
+from hurray_store.adapters.sglang.pages import LAYOUTS, MLA_LAYOUTS, PageCodec, page_fingerprint
 from hurray_store.engine import EnginePort
 from hurray_store.store.objects import Data
 
@@ -287,6 +287,28 @@ def copy_page(codec: PageCodec, obj: torch.Tensor, dest: torch.Tensor) -> None:
     d = dest.view(torch.uint8)  # [2, layers, page_size, heads, head_dim * itemsize]
     for part, r, li in codec.page_of(obj):
         np.copyto((d if r < 0 else d[r, li]).numpy(), part.numpy())
+
+
+def unsupported_mla_pool(pool: Any) -> str:
+    """Why the backend cannot serve this MLA host pool ("" when it can)."""
+    layout = getattr(pool, "layout", None)
+    if layout not in MLA_LAYOUTS:
+        return f"MLA host pool layout {layout!r} (supported: {', '.join(MLA_LAYOUTS)})"
+    for attr in ("kv_buffer", "layer_num", "kv_cache_dim", "page_size", "dtype"):
+        if getattr(pool, attr, None) is None:
+            return f"an MLA host pool without {attr} ({type(pool).__name__})"
+    kv = pool.kv_buffer
+    if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu":
+        return "a host pool that is not a CPU tensor"
+    if kv.dtype != pool.dtype:
+        return f"a host pool of {kv.dtype} for a KV of {pool.dtype}"
+    if kv.dim() not in (4, 5) or kv.shape[-2] != 1 or kv.shape[-1] != pool.kv_cache_dim:
+        return f"an MLA host pool of shape {tuple(kv.shape)} (one latent row per token)"
+    try:
+        PageCodec(1, 1, int(pool.kv_cache_dim), int(pool.page_size), pool.dtype, fused=True)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return ""
 
 
 def unsupported_pool(pool: Any) -> str:

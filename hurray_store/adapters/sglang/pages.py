@@ -47,6 +47,10 @@ from hurray_store.format import checksum
 from hurray_store.format.chunk import ChunkFormat
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+# The layouts of SGLang's MLA host pool (``MLATokenToKVPoolHost``): one latent per token
+# and layer, ``[layers, tokens, 1, dim]``, ``[tokens, layers, 1, dim]`` or ``[pages,
+# layers, page_size, 1, dim]``.
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 # Host layouts whose pages are token-major objects: one K and one V pool of the page's
 # tokens, all layers' heads side by side, as the layout holds them (two parts to write
 # and two pools to hash per page, no copy; per layer it took a transposing copy).
@@ -57,13 +61,18 @@ class PageLayoutError(ValueError):
     """A host pool or page the backend cannot read or write."""
 
 
-def page_view(kv_buffer: torch.Tensor, layout: str, page_size: int, index: int) -> torch.Tensor:
+def page_view(
+    kv_buffer: torch.Tensor, layout: str, page_size: int, index: int, mla: bool = False
+) -> torch.Tensor:
     """The page that starts at token ``index`` of SGLang's host ``kv_buffer`` in
-    ``layout``, as a ``[2, layers, page_size, heads, head_dim]`` view."""
+    ``layout``, as a ``[2, layers, page_size, heads, head_dim]`` view (``mla``: of an
+    MLA pool, ``[1, layers, page_size, 1, dim]``: its latent)."""
     P = page_size
     if index < 0 or index % P:
         raise PageLayoutError(f"token index {index} does not start a page of {P}")
     kv = kv_buffer
+    if mla:
+        return _mla_page_view(kv, layout, P, index)
     if layout == "layer_first":
         if index + P > kv.shape[2]:
             raise PageLayoutError(f"token index {index} outside a pool of {kv.shape[2]} tokens")
@@ -82,18 +91,40 @@ def page_view(kv_buffer: torch.Tensor, layout: str, page_size: int, index: int) 
     raise PageLayoutError(f"host layout {layout!r} is not one of {list(LAYOUTS)}")
 
 
+def _mla_page_view(kv: torch.Tensor, layout: str, P: int, index: int) -> torch.Tensor:
+    if layout == "layer_first":
+        if index + P > kv.shape[1]:
+            raise PageLayoutError(f"token index {index} outside a pool of {kv.shape[1]} tokens")
+        return kv[:, index : index + P].unsqueeze(0)
+    if layout == "page_first":
+        if index + P > kv.shape[0]:
+            raise PageLayoutError(f"token index {index} outside a pool of {kv.shape[0]} tokens")
+        return kv[index : index + P].transpose(0, 1).unsqueeze(0)
+    if layout == "page_first_direct":
+        if index // P >= kv.shape[0]:
+            raise PageLayoutError(f"token index {index} outside a pool of {kv.shape[0]} pages")
+        return kv[index // P].unsqueeze(0)
+    raise PageLayoutError(f"MLA host layout {layout!r} is not one of {list(MLA_LAYOUTS)}")
+
+
 def flat_page_view(flat: torch.Tensor, layout: str, codec: PageCodec) -> torch.Tensor:
     """A flat page of SGLang's legacy calls (``get_data_page(flat=True)``,
     ``get_dummy_flat_data_page``: the host layout's own page order) as a ``[2, layers,
     page_size, heads, head_dim]`` view."""
-    _, L, P, H, D = codec.shape
-    if flat.dim() != 1 or flat.numel() != 2 * L * P * H * D or flat.dtype != codec.dtype:
+    R, L, P, H, D = codec.shape
+    if flat.dim() != 1 or flat.numel() != R * L * P * H * D or flat.dtype != codec.dtype:
         raise PageLayoutError(
-            f"a flat page of {2 * L * P * H * D} {codec.dtype}, got {tuple(flat.shape)} "
+            f"a flat page of {R * L * P * H * D} {codec.dtype}, got {tuple(flat.shape)} "
             f"of {flat.dtype}"
         )
     if not flat.is_contiguous():
         raise PageLayoutError("a flat page that is not contiguous")
+    if codec.fused:  # an MLA pool's page: [L, P, 1, D], [P, L, 1, D] or [1, L, P, 1, D]
+        if layout == "page_first":
+            return flat.view(P, L, H, D).transpose(0, 1).unsqueeze(0)
+        if layout in ("layer_first", "page_first_direct"):
+            return flat.view(1, L, P, H, D)
+        raise PageLayoutError(f"MLA host layout {layout!r} is not one of {list(MLA_LAYOUTS)}")
     if layout in ("layer_first", "page_first_direct"):
         return flat.view(2, L, P, H, D)
     if layout == "page_first":
@@ -115,7 +146,8 @@ class PageCodec:
     one ``[page_size, layers * heads, head_dim]`` K and V): where each pool sits, the
     object's size, the object of a staging page, where a read object's pools are, and
     its check. A page is handed over as a ``[2, layers, page_size, heads, head_dim]``
-    view (``shape``) in both forms."""
+    view (``shape``) in both forms. ``fused``: an MLA pool's page, one latent per layer
+    (``[1, layers, page_size, 1, dim]``), stored as fused descriptors."""
 
     def __init__(
         self,
@@ -125,19 +157,22 @@ class PageCodec:
         page_size: int,
         dtype: torch.dtype,
         token_major: bool = False,
+        fused: bool = False,
     ) -> None:
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
         self.page_size, self.dtype, self.token_major = page_size, dtype, token_major
-        self.shape = (2, layers, page_size, heads, head_dim)  # a page, as page_view gives it
+        self.fused = fused
+        self.roles = R = 1 if fused else 2
+        self.shape = (R, layers, page_size, heads, head_dim)  # a page, as page_view gives it
         # The object's own layers and heads (its descriptors, records and pools)
         self.obj_layers, self.obj_heads = (1, layers * heads) if token_major else (layers, heads)
         # a staging page: the object's pools in order (K, then V; per layer, or per token)
-        self.staging_shape = (2, page_size, layers, heads, head_dim) if token_major else self.shape
+        self.staging_shape = (R, page_size, layers, heads, head_dim) if token_major else self.shape
         self.pool_bytes = page_size * self.obj_heads * head_dim * dtype.itemsize  # one K or V
-        self.page_bytes = 2 * self.obj_layers * self.pool_bytes
+        self.page_bytes = R * self.obj_layers * self.pool_bytes
         # The object: a chunk object of one page (``format/chunk.py``)
         self.format = ChunkFormat(
-            self.obj_layers, self.obj_heads, head_dim, page_size, dtype, page_size
+            self.obj_layers, self.obj_heads, head_dim, page_size, dtype, page_size, fused
         )
         self.pools, self.size = self.format.layout(1)  # per layer where its K and V start
         self.record_bytes = self.format.record_bytes
@@ -146,7 +181,8 @@ class PageCodec:
         # a read page is then copied out in one strided copy.
         k0, v0 = self.pools[0]
         step = self.pools[1][0] - k0 if self.obj_layers > 1 else 0
-        self.strides: tuple[int, int] | None = (v0 - k0, step)
+        # (role stride, layer stride); fused: the one pool of a layer is its "K"
+        self.strides: tuple[int, int] | None = (v0 - k0 or 1, step)
         if any(p != (k0 + li * step, v0 + li * step) for li, p in enumerate(self.pools)):
             self.strides = None
 
@@ -161,23 +197,27 @@ class PageCodec:
         if self.token_major:  # K [page_size, layers, heads, ...], then V: seen layer first
             (k0, v0), hd = self.pools[0], self.head_dim * isz
             view = obj.as_strided(
-                (2, self.layers, *row), (v0 - k0, inner[0], self.layers * inner[0], hd, 1), at + k0
+                (self.roles, self.layers, *row),
+                (v0 - k0 or 1, inner[0], self.layers * inner[0], hd, 1),
+                at + k0,
             )
             return [(view, -1, -1)]
         if self.strides is not None:
             kv, step = self.strides
-            view = obj.as_strided((2, self.layers, *row), (kv, step, *inner), at + self.pools[0][0])
+            view = obj.as_strided(
+                (self.roles, self.layers, *row), (kv, step, *inner), at + self.pools[0][0]
+            )
             return [(view, -1, -1)]
         return [
             (obj.as_strided(row, inner, at + off), r, li)
             for li, pair in enumerate(self.pools)
-            for r, off in enumerate(pair)
+            for r, off in enumerate(pair[: self.roles])
         ]
 
     def pool_sums(self, obj: memoryview) -> list[int]:
         """The xxh3-64 of each pool of a page object read into ``obj``, layer 0 K first."""
         nb = self.pool_bytes
-        return [checksum(obj[off : off + nb]) for pair in self.pools for off in pair]
+        return [checksum(obj[off : off + nb]) for off in self.format.pool_offsets(1)]
 
     def staging_bytes(self, staging: torch.Tensor) -> memoryview:
         """The bytes of a contiguous buffer of staging pages ``[n, *staging_shape]``
@@ -201,7 +241,7 @@ class PageCodec:
         return [
             pages[at + r * half + li * nb : at + r * half + (li + 1) * nb]
             for li in range(self.obj_layers)
-            for r in (0, 1)
+            for r in range(self.roles)
         ]
 
     def encode(self, pools: Sequence[memoryview], fingerprint: bytes) -> list[memoryview | bytes]:
@@ -231,11 +271,13 @@ class PageCodec:
         if self.token_major:  # [P, L, H, D] of K, of V
             if st[1:] != (H * D, L * H * D, D, 1):
                 return None
-            starts = [at, at + st[0] * isz]
+            starts = [at, at + st[0] * isz][: self.roles]
         else:  # [P, H, D] of each layer's K, V
             if st[2:] != (H * D, D, 1):
                 return None
-            starts = [at + (li * st[1] + r * st[0]) * isz for li in range(L) for r in (0, 1)]
+            starts = [
+                at + (li * st[1] + r * st[0]) * isz for li in range(L) for r in range(self.roles)
+            ]
         if at < 0 or max(starts) + nb > len(storage):
             return None
         return [storage[a : a + nb] for a in starts]

@@ -75,7 +75,7 @@ def gather_layer(
     Returns the object checksum and the page checksums per role."""
     n = int(idx.numel())
     pb, sb = plan.page_bytes, plan.scale_bytes
-    sums: dict[str, list[int]] = {"key": [], "value": []}
+    sums: dict[str, list[int]] = {"key": [], "value": [], "fused": []}
     fixed: list[bytes | bytearray | memoryview] = []
     pos = 0
     for part in plan.parts:
@@ -83,7 +83,7 @@ def gather_layer(
             fixed.append(part)
             pos += len(part)
             continue
-        role_i = 0 if part.role == "key" else 1
+        role_i = 1 if part.role == "value" else 0
         if part.what == "scales":
             pos += part.nbytes  # written, and hashed with its pages, below
             continue
@@ -115,6 +115,8 @@ def gather_layer(
                 page_checksum(out[base + j * pb : base + (j + 1) * pb]) for j in range(b - a)
             ]
         pos += part.nbytes
+    if sums["fused"]:  # a fused latent's one pool is the manifest's key and value
+        sums["key"] = sums["value"] = sums["fused"]
     return (
         object_checksum(fixed, sums["key"], sums["value"]),
         tuple(sums["key"]),
@@ -167,7 +169,8 @@ def verify_and_scatter(
     pos = 0
     for a, b in runs:
         n = b - a
-        for role_i, sums in ((0, lay.key_page_checksums), (1, lay.value_page_checksums)):
+        roles = ((0, lay.key_page_checksums), (1, lay.value_page_checksums))[: kv.shape[0]]
+        for role_i, sums in roles:
             pool_part = next(it)
             scale_part = next(it) if sb else None
             pv = host_view(pool_part) if check else None
@@ -195,10 +198,13 @@ def verify_and_scatter(
 
 def run_ranges(m: Manifest, lay_pos: int, runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """``(offset, length)`` in layer object ``m.layers[lay_pos]`` of each run's bytes:
-    per run the keys then the values, each followed by its scales when quantized."""
+    per run the keys then the values, each followed by its scales when quantized (a
+    fused layer, whose key and value are its one pool: that pool alone)."""
+    lay = m.layers[lay_pos]
+    roles = ("key",) if lay.key_pool_offset == lay.value_pool_offset else ("key", "value")
     out = []
     for a, b in runs:
-        for role in ("key", "value"):
+        for role in roles:
             out += [(off, ln * (b - a)) for off, ln in m.page_range(lay_pos, role, a)]
     return out
 

@@ -1,8 +1,9 @@
 """Snapshot and re-page: batches out of a paged KV pool and back.
 
 The engine side is laid out as vLLM lays it out: per layer one tensor
-``[2, num_pages, page_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values), and a
-block table per sequence. ``snapshot`` gathers the pages a batch references, each
+``[2, num_pages, page_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values; an MLA
+model's fused latent: ``[1, num_pages, page_size, 1, dim]``), and a block table per
+sequence. ``snapshot`` gathers the pages a batch references, each
 distinct page once; ``restore`` allocates one new page per distinct stored page the
 chosen sequences need and copies into it, so sharing survives the round trip. Pages
 move through ``page_io``, the path the store's objects take too.
@@ -34,7 +35,7 @@ class PagedKVPool:
     def __init__(self, spec: KVSpec, num_pages: int, device: str | torch.device = "cpu") -> None:
         if num_pages < 1:
             raise PagingError(f"num_pages must be >= 1, got {num_pages}")
-        shape = (2, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.roles, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
         layers = [
             torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
         ]
@@ -46,11 +47,11 @@ class PagedKVPool:
         if len(layers) != spec.num_layers:
             raise PagingError(f"expected {spec.num_layers} layer tensors, got {len(layers)}")
         num_pages = layers[0].shape[1] if layers[0].dim() == 5 else -1
-        want = (2, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        want = (spec.roles, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
         for i, t in enumerate(layers):
             if tuple(t.shape) != want:
                 raise PagingError(
-                    f"layer {i}: expected [2, num_pages, {spec.page_size}, "
+                    f"layer {i}: expected [{spec.roles}, num_pages, {spec.page_size}, "
                     f"{spec.num_kv_heads}, {spec.head_dim}], "
                     f"got {tuple(t.shape)}"
                 )
@@ -220,6 +221,8 @@ def snapshot(
     """
     spec = pool.spec
     P = spec.page_size
+    if spec.fused:
+        raise PagingError("snapshot takes key/value pools; a fused (MLA) pool goes by the store")
     tables = check_tables(pool, block_tables, seq_lens, full_pages=False)
     layer_ids = list(range(spec.num_layers)) if layers is None else list(layers)
     for li in layer_ids:

@@ -55,6 +55,7 @@ class KVSpec:
     revision: str = ""
     head_start: int = 0
     total_kv_heads: int = 0
+    fused: bool = False  # an MLA latent: one tensor per layer serves as K and V
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -73,6 +74,10 @@ class KVSpec:
             if self.head_start:
                 raise SpecError("head_start needs total_kv_heads (the model's KV heads)")
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+        if not isinstance(self.fused, bool):
+            raise SpecError(f"fused must be a bool, got {self.fused!r}")
+        if self.fused and self.total_kv_heads != 1:
+            raise SpecError("a fused (MLA latent) spec holds one head of one")
         if self.head_start + self.num_kv_heads > self.total_kv_heads:
             raise SpecError(
                 f"heads [{self.head_start}, {self.head_start + self.num_kv_heads}) are not "
@@ -87,6 +92,15 @@ class KVSpec:
     def heads(self) -> tuple[int, int]:
         """The model's KV heads this spec holds, ``[start, end)``."""
         return self.head_start, self.head_start + self.num_kv_heads
+
+    @property
+    def roles(self) -> int:
+        """Tensors per layer: a key and a value (2), or one fused latent (1)."""
+        return 1 if self.fused else 2
+
+    @property
+    def role_names(self) -> tuple[str, ...]:
+        return ("fused",) if self.fused else ("key", "value")
 
     @property
     def element_size(self) -> int:
@@ -112,7 +126,7 @@ class KVSpec:
                 "<QQQQ", self.num_layers, self.num_kv_heads, self.head_dim, self.page_size
             )
             + text(SUPPORTED_DTYPES[self.dtype])
-            + struct.pack("<QQ", self.head_start, self.total_kv_heads)
+            + struct.pack("<QQQ", self.head_start, self.total_kv_heads, self.roles)
         )
 
     def fingerprint(self) -> bytes:

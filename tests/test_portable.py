@@ -267,3 +267,64 @@ def test_the_own_layout_wins_when_it_holds_every_page(port: EnginePort) -> None:
         save(port, rank_spec(2, r), other, toks)
     n, got = read_back(port, rank_spec(1, 0), toks)
     assert n == 64 and torch.equal(got, kv)
+
+
+MLA = KVSpec("mla-model", L, 1, 40, 16, torch.float32, fused=True)
+
+
+def test_an_mla_latent_is_stored_once_as_fused_layer_objects_and_read_back(
+    port: EnginePort, tmp_path: Path
+) -> None:
+    """A fused spec (an MLA latent, one tensor per layer): the same spec on every TP
+    rank, so one write serves them all; each layer object is one fused block-paged
+    descriptor, which pyhurray and ``hurray-store inspect`` read."""
+    import hurray
+
+    from hurray_store.cli.format_cmds import inspect_bytes
+
+    assert MLA.roles == 1 and MLA.role_names == ("fused",)
+    assert MLA.fingerprint() != replace(MLA, fused=False).fingerprint()
+    with pytest.raises(SpecError, match="one head"):
+        KVSpec("m", 1, 2, 8, 16, torch.float32, fused=True)
+    toks = list(range(64))
+    g = torch.Generator().manual_seed(3)
+    latent = torch.randn(L, 1, 64, 1, 40, generator=g)
+    pool = PagedKVPool(MLA, 6)
+    assert pool.layers[0].shape == (1, 6, 16, 1, 40)
+    table = pool.allocate(6)[2:][::-1]
+    for li in range(L):
+        for j, page in enumerate(table):
+            pool.layers[li][:, page] = latent[li, :, j * 16 : (j + 1) * 16]
+    r = port.call(port.put_pages(pool, [toks], [table], [None]))
+    assert r.pages_written == 4
+    assert port.call(port.put_pages(pool, [toks], [table], [None])).pages_written == 0
+    assert port.lookup_tokens([MLA], toks, None) == 64
+    n, got = read_back_fused(port, toks)
+    assert n == 64 and torch.equal(got, latent)
+    port.flush()
+    objs = [f for f in (tmp_path / "d").rglob("*") if f.is_file() and f.stat().st_size > 4096]
+    assert len(objs) == L
+    tensors = list(hurray.StreamReader(objs[0].read_bytes()))
+    assert [t.layout.kv_role for t in tensors] == ["fused"]
+    assert "1 block-paged tensors" in inspect_bytes(objs[0].read_bytes())
+    # and a reader of another page size re-pages the latent
+    n, got = read_back_fused(port, toks, page_size=32)
+    assert n == 64 and torch.equal(got, latent)
+
+
+def read_back_fused(
+    port: EnginePort, toks: list[int], page_size: int = 16
+) -> tuple[int, torch.Tensor]:
+    spec = replace(MLA, page_size=page_size)
+    pool = PagedKVPool(spec, len(toks) // page_size + 2)
+
+    async def run() -> Any:
+        last = None
+        async for layer in port.load_pages(pool, [toks], [None]):
+            last = layer
+        return last
+
+    last = port.call(run())
+    table = last.block_tables[0]
+    out = torch.stack([torch.cat([pool.layers[li][:, p] for p in table], dim=1) for li in range(L)])
+    return last.num_tokens[0], out

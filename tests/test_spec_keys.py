@@ -21,7 +21,7 @@ SPEC = KVSpec("tiny-llama", 4, 2, 64, 4, torch.float16)
 def test_fingerprint_golden_vector() -> None:
     assert (
         SPEC.fingerprint().hex()
-        == "5b223aba61dbba252822352df71a680ab101e2b50a1eaa03acdcebac267a2c5a"
+        == "5b225c873627acf4cb0c736f00ab7a6a50286e0ceaa6abd18e4aa40263b44af3"
     )
 
 
@@ -35,7 +35,7 @@ def test_fingerprint_is_sha256_of_the_documented_encoding() -> None:
         + text("")
         + struct.pack("<QQQQ", 4, 2, 64, 4)
         + text("float16")
-        + struct.pack("<QQ", 0, 2)  # head_start, total_kv_heads
+        + struct.pack("<QQQ", 0, 2, 2)  # head_start, total_kv_heads, roles
     )
     assert SPEC.canonical() == enc
     assert SPEC.fingerprint() == hashlib.sha256(enc).digest()
@@ -53,6 +53,7 @@ def test_fingerprint_is_sha256_of_the_documented_encoding() -> None:
         dict(revision="r2"),
         dict(head_start=2, total_kv_heads=4),
         dict(total_kv_heads=4),
+        dict(num_kv_heads=1, total_kv_heads=1, fused=True),
     ],
 )
 def test_every_field_changes_the_fingerprint(change) -> None:
@@ -95,12 +96,12 @@ def test_spec_is_frozen() -> None:
 
 def test_page_hash_golden_vectors() -> None:
     assert [h.hex() for h in page_hashes(SPEC, list(range(10)))] == [
-        "72a5b4c2f82211168a5e5f7732abac1a",
-        "59f03ead4eff3ce2237579902185921c",
+        "a049b89b4e26755e99563165ddf6a4b6",
+        "39e42da7002d32796334f4f8acc4553e",
     ]
     assert [h.hex() for h in page_hashes(SPEC, list(range(10)), salt=b"tenant-a")] == [
-        "68f1ce793d96d43f524d93a7220f74a6",
-        "e3fd8a6e44fa0784e49a279dcdb48fed",
+        "d6cf61b9a3a229f6eac9d53b35d5e415",
+        "0f5c451c5cf535fa273f1f1f981f466c",
     ]
 
 

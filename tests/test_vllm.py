@@ -133,6 +133,7 @@ def run_vllm_script(tmp_path: Path, text: str, *args: str) -> subprocess.Complet
     script = tmp_path / "check.py"
     script.write_text(text)
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "LMCACHE_TRACK_USAGE": "false"}
+    env["PYTHONPATH"] = str(ROOT)  # this checkout's package, whatever is installed
     p = subprocess.run(
         [str(VLLM_PY), str(script), *args],
         cwd=ROOT,

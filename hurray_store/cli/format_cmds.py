@@ -73,8 +73,9 @@ def _inspect_chunk(data: bytes) -> str:
 
 def _inspect_layer(data: bytes) -> str:
     k, v = parse_layer(data)
-    out = [f"layer object: {len(data)} bytes, 2 block-paged tensors"]
-    for p in (k, v):
+    tensors = (k,) if k is v else (k, v)  # one: a fused (MLA latent) layer
+    out = [f"layer object: {len(data)} bytes, {len(tensors)} block-paged tensors"]
+    for p in tensors:
         d, lay = p.descriptor, p.descriptor.layout
         q = d.quantization
         out += [

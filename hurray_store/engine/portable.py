@@ -209,8 +209,9 @@ def copy_units(
     copy per sequence or fewer, at memory speed, where an indexed copy of heads ran at
     a fifth of it)."""
     a, b = piece.take
-    d = dst.view(2, -1, unit, dst.shape[3], dst.shape[4])[:, :, :, piece.put : piece.put + b - a]
-    s = src.view(2, -1, unit, src.shape[3], src.shape[4])[:, :, :, a:b]
+    R = dst.shape[0]  # roles: 2, or 1 for a fused latent
+    d = dst.view(R, -1, unit, dst.shape[3], dst.shape[4])[:, :, :, piece.put : piece.put + b - a]
+    s = src.view(R, -1, unit, src.shape[3], src.shape[4])[:, :, :, a:b]
     if not len(di):
         return
     cut = np.flatnonzero((np.diff(di) != 1) | (np.diff(si) != 1)) + 1
@@ -222,7 +223,7 @@ def copy_units(
 def _staging(spec: KVSpec, pages: int) -> PagedKVPool:
     """A pool of ``pages`` pages of ``spec`` left unset (the store writes every page it
     delivers; no other is read)."""
-    shape = (2, pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    shape = (spec.roles, pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
     return PagedKVPool.from_tensors(
         spec, [torch.empty(shape, dtype=spec.dtype) for _ in range(spec.num_layers)]
     )

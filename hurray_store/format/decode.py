@@ -327,7 +327,8 @@ def _check_pair(k: ParsedTensor, v: ParsedTensor, mv: memoryview) -> None:
 def parse_layer(
     data: bytes | bytearray | memoryview, *, permissive: bool = False
 ) -> tuple[ParsedTensor, ParsedTensor]:
-    """Parse and check the two descriptors of a layer object without touching its pages.
+    """Parse and check the two descriptors of a layer object without touching its pages
+    (or the one of a fused layer, an MLA latent: returned as its key and value).
 
     Raises a ``FormatError`` subclass for anything that is not a well-formed layer object;
     the index invariants are checked unless ``permissive``.
@@ -336,16 +337,24 @@ def parse_layer(
     if mv.ndim != 1 or mv.itemsize != 1:
         mv = mv.cast("B")
     k = _parse_tensor(mv, 0, "key tensor")
-    if k.end == len(mv):
+    if k.descriptor.layout.kv_role == "fused":
+        if k.end != len(mv):
+            raise errors.TensorCountError(
+                f"a fused layer object is one tensor; {len(mv) - k.end} bytes follow it"
+            )
+        _check_fused(k, [])
+        v = k
+    elif k.end == len(mv):
         raise errors.TensorCountError(
             f"expected two tensors (key, value), the stream ends after one ({len(mv)} bytes)"
         )
-    v = _parse_tensor(mv, k.end, "value tensor")
-    if v.end != len(mv):
-        raise errors.TensorCountError(
-            f"expected exactly two tensors, {len(mv) - v.end} bytes follow the value tensor"
-        )
-    _check_pair(k, v, mv)
+    else:
+        v = _parse_tensor(mv, k.end, "value tensor")
+        if v.end != len(mv):
+            raise errors.TensorCountError(
+                f"expected exactly two tensors, {len(mv) - v.end} bytes follow the value tensor"
+            )
+        _check_pair(k, v, mv)
     if not permissive:
         validate_index(
             _index_array(mv, k, 1),
@@ -406,7 +415,8 @@ def decode_layer(
     """Decode one layer object, validating before trusting.
 
     Checks magic and version, exactly two block-paged tensors (key then value, one layer,
-    the same paging fields, shapes and index buffers), rank 3, paged_axis 0, no shard,
+    the same paging fields, shapes and index buffers; or one of kv_role ``fused``, an
+    MLA latent, given back as both keys and values), rank 3, paged_axis 0, no shard,
     every declared size against the bytes present, the quantization rules, and, unless
     ``permissive``, the index invariants (``seq_ptr[0] == 0``, non-decreasing,
     ``seq_ptr[-1] == len(block_table)``, ``0 <= block_table[k] < num_pages``).

@@ -199,7 +199,7 @@ class RetrieveRun:
             out,
             [len(t) * P for t in out],
             read_bytes,
-            delivered * 2 * spec.num_layers * spec.page_bytes,
+            delivered * spec.roles * spec.num_layers * spec.page_bytes,
         )
 
     def _job(self, li: int, r: SegmentRead) -> _Job:

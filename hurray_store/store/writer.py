@@ -192,7 +192,7 @@ class SegmentWriter:
         bytes_per_tier = {t.name: 0 for t in tiers}
         written = nseg = lost = 0
         with self.inflight.claim(list(first_use)):
-            page_cost = 2 * spec.page_bytes * spec.num_layers
+            page_cost = spec.roles * spec.page_bytes * spec.num_layers
             for seqs in split_segments(hashes, firsts, page_cost, self.max_segment_bytes):
                 tables = [
                     [
@@ -237,6 +237,7 @@ class SegmentWriter:
                 dim=spec.head_dim,
                 dtype=spec.dtype,
                 quantization=self.quantization,
+                roles=spec.role_names,
             )
             for li in range(spec.num_layers)
         ]

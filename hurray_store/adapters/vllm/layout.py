@@ -26,8 +26,10 @@ blocks). Two variations:
   kernel (``(packed_of, logical_of)``, each ``[2, block_size * head_size]``). GPU
   backends keep C plain: token-major, K then V.
 
-K and V of different head sizes (``C - head_size`` for V) read and write too; MLA's
-latent cache is not K and V and is refused by the connector before it gets here.
+K and V of different head sizes (``C - head_size`` for V) read and write too. An MLA
+model's view holds one latent per token (``C`` = ``kv_lora_rank + qk_rope_head_dim``,
+one head, no K and V): ``latent_of`` and ``write_latent`` read and write it as the
+store's fused pages ``[n, block_size, 1, C]``.
 """
 
 from __future__ import annotations
@@ -220,4 +222,51 @@ def write_pages(
         blk = torch.cat([k, v], dim=-1)  # [n, H, N, C]
     if r > 1:
         blk = blk.view(n, heads, r, nk, c).transpose(1, 2).reshape(n * r, heads, nk, c)
+    _scatter(view, layout, ids, blk)
+
+
+def latent_of(
+    view: torch.Tensor,
+    layout: str,
+    block_ids: Sequence[int] | torch.Tensor,
+    *,
+    block_size: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The blocks ``block_ids`` of an MLA layer view (``[B, 1, N, C]``, the latent per
+    token) as the store's fused pages ``[n, block_size, 1, C]`` (copied into ``out``
+    when given)."""
+    check_view(view, layout)
+    r = _kernel_ratio(view, block_size)
+    ids = _ids(view, block_ids, r)
+    nb, heads, nk, c = view.shape
+    n = ids.numel() // r
+    blk = _gather(view, layout, ids).reshape(n, heads, r * nk, c)  # kernel blocks in order
+    pages = blk.transpose(1, 2)
+    if out is None:
+        return pages.contiguous()
+    if out.shape != pages.shape or out.dtype != pages.dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}, pages {tuple(pages.shape)}")
+    out.copy_(pages)
+    return out
+
+
+def write_latent(
+    view: torch.Tensor,
+    layout: str,
+    block_ids: Sequence[int] | torch.Tensor,
+    pages: torch.Tensor,
+    *,
+    block_size: int | None = None,
+) -> None:
+    """Write fused pages ``[n, block_size, 1, C]`` into the blocks ``block_ids`` of an
+    MLA layer view, as ``latent_of`` reads them; other blocks are untouched."""
+    check_view(view, layout)
+    r = _kernel_ratio(view, block_size)
+    ids = _ids(view, block_ids, r)
+    nb, heads, nk, c = view.shape
+    n = ids.numel() // r
+    if tuple(pages.shape) != (n, r * nk, heads, c):
+        raise ValueError(f"pages {tuple(pages.shape)}, the blocks take {(n, r * nk, heads, c)}")
+    blk = pages.to(view.device, view.dtype).transpose(1, 2).reshape(n * r, heads, nk, c)
     _scatter(view, layout, ids, blk)

@@ -23,6 +23,17 @@ def check_views(
         return f"a KV cache layout this connector does not know ({layout or 'none given'})"
     if v0.dtype != spec.dtype:
         return f"KV cache of dtype {v0.dtype}, the key says {spec.dtype}"
+    if spec.fused:  # an MLA latent: [blocks, 1, tokens, C], the latent row per token
+        if v0.dim() != 4 or (v0.shape[1], v0.shape[3]) != (1, spec.head_dim):
+            return (
+                f"MLA KV cache views of shape {tuple(v0.shape)}, expected [blocks, 1, "
+                f"tokens, {spec.head_dim}]"
+            )
+        if spec.page_size % v0.shape[2]:
+            return f"MLA kernel blocks of {v0.shape[2]} tokens in blocks of {spec.page_size}"
+        if v0.device.type not in ("cpu", "cuda"):
+            return f"KV caches on {v0.device.type}: only CPU and CUDA are supported"
+        return None  # the latent is stored as it is: no packing
     want = (spec.num_kv_heads, 2 * spec.head_dim)
     if v0.dim() != 4 or (v0.shape[1], v0.shape[3]) != want or spec.page_size % v0.shape[2]:
         return (

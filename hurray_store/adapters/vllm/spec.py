@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hurray_store.identity import checkpoint_id, model_identity
@@ -28,6 +28,17 @@ def spec_for_vllm(vllm_config: Any, kv_cache_config: Any = None, tp_rank: int = 
     if why:
         raise ValueError(why)
     kv = attention_spec(kv_cache_config)
+    if is_mla(vllm_config, kv):
+        # The latent, the same on every TP rank: one head of one, stored once.
+        return KVSpec(
+            model_identity(checkpoint_id(mc.model), mc.hf_config),
+            int(mc.get_num_layers(pc)),
+            1,
+            int(kv.head_size) if kv is not None else int(mc.get_head_size()),
+            int(vllm_config.cache_config.block_size),
+            kv_dtype(vllm_config, kv),
+            fused=True,
+        )
     heads = int(kv.num_kv_heads) if kv is not None else int(mc.get_num_kv_heads(pc))
     total = int(mc.get_total_num_kv_heads())
     start, n = rank_heads(total, tp_rank, int(pc.tensor_parallel_size))
@@ -46,11 +57,21 @@ def spec_for_vllm(vllm_config: Any, kv_cache_config: Any = None, tp_rank: int = 
     )
 
 
+def is_mla(vllm_config: Any, kv: Any = None) -> bool:
+    """Whether the instance keeps an MLA latent cache (its group spec's kind, else the
+    model config's)."""
+    if kv is not None:
+        return type(kv) is MLAAttentionSpec
+    mc = getattr(vllm_config, "model_config", None)
+    return bool(getattr(mc, "use_mla", False))
+
+
 def rank_specs(spec: KVSpec, vllm_config: Any, disabled: str = "") -> list[KVSpec]:
     """The spec of every tensor-parallel rank of the instance ``spec`` is one rank of,
-    each rank's heads once (ranks holding the same heads read the same pages)."""
+    each rank's heads once (ranks holding the same heads read the same pages; an MLA
+    latent is every rank's)."""
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
-    if disabled:
+    if disabled or spec.fused:
         return [spec]
     out = []
     for r in range(tp):
@@ -61,7 +82,10 @@ def rank_specs(spec: KVSpec, vllm_config: Any, disabled: str = "") -> list[KVSpe
 
 def first_holder(spec: KVSpec, tp_rank: int, tp_size: int) -> bool:
     """Whether ``tp_rank`` is the first rank holding its heads (with more ranks than KV
-    heads several hold each head: one of them saves)."""
+    heads several hold each head: one of them saves; an MLA latent is every rank's:
+    rank 0 saves it)."""
+    if spec.fused:
+        return tp_rank == 0
     return tp_rank == 0 or rank_heads(spec.total_kv_heads, tp_rank - 1, tp_size) != spec.heads
 
 
@@ -101,11 +125,23 @@ def unkeyable(vllm_config: Any, kv_cache_config: Any = None) -> str:
     if groups is not None and len(groups) != 1:
         return f"{len(groups)} KV cache groups (a hybrid model); one is supported"
     kv = attention_spec(kv_cache_config)
-    if kv is not None:
-        # Exactly full attention: MLA's latent, sliding-window and chunked caches drop
-        # or fold KV that a page of the store holds whole.
+    if kv is not None and type(kv) is MLAAttentionSpec:
+        # DeepSeek-style MLA: one latent row per token, kept whole (no sparse index,
+        # no per-model alignment or compression).
+        odd = {
+            "cache_dtype_str": (getattr(kv, "cache_dtype_str", None), (None, "auto")),
+            "alignment": (getattr(kv, "alignment", None), (None,)),
+            "model_version": (getattr(kv, "model_version", None), (None,)),
+            "kv_quant_mode": (int(getattr(kv, "kv_quant_mode", 0) or 0), (0,)),
+        }
+        for name, (got, ok) in odd.items():
+            if got not in ok:
+                return f"an MLA KV cache with {name}={got!r} (a plain latent cache only)"
+    elif kv is not None:
+        # Exactly full attention: sliding-window and chunked caches drop or fold KV
+        # that a page of the store holds whole.
         if type(kv) is not FullAttentionSpec:
-            return f"a KV cache of kind {type(kv).__name__} (full attention only)"
+            return f"a KV cache of kind {type(kv).__name__} (full attention or MLA only)"
         if kv.head_size_v != kv.head_size:
             return f"K head size {kv.head_size} and V head size {kv.head_size_v} (one only)"
         if int(getattr(kv, "kv_quant_mode", 0) or 0) != 0:

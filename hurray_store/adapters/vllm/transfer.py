@@ -49,7 +49,14 @@ from typing import Any
 import torch
 
 from hurray_store.adapters.vllm.events import VllmBlock, WorkerEvents
-from hurray_store.adapters.vllm.layout import Packing, check_view, pages_of, write_pages
+from hurray_store.adapters.vllm.layout import (
+    Packing,
+    check_view,
+    latent_of,
+    pages_of,
+    write_latent,
+    write_pages,
+)
 from hurray_store.engine import EnginePort, Save
 from hurray_store.paging import PagedKVPool
 from hurray_store.spec import KVSpec
@@ -77,7 +84,7 @@ class _Pending:
     """One step's saves, copied out, waiting for the store."""
 
     saves: list[Transfer]
-    buffers: list[torch.Tensor]  # per layer [2, pages, block_size, heads, head_dim]
+    buffers: list[torch.Tensor]  # per layer [roles, pages, block_size, heads, head_dim]
     copied: Any  # a CUDA event: the copy into ``buffers`` is done (None: it is)
     nbytes: int
     started: bool = False  # its write began (else a drop ended it)
@@ -134,7 +141,7 @@ class BlockTransfers:
         self.device = views[0].device
         self.cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
-        self.page_bytes = 2 * spec.page_size * spec.num_kv_heads * spec.head_dim
+        self.page_bytes = spec.roles * spec.page_size * spec.num_kv_heads * spec.head_dim
         self.page_bytes *= spec.dtype.itemsize * spec.num_layers
         self.counts = counts if counts is not None else {}
         for k in (
@@ -203,28 +210,47 @@ class BlockTransfers:
         block_size, heads, head_dim]`` (pinned on CUDA), and the CUDA event that says
         they are filled (None on the CPU: they are)."""
         s = self.spec
-        shape = (2, len(ids), s.page_size, s.num_kv_heads, s.head_dim)
+        shape = (s.roles, len(ids), s.page_size, s.num_kv_heads, s.head_dim)
         bufs = [torch.empty(shape, dtype=s.dtype, pin_memory=self.cuda) for _ in self.views]
         idx = torch.tensor(ids, dtype=torch.long)
-        kw: dict[str, Any] = {"block_size": s.page_size, "packing": self.packing}
         if not self.cuda:
             for view, buf in zip(self.views, bufs, strict=True):
-                pages_of(view, self.layout, s.head_dim, idx, out=(buf[0], buf[1]), **kw)
+                self._pages_of(view, idx, out=buf)
             return bufs, None
         assert self.side is not None
         engine = torch.cuda.current_stream(self.device)
         self.side.wait_stream(engine)  # the step's KV is written
         with torch.cuda.stream(self.side):
-            pages = [pages_of(v, self.layout, s.head_dim, idx, **kw) for v in self.views]
+            pages = [self._pages_of(v, idx) for v in self.views]
             gathered = torch.cuda.Event()
             gathered.record(self.side)
-            for (k, v), buf in zip(pages, bufs, strict=True):
-                buf[0].copy_(k, non_blocking=True)
-                buf[1].copy_(v, non_blocking=True)
+            for roles, buf in zip(pages, bufs, strict=True):
+                for r, part in enumerate(roles):
+                    buf[r].copy_(part, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.side)
         engine.wait_event(gathered)  # the engine's next writes come after the gather
         return bufs, copied
+
+    def _pages_of(
+        self, view: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """Blocks ``idx`` of one layer view as the store's pages, one tensor per role
+        (K and V; an MLA latent alone), into ``out`` (``[roles, n, P, H, D]``) when given."""
+        s = self.spec
+        if s.fused:
+            return (
+                latent_of(
+                    view,
+                    self.layout,
+                    idx,
+                    block_size=s.page_size,
+                    out=None if out is None else out[0],
+                ),
+            )
+        kw: dict[str, Any] = {"block_size": s.page_size, "packing": self.packing}
+        o = None if out is None else (out[0], out[1])
+        return pages_of(view, self.layout, s.head_dim, idx, out=o, **kw)
 
     async def _write(self, p: _Pending) -> bool:
         """On the store's thread: one step's saves put and flushed (committed: visible
@@ -320,7 +346,7 @@ class BlockTransfers:
 
     def _host_pool(self, pages: int) -> PagedKVPool:
         s = self.spec
-        shape = (2, max(pages, 1), s.page_size, s.num_kv_heads, s.head_dim)
+        shape = (s.roles, max(pages, 1), s.page_size, s.num_kv_heads, s.head_dim)
         layers = [torch.empty(shape, dtype=s.dtype, pin_memory=self.cuda) for _ in self.views]
         return PagedKVPool.from_tensors(s, layers)
 
@@ -375,15 +401,19 @@ class BlockTransfers:
         ``start`` (None: after the engine's stream now); returns the event that says it
         is done (None on the CPU: it is)."""
         s = self.spec
-        kw: dict[str, Any] = {"block_size": s.page_size, "packing": self.packing}
         if self.cuda and start is None:
             start = torch.cuda.Event()
             start.record(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), self._on_side(start):  # vLLM's KV: inference tensors
             layer = pages.to(self.device, non_blocking=True) if self.cuda else pages
             si = torch.tensor(src, dtype=torch.long, device=layer.device)
-            k, v = layer[0].index_select(0, si), layer[1].index_select(0, si)
-            write_pages(self.views[li], self.layout, s.head_dim, dst, k, v, **kw)
+            if s.fused:
+                latent = layer[0].index_select(0, si)
+                write_latent(self.views[li], self.layout, dst, latent, block_size=s.page_size)
+            else:
+                k, v = layer[0].index_select(0, si), layer[1].index_select(0, si)
+                kw: dict[str, Any] = {"block_size": s.page_size, "packing": self.packing}
+                write_pages(self.views[li], self.layout, s.head_dim, dst, k, v, **kw)
             if not self.cuda:
                 return None
             done = torch.cuda.Event()

@@ -26,7 +26,7 @@ the shortest of its pieces.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -235,7 +235,7 @@ async def load_layers(
     seqs: Sequence[Sequence[int]],
     salts: Sequence[Any],
     page_sizes: Sequence[int] = (),
-) -> AsyncIterator[RetrievedLayer]:
+) -> AsyncGenerator[RetrievedLayer, None]:
     """The longest prefix of each sequence a source delivers, into ``pool`` a layer at
     a time (``TieredStore.retrieve_layers``'s contract: the last item is the final
     word; closing early gives the pages back). Sequences whose best source is the

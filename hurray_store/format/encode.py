@@ -126,7 +126,7 @@ def plan_layer(
             parts.append(Placeholder(role, "scales", sizes[3]))
             offsets[f"{role}_scales"] = pos
             pos += sizes[3]
-    k, v = ("fused", "fused") if roles == ("fused",) else roles
+    k, v = roles[0], roles[-1]  # a fused layer's one pool is its key and its value
     return LayerPlan(
         parts=parts,
         nbytes=pos,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any, cast
 
 from hurray_store.buffers import BufferPool
@@ -283,7 +283,7 @@ class TieredStore(ObjectLevel):
         token_ids: Sequence[Sequence[int]],
         *,
         salt: Salt = None,
-    ) -> AsyncIterator[RetrievedLayer]:
+    ) -> AsyncGenerator[RetrievedLayer, None]:
         """``retrieve``, one layer at a time: each item says that layer is in the pool.
         Closing the iteration early gives every allocated page back to ``pool``."""
         await self.sync()

@@ -67,7 +67,7 @@ def read_back(port: EnginePort, spec: KVSpec, toks: list[int]) -> tuple[int, tor
         [
             torch.cat([pool.layers[li][:, p] for p in table], dim=1)
             if table
-            else torch.empty(2, 0, spec.num_kv_heads, D)
+            else torch.empty(spec.roles, 0, spec.num_kv_heads, spec.head_dim)
             for li in range(L)
         ]
     )
@@ -299,7 +299,7 @@ def test_an_mla_latent_is_stored_once_as_fused_layer_objects_and_read_back(
     assert r.pages_written == 4
     assert port.call(port.put_pages(pool, [toks], [table], [None])).pages_written == 0
     assert port.lookup_tokens([MLA], toks, None) == 64
-    n, got = read_back_fused(port, toks)
+    n, got = read_back(port, MLA, toks)
     assert n == 64 and torch.equal(got, latent)
     port.flush()
     objs = [f for f in (tmp_path / "d").rglob("*") if f.is_file() and f.stat().st_size > 4096]
@@ -308,23 +308,5 @@ def test_an_mla_latent_is_stored_once_as_fused_layer_objects_and_read_back(
     assert [t.layout.kv_role for t in tensors] == ["fused"]
     assert "1 block-paged tensors" in inspect_bytes(objs[0].read_bytes())
     # and a reader of another page size re-pages the latent
-    n, got = read_back_fused(port, toks, page_size=32)
+    n, got = read_back(port, replace(MLA, page_size=32), toks)
     assert n == 64 and torch.equal(got, latent)
-
-
-def read_back_fused(
-    port: EnginePort, toks: list[int], page_size: int = 16
-) -> tuple[int, torch.Tensor]:
-    spec = replace(MLA, page_size=page_size)
-    pool = PagedKVPool(spec, len(toks) // page_size + 2)
-
-    async def run() -> Any:
-        last = None
-        async for layer in port.load_pages(pool, [toks], [None]):
-            last = layer
-        return last
-
-    last = port.call(run())
-    table = last.block_tables[0]
-    out = torch.stack([torch.cat([pool.layers[li][:, p] for p in table], dim=1) for li in range(L)])
-    return last.num_tokens[0], out

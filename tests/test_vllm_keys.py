@@ -318,8 +318,8 @@ def test_tensor_parallel_ranks_each_store_their_heads_and_any_tp_size_loads_them
     """A fresh TP=2 instance loads the prefix a TP=2 instance stored, with that
     instance's greedy tokens (it computed them: nothing was loaded); a TP=1 instance on
     the same folder loads it too, both heads assembled from the two ranks' pages, with
-    the greedy tokens of TP=1 without the connector (tests/test_vllm_portable.py: the
-    reverse, and other block sizes)."""
+    the greedy tokens of TP=1 without the connector (the
+    reverse, and other block sizes: tests/test_portable_vllm.py)."""
     cold, saved = runs["tp_cold"]
     warm, loaded = runs["tp_warm"]
     assert cold[0]["cached"] == 0 and saved["blocks_saved"] == 6, saved

@@ -507,19 +507,7 @@ def cpu_host_pool(
         dtype=dtype,
         device=torch.device("cpu"),
     )
-    return MHATokenToKVPoolHost(
-        info,
-        1.0,
-        0,
-        page_size,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=tokens,
-        start_layer=0,
-        end_layer=layers,
-        host_token_capacity=tokens,
-    )
+    return _on_cpu(MHATokenToKVPoolHost, info, page_size, layout, layers, tokens)
 
 
 def cpu_mla_host_pool(
@@ -546,7 +534,17 @@ def cpu_mla_host_pool(
         dtype=dtype,
         device=torch.device("cpu"),
     )
-    return MLATokenToKVPoolHost(
+    return _on_cpu(
+        MLATokenToKVPoolHost, info, page_size, layout, layers, tokens, target_layer_num=layers
+    )
+
+
+def _on_cpu(
+    cls: Any, info: Any, page_size: int, layout: str, layers: int, tokens: int, **more: Any
+) -> Any:
+    """SGLang's host pool ``cls`` as HiCache builds one (host as large as the device
+    pool, every layer), unpinned on the CPU."""
+    return cls(
         info,
         1.0,
         0,
@@ -557,6 +555,6 @@ def cpu_mla_host_pool(
         device_capacity_tokens=tokens,
         start_layer=0,
         end_layer=layers,
-        target_layer_num=layers,
         host_token_capacity=tokens,
+        **more,
     )

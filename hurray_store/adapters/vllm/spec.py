@@ -28,33 +28,23 @@ def spec_for_vllm(vllm_config: Any, kv_cache_config: Any = None, tp_rank: int = 
     if why:
         raise ValueError(why)
     kv = attention_spec(kv_cache_config)
-    if is_mla(vllm_config, kv):
-        # The latent, the same on every TP rank: one head of one, stored once.
-        return KVSpec(
-            model_identity(checkpoint_id(mc.model), mc.hf_config),
-            int(mc.get_num_layers(pc)),
-            1,
-            int(kv.head_size) if kv is not None else int(mc.get_head_size()),
-            int(vllm_config.cache_config.block_size),
-            kv_dtype(vllm_config, kv),
-            fused=True,
-        )
+    latent = KVSpec(  # the fields every rank shares; as it stands, an MLA latent's spec
+        model_identity(checkpoint_id(mc.model), mc.hf_config),
+        int(mc.get_num_layers(pc)),
+        1,
+        int(kv.head_size) if kv is not None else int(mc.get_head_size()),
+        int(vllm_config.cache_config.block_size),
+        kv_dtype(vllm_config, kv),
+        fused=True,
+    )
+    if is_mla(vllm_config, kv):  # the same on every TP rank: one head of one, stored once
+        return latent
     heads = int(kv.num_kv_heads) if kv is not None else int(mc.get_num_kv_heads(pc))
     total = int(mc.get_total_num_kv_heads())
     start, n = rank_heads(total, tp_rank, int(pc.tensor_parallel_size))
     if n != heads:
         raise ValueError(f"rank {tp_rank} holds {heads} KV heads, not {n} of {total}")
-    return KVSpec(
-        model_identity(checkpoint_id(mc.model), mc.hf_config),
-        int(mc.get_num_layers(pc)),
-        heads,
-        int(kv.head_size) if kv is not None else int(mc.get_head_size()),
-        int(vllm_config.cache_config.block_size),
-        kv_dtype(vllm_config, kv),
-        "",
-        start,
-        total,
-    )
+    return replace(latent, fused=False, num_kv_heads=heads, head_start=start, total_kv_heads=total)
 
 
 def is_mla(vllm_config: Any, kv: Any = None) -> bool:

@@ -56,6 +56,10 @@ class KVSpec:
     head_start: int = 0
     total_kv_heads: int = 0
     fused: bool = False  # an MLA latent: one tensor per layer serves as K and V
+    # A part of the model's layers with a KV cache of its own (a hybrid model's KV cache
+    # group, e.g. "sliding_window 64: layers 0 1 2"): "" for all of them. Its pages
+    # are keyed apart from every other group's.
+    group: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -74,6 +78,8 @@ class KVSpec:
             if self.head_start:
                 raise SpecError("head_start needs total_kv_heads (the model's KV heads)")
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+        if not isinstance(self.group, str):
+            raise SpecError(f"group must be a string, got {self.group!r}")
         if not isinstance(self.fused, bool):
             raise SpecError(f"fused must be a bool, got {self.fused!r}")
         if self.fused and self.total_kv_heads != 1:
@@ -127,6 +133,7 @@ class KVSpec:
             )
             + text(SUPPORTED_DTYPES[self.dtype])
             + struct.pack("<QQQ", self.head_start, self.total_kv_heads, self.roles)
+            + (text(self.group) if self.group else b"")  # all layers: nothing appended
         )
 
     def fingerprint(self) -> bytes:

@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,6 +40,9 @@ def test_fingerprint_is_sha256_of_the_documented_encoding() -> None:
     )
     assert SPEC.canonical() == enc
     assert SPEC.fingerprint() == hashlib.sha256(enc).digest()
+    # A KV cache group of a hybrid model: its name appended, nothing else changed.
+    grouped = replace(SPEC, group="sliding_window 64: layers 0 1 2")
+    assert grouped.canonical() == enc + text("sliding_window 64: layers 0 1 2")
 
 
 @pytest.mark.parametrize(
@@ -54,6 +58,7 @@ def test_fingerprint_is_sha256_of_the_documented_encoding() -> None:
         dict(head_start=2, total_kv_heads=4),
         dict(total_kv_heads=4),
         dict(num_kv_heads=1, total_kv_heads=1, fused=True),
+        dict(group="full: layers 3"),
     ],
 )
 def test_every_field_changes_the_fingerprint(change) -> None:
@@ -79,6 +84,7 @@ def test_every_field_changes_the_fingerprint(change) -> None:
         (dict(head_start=1), "head_start"),
         (dict(total_kv_heads=2, head_start=2), "within the model"),
         (dict(num_kv_heads=2.0), "num_kv_heads"),
+        (dict(group=None), "group"),
     ],
 )
 def test_invalid_specs_are_refused(bad, msg) -> None:

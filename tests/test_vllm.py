@@ -250,7 +250,7 @@ def test_greedy_output_is_the_same_with_the_connector_and_loaded_from_the_store(
     prompts, base = fp32_baseline
     cache = tmp_path / "cache"
     cfg = _config(tmp_path / "hs.yaml", cache)
-    cold, saved = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg))
+    cold, saved = _vllm(tmp_path, fp32_model, prompts, "--config", str(cfg), split=False)
     assert [r["tokens"] for r in cold] == [r["tokens"] for r in base]
     assert saved["disabled"] == "" and saved["blocks_loaded"] == 0
     # Each prompt's full blocks: 7 and 7, the first 6 shared: 8 distinct blocks stored.
@@ -543,7 +543,9 @@ def test_two_instances_share_one_cache_server_in_bf16_with_chunked_prefill(
         # nothing; eve's, in the second instance, loads hers.
         eve = {"ids": prompts[0], "cache_salt": "eve"}
         mallory = {"ids": prompts[0], "cache_salt": "mallory"}
-        first, saved = _vllm(tmp_path, model, [*prompts, eve], *args, "--config", str(cfg))
+        first, saved = _vllm(
+            tmp_path, model, [*prompts, eve], *args, "--config", str(cfg), split=False
+        )
         assert [r["tokens"] for r in first] == [r["tokens"] for r in base] + [base[0]["tokens"]]
         assert first[2]["cached"] == 0, "eve was served the unsalted prompt's KV"
         # 2 and 3 full blocks, the first 2 shared; eve's 2 blocks again under her salt.

@@ -62,6 +62,7 @@ import json
 import logging
 import os
 import threading
+from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,6 +70,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from hurray_store.adapters.vllm.events import WorkerEvents
@@ -76,10 +79,12 @@ from hurray_store.adapters.vllm.layout import LayoutError
 from hurray_store.adapters.vllm.probe import check_views
 from hurray_store.adapters.vllm.scheduler import TIMEOUT_S, HurrayMetadata, SchedulerSide
 from hurray_store.adapters.vllm.spec import (
+    CacheGroup,
+    cache_groups,
     first_holder,
     hit_source,
+    is_hybrid,
     rank_specs,
-    spec_for_vllm,
     unkeyable,
 )
 from hurray_store.adapters.vllm.transfer import BlockTransfers, Loading, Transfer
@@ -98,7 +103,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class HurrayConnector(KVConnectorBase_V1):
+class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
     # What kv_connector_extra_config takes (a subclass adds its own).
     extra_keys: tuple[str, ...] = ("config", "salt", "save_backlog_mb", "stats_file")
 
@@ -123,9 +128,16 @@ class HurrayConnector(KVConnectorBase_V1):
 
             rank = int(get_tensor_model_parallel_rank())
         if self.disabled:
-            self.spec = KVSpec("unkeyable", 1, 1, 1, self.block_size, torch.float32)
+            off = KVSpec("unkeyable", 1, 1, 1, self.block_size, torch.float32)
+            self.groups = [CacheGroup(0, (), 0, off)]
         else:
-            self.spec = spec_for_vllm(vllm_config, kv_cache_config, rank)
+            # One per KV cache group vLLM pages (one but for a hybrid model).
+            self.groups = cache_groups(vllm_config, kv_cache_config, rank)
+        self.spec = self.groups[0].spec
+        # A hybrid model (several groups, or a sliding window): each group's blocks
+        # loaded asynchronously, every group or none (docs/vllm.md, "Hybrid and
+        # sliding-window models").
+        self.hybrid = not self.disabled and is_hybrid(kv_cache_config)
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         # A JSON file the worker writes its counts to at shutdown (tests, debugging).
         self.stats_file = str(extra.get("stats_file", ""))
@@ -170,6 +182,9 @@ class HurrayConnector(KVConnectorBase_V1):
         # it stores and loses among them, keyed by vLLM's block hashes (docs/events.md).
         kve = getattr(vllm_config, "kv_events_config", None)
         self.kv_events = bool(kve is not None and getattr(kve, "enable_kv_cache_events", False))
+        if self.kv_events and self.hybrid:
+            self.kv_events = False
+            log.warning("HurrayConnector: no KV events for a hybrid model's groups")
         # Pages are named by the KV heads they hold: of ranks holding the same heads
         # (more ranks than KV heads) the first saves them; the others save only where
         # vLLM's KV events need every worker to report its blocks.
@@ -178,7 +193,7 @@ class HurrayConnector(KVConnectorBase_V1):
             self.port,
             # The scheduler serves a prefix only when every rank can deliver it: it
             # looks it up under each rank's spec and takes the shortest.
-            rank_specs(self.spec, vllm_config, self.disabled),
+            [r for g in self.groups for r in rank_specs(g.spec, vllm_config, self.disabled)],
             self.block_size,
             # kv_role: kv_both loads and saves; kv_consumer only loads (a read-only
             # instance); kv_producer only saves.
@@ -188,10 +203,14 @@ class HurrayConnector(KVConnectorBase_V1):
             base_salt=base.encode(),
             events=self.kv_events,
             weights=_weights(vllm_config, role, self.disabled),
+            windows=[g.window for g in self.groups],
+            hybrid=self.hybrid,
         )
         # worker
         self.xfer: BlockTransfers | None = None  # the data path, once the KV is registered
-        self._asleep: BlockTransfers | None = None  # vLLM 0.33's sleep mode: KV released
+        self.xfers: list[BlockTransfers] = []  # per KV cache group (xfer: the first's)
+        self._async_loads: list[list[Loading]] = []  # hybrid: loads vLLM waits for
+        self._asleep: list[BlockTransfers] = []  # vLLM 0.33's sleep mode: KV released
         self._layer_index: dict[str, int] = {}
         self._loading: Loading | None = None  # this step's loads, while they run
         self._load_errors: set[int] = set()
@@ -256,6 +275,13 @@ class HurrayConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager (``SupportsHMA``): the request's blocks of
+        every group are freed at once; saves were copied out in their step."""
+        return self.scheduler.request_finished(request, list(block_ids[0]))
+
     def take_events(self) -> Any:
         """The blocks the workers stored in the store's tiers and the tiers lost, as
         vLLM's events, for vLLM's publisher."""
@@ -268,37 +294,51 @@ class HurrayConnector(KVConnectorBase_V1):
 
         layers = sorted(kv_caches.items(), key=lambda kv: extract_layer_index(kv[0]))
         layout = self._layout()
-        if not self.disabled:
-            got = check_views(self._vllm_config, self.spec, layers, layout)
-            if isinstance(got, str):
-                self.disabled = got
-            else:
-                try:  # it checks the layer count and each view's strides against layout
-                    self.xfer = BlockTransfers(
-                        self.port,
-                        self.spec,
-                        [t for _, t in layers],
-                        layout,
-                        packing=got,
-                        counts=self.counts,
-                        on_written=self._dump_counts,
-                        events=WorkerEvents(self.port, self.spec) if self.kv_events else None,
-                    )
-                except (ValueError, LayoutError) as e:
-                    self.disabled = str(e)
+        for g in self.groups if not self.disabled else []:
+            mine = [(n, t) for n, t in layers if n in g.layers] if self.hybrid else layers
+            xfer = self._transfers(g.spec, mine, layout)
+            if isinstance(xfer, str):
+                self.disabled = xfer
+                break
+            self.xfers.append(xfer)
         if self.disabled:
+            self.xfers = []
             if not unkeyable(self._vllm_config, self._kv_cache_config):  # not said yet
                 log.warning("HurrayConnector: serving without the cache: %s", self.disabled)
             self._dump_counts()
             return
+        self.xfer = self.xfers[0]
         self._layer_index = {name: i for i, (name, _) in enumerate(layers)}
         log.info(
-            "HurrayConnector: %d KV layers on %s in layout %s; a save backlog of %d MiB",
+            "HurrayConnector: %d KV layers in %d group(s) on %s in layout %s; a save "
+            "backlog of %d MiB",
             len(layers),
+            len(self.xfers),
             layers[0][1].device,
             layout,
             self.backlog_bytes >> 20,
         )
+
+    def _transfers(
+        self, spec: KVSpec, layers: list[tuple[str, torch.Tensor]], layout: str
+    ) -> BlockTransfers | str:
+        """The data path of one KV cache group's views, or why there is none."""
+        got = check_views(self._vllm_config, spec, layers, layout)
+        if isinstance(got, str):
+            return got
+        try:  # it checks the layer count and each view's strides against layout
+            return BlockTransfers(
+                self.port,
+                spec,
+                [t for _, t in layers],
+                layout,
+                packing=got,
+                counts=self.counts,
+                on_written=self._dump_counts,
+                events=WorkerEvents(self.port, spec) if self.kv_events else None,
+            )
+        except (ValueError, LayoutError) as e:
+            return str(e)
 
     def _layout(self) -> str:
         """The KV cache layout vLLM resolved (the engine core decides it once and each
@@ -322,16 +362,18 @@ class HurrayConnector(KVConnectorBase_V1):
         if self.xfer is None:
             return
         self._finish_load()
+        futures.wait([ld.future for b in self._async_loads for ld in b if ld.future], TIMEOUT_S)
         if not self.xfer.drain(TIMEOUT_S):
             log.warning("HurrayConnector: saves still queued when the KV caches went away")
-        self._asleep, self.xfer = self.xfer, None
+        self._asleep, self.xfers, self.xfer = self.xfers, [], None
 
     def restore_kv_caches(self) -> None:
         """vLLM 0.33, after wake-up: sleep mode maps the KV memory back at the same
         addresses, so the registered views are valid again (their contents are not:
         vLLM recomputes or reloads them). Idempotent."""
-        if self._asleep is not None:
-            self.xfer, self._asleep = self._asleep, None
+        if self._asleep:
+            self.xfers, self._asleep = self._asleep, []
+            self.xfer = self.xfers[0]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Start this step's loads on the store's thread, one retrieve for all of them:
@@ -342,11 +384,67 @@ class HurrayConnector(KVConnectorBase_V1):
         loads = meta.loads if isinstance(meta, HurrayMetadata) else []
         if not loads:
             return
+        if self.hybrid:
+            self._start_async(loads)
+            return
         if self.xfer is None:
             for tr in loads:
                 self._load_errors.update(self._blocks_of(tr, len(tr.token_ids)))
             return
         self._loading = self.xfer.start_load(loads)
+
+    def _start_async(self, loads: list[Transfer]) -> None:
+        """A hybrid model's loads: each group's on the store's thread, while vLLM holds
+        their requests back (``get_transfer_results`` says when each is in, or failed)."""
+        if not self.xfers:  # asleep: failed at the next report
+            self._async_loads.append([Loading(loads, [], [])])
+            return
+        by_group: list[list[Transfer]] = [[] for _ in self.xfers]
+        for tr in loads:
+            by_group[tr.group].append(tr)
+        self._async_loads.append(
+            [self.xfers[g].start_load(trs) for g, trs in enumerate(by_group) if trs]
+        )
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """A hybrid model's loads that ended since the last step: a request is in when
+        every group delivered its whole hit, else it failed and vLLM computes it from its
+        own hit (all groups or none: no group is left half restored)."""
+        done: set[str] = set()
+        failed: set[str] = set()
+        blocks: dict[str, int] = {}  # req -> blocks its groups loaded
+        pending = []
+        for batch in self._async_loads:
+            if batch[0].future is not None and not all(ld.future.done() for ld in batch):  # type: ignore[union-attr]
+                pending.append(batch)
+                continue
+            for ld in batch:
+                for tr, n in zip(ld.loads, self._delivered(ld), strict=True):
+                    done.add(tr.req_id)
+                    if n < len(tr.token_ids):
+                        failed.add(tr.req_id)
+                    got = len(tr.token_ids) // self.block_size - tr.first_block
+                    blocks[tr.req_id] = blocks.get(tr.req_id, 0) + got
+        for rid, n in blocks.items():
+            if rid not in failed:  # a failed request's blocks are computed again
+                self.counts["blocks_loaded"] += n
+        self._async_loads = pending
+        if failed:
+            self.counts["load_errors"] += len(failed)
+            log.warning("HurrayConnector: %d loads failed; computed instead", len(failed))
+        if done:
+            self._dump_counts()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def _delivered(self, loading: Loading) -> list[int]:
+        """Tokens each of a finished load's requests got (none: it failed)."""
+        if loading.future is None:
+            return [0] * len(loading.loads)
+        try:
+            return list(loading.future.result(0))
+        except Exception as e:
+            log.warning("HurrayConnector: load failed (%s)", e)
+            return [0] * len(loading.loads)
 
     def _finish_load(self) -> None:
         """Wait for this step's loads; report every block they did not fill."""
@@ -376,7 +474,7 @@ class HurrayConnector(KVConnectorBase_V1):
         return tr.block_ids[a : end // self.block_size]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        loading = self._loading
+        loading = self._loading  # None for a hybrid model: its loads are asynchronous
         li = self._layer_index.get(layer_name)
         if loading is None or li is None or self.xfer is None:
             return
@@ -415,7 +513,9 @@ class HurrayConnector(KVConnectorBase_V1):
             return
         if not self.saves_heads:  # another rank holding these heads saves them
             return
-        self.xfer.save(meta.saves)
+        for g, xfer in enumerate(self.xfers):  # one group but for a hybrid model
+            if saves := [tr for tr in meta.saves if tr.group == g]:
+                xfer.save(saves)
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         """This worker's events since the last step (None: none)."""
@@ -438,7 +538,7 @@ class HurrayConnector(KVConnectorBase_V1):
     def _dump_counts(self) -> None:
         if not self.stats_file or self._role != KVConnectorRole.WORKER:
             return
-        xfer = self.xfer or self._asleep
+        xfer = self.xfer or (self._asleep[0] if self._asleep else None)
         layout = xfer.layout if xfer is not None else ""
         counts = {**self.counts, "disabled": self.disabled, "layout": layout}
         # Written whole (a temporary file per process, then renamed): the engine's thread

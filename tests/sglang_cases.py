@@ -177,6 +177,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         return _down_remote(spec, dtype, P)
     if op == "weights_change":  # the weights replaced in the folder, then clear()
         return _weights_change(spec, dtype, P)
+    if op == "hybrid":  # SGLang's hybrid pools through the v2 calls
+        return _hybrid(spec, dtype, P)
     if op == "construct":
         try:
             make_backend(spec, None)
@@ -342,6 +344,109 @@ def _down_remote(spec: dict[str, Any], dtype: Any, P: int) -> dict[str, Any]:
     out["get_after"] = b.batch_get_v1(keys, indices(pool, [5, 6, 7, 8]))
     out["port"] = b.port.stats()["port"]
     out["not_stored"] = b.port.stats()["not_stored"]
+    b.close()
+    return out
+
+
+MAMBA_LAYERS, TEMPORAL, CONV = 2, (4, 8, 16), ((3, 96),)
+
+
+def state_data(key: str) -> list[torch.Tensor]:
+    """Key ``key``'s Mamba state: its temporal and conv states per layer (from the key
+    alone, as ``page_data``)."""
+    g = torch.Generator().manual_seed(xxhash.xxh64_intdigest(b"state:" + key.encode()) >> 1)
+    return [torch.randn((MAMBA_LAYERS, *shape), generator=g) for shape in (TEMPORAL, *CONV)]
+
+
+def _hybrid(spec: dict[str, Any], dtype: Any, P: int) -> dict[str, Any]:
+    """A hybrid model's pools as SGLang's hybrid cache controller hands them: the KV
+    pool (the full-attention layers), a sliding window's KV pool (``swa``: the last
+    ``window`` pages of a prefix) and a Mamba state pool (``mamba``: the state at the
+    prefix's last page), each SGLang's own class on CPU tensors. ``sets``: per key
+    list, which pools to store it in; then ``asks``: per key list, what
+    ``batch_exists_v2`` finds and, where it finds pages, what ``batch_get_v2`` reads
+    (each page's bytes compared with what its key's page holds)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    from hurray_store.adapters.sglang import cpu_host_pool, cpu_mamba_host_pool
+
+    n = 8
+    pool = make_pool("layer_first", dtype, P, n + 2)
+    swa = cpu_host_pool("layer_first", dtype, P, n + 2, layers=1, heads=2, head_dim=HEAD_DIM)
+    mamba = cpu_mamba_host_pool(n + 2, layers=MAMBA_LAYERS, temporal=TEMPORAL, conv=CONV)
+    b = make_backend(spec, pool)
+    b.register_mem_host_pool_v2(swa, PoolName.SWA)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    window = spec.get("window", 2)
+    trailing = PoolHitPolicy.TRAILING_PAGES
+
+    def swa_page(key: str) -> torch.Tensor:
+        return page_data("swa:" + key, dtype, P)[:, :1].contiguous()  # its one layer
+
+    def transfers(keys: list[str], slots: list[int], pools: list[str]) -> list[PoolTransfer]:
+        out = []
+        if "swa" in pools:
+            w = keys[-window:]
+            out.append(
+                PoolTransfer(
+                    PoolName.SWA, indices(swa, slots[-len(w) :]), keys=w, hit_policy=trailing
+                )
+            )
+        if "mamba" in pools:
+            out.append(
+                PoolTransfer(
+                    PoolName.MAMBA, torch.tensor([slots[-1]]), keys=keys[-1:], hit_policy=trailing
+                )
+            )
+        return out
+
+    out: dict[str, Any] = {"disabled": b.disabled, "sets": [], "asks": []}
+    for keys, pools in spec.get("sets", []):
+        slots = list(range(1, len(keys) + 1))
+        for s, k in zip(slots, keys, strict=True):
+            write_page(pool, s * P, page_data(k, dtype, P))
+            swa_slot = swa.k_data_refs[0][s * P : (s + 1) * P]
+            swa_slot.copy_(swa_page(k)[0, 0])
+            swa.v_data_refs[0][s * P : (s + 1) * P].copy_(swa_page(k)[1, 0])
+        for t, c in zip(
+            state_data(keys[-1]), [mamba.temporal_buffer, *mamba.conv_buffer], strict=True
+        ):
+            c[slots[-1]].copy_(t.view(c[slots[-1]].shape))  # its slot: [layers, 1, ...]
+        kv = b.batch_set_v1(keys, indices(pool, slots)) if "kv" in pools else []
+        side = b.batch_set_v2(transfers(keys, slots, pools))
+        out["sets"].append({"kv": kv, **{str(k): v for k, v in side.items()}})
+    for keys in spec.get("asks", []):
+        for t in (pool.kv_buffer, swa.kv_buffer, mamba.temporal_buffer, *mamba.conv_buffer):
+            t.fill_(-7)
+        asked = transfers(keys, list(range(1, len(keys) + 1)), ["swa", "mamba"])
+        r = b.batch_exists_v2(keys, asked)
+        got: dict[str, Any] = {
+            "pages": r.kv_hit_pages,
+            "hits": {str(k): v for k, v in r.extra_pool_hit_pages.items()},
+        }
+        m = r.kv_hit_pages
+        if m:
+            hit, slots = keys[:m], list(range(1, m + 1))
+            got["kv"] = b.batch_get_v1(hit, indices(pool, slots))
+            side = b.batch_get_v2(transfers(hit, slots, ["swa", "mamba"]))
+            got.update({str(k): v for k, v in side.items()})
+            got["kv_exact"] = all(
+                torch.equal(read_page(pool, s * P), page_data(k, dtype, P))
+                for s, k in zip(slots, hit, strict=True)
+            )
+            got["swa_exact"] = all(
+                torch.equal(swa.k_data_refs[0][s * P : (s + 1) * P], swa_page(k)[0, 0])
+                and torch.equal(swa.v_data_refs[0][s * P : (s + 1) * P], swa_page(k)[1, 0])
+                for s, k in list(zip(slots, hit, strict=True))[-window:]
+            )
+            state = [mamba.temporal_buffer[slots[-1]], *(c[slots[-1]] for c in mamba.conv_buffer)]
+            want = state_data(hit[-1])
+            got["mamba_exact"] = all(
+                torch.equal(a.reshape(-1), w.reshape(-1)) for a, w in zip(state, want, strict=True)
+            )
+        out["asks"].append(got)
+    out["counts"] = dict(b.counts)
+    out["state_names"] = {k: b.side["mamba"].name_of(k) for k in spec.get("name_states", [])}
     b.close()
     return out
 

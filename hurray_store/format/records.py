@@ -193,3 +193,62 @@ def parse_l2_record(rec: bytes | bytearray | memoryview) -> tuple[int, int, int]
     if magic != L2_MAGIC or version != L2_VERSION:
         raise FormatError(f"L2 record: magic {bytes(magic)!r} version {version}")
     return offset, size, csum
+
+
+# A state object (a host pool's page that is not paged KV: an SGLang Mamba state slot) is
+# one Hurray stream of two rank-1 ``uint8`` tensors: the page's bytes as the engine's pool
+# lays them out, then the state record (``HSST``), its commit point, last::
+#
+#     blob descriptor (uint8[n]) | the page's n bytes | blob descriptor (uint8[62]) | record
+#     record: magic "HSST" | u16 version | 32 B fingerprint (the object's name and what
+#             its bytes mean) | u64 their size | u64 their xxh3-64 | u64 xxh3-64 of the
+#             record before it
+STATE_MAGIC = b"HSST"
+STATE_VERSION = 1
+_STATE = struct.Struct("<4sH32sQQ")  # magic, version, fingerprint, size, checksum
+STATE_RECORD_BYTES = _STATE.size + _SUM.size
+
+
+def state_layout(nbytes: int) -> tuple[int, int, int]:
+    """``(offset of the page's bytes, offset of the record, object size)`` of the state
+    object of an ``nbytes`` page."""
+    d = len(blob_descriptor(nbytes))
+    at = d + nbytes + len(blob_descriptor(STATE_RECORD_BYTES))
+    return d, at, at + STATE_RECORD_BYTES
+
+
+def state_object(data: memoryview, fingerprint: bytes) -> list[bytes | memoryview]:
+    """The parts of the state object of ``data`` (itself among them, no copy)."""
+    head = _STATE.pack(STATE_MAGIC, STATE_VERSION, fingerprint, len(data), checksum(data))
+    return [
+        blob_descriptor(len(data)),
+        data,
+        blob_descriptor(STATE_RECORD_BYTES),
+        head + _SUM.pack(checksum(head)),
+    ]
+
+
+def check_state_object(obj: memoryview, fingerprint: bytes, nbytes: int) -> str:
+    """Why ``obj`` is not the state object of ``nbytes`` bytes ``fingerprint`` names
+    ("" when it is): its length, its descriptors, its record and the page's checksum
+    are all checked before a byte is used."""
+    d, at, size = state_layout(nbytes)
+    mv = obj.cast("B")
+    if len(mv) != size:
+        return f"a state object of {len(mv)} bytes, expected {size}"
+    if bytes(mv[:d]) != blob_descriptor(nbytes) or bytes(mv[d + nbytes : at]) != blob_descriptor(
+        STATE_RECORD_BYTES
+    ):
+        return "a state object's descriptors are not those of its size"
+    rec = mv[at:]
+    (stored,) = _SUM.unpack_from(rec, _STATE.size)
+    if checksum(rec[: _STATE.size]) != stored:
+        return "state record: checksum differs"
+    magic, version, fp, n, data_sum = _STATE.unpack_from(rec)
+    if magic != STATE_MAGIC or version != STATE_VERSION:
+        return f"state record: magic {bytes(magic)!r} version {version}"
+    if fp != fingerprint or n != nbytes:
+        return "state record: another page's object"
+    if checksum(mv[d : d + nbytes]) != data_sum:
+        return "state page: checksum differs"
+    return ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HurrayHiCacheStorage", "cpu_host_pool", "cpu_mla_host_pool"]
+__all__ = ["HurrayHiCacheStorage", "cpu_host_pool", "cpu_mamba_host_pool", "cpu_mla_host_pool"]
 
 
 def __getattr__(name: str) -> Any:

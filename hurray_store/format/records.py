@@ -252,3 +252,20 @@ def check_state_object(obj: memoryview, fingerprint: bytes, nbytes: int) -> str:
     if checksum(mv[d : d + nbytes]) != data_sum:
         return "state page: checksum differs"
     return ""
+
+
+def describe_state_object(obj: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """A state object's record fields, checked against the object itself (its length,
+    descriptors and checksums; not against any page's fingerprint: for ``hurray-store
+    inspect``); FormatError when it is none."""
+    mv = memoryview(obj).cast("B")
+    if len(mv) < STATE_RECORD_BYTES:
+        raise FormatError(f"{len(mv)} bytes: shorter than a state record")
+    rec = mv[len(mv) - STATE_RECORD_BYTES :]
+    magic, version, fp, n, _ = _STATE.unpack_from(rec)
+    if magic != STATE_MAGIC:
+        raise FormatError(f"not a state object (magic {bytes(magic)!r})")
+    if state_layout(n)[2] != len(mv):
+        raise FormatError(f"a state record of {n} bytes in an object of {len(mv)}")
+    why = check_state_object(mv, bytes(fp), n)
+    return {"version": version, "bytes": n, "fingerprint": bytes(fp).hex(), "check": why or "ok"}

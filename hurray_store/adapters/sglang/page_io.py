@@ -207,18 +207,11 @@ class PageIO:
         may then reuse the host pages)."""
         names = [self.name_of(k) for k in keys]
         with self._set_lock:
-            try:
-                held = self.port.held_each(names)
-                todo = [j for j in range(len(keys)) if not held[j]]
-                stored = self.port.save_lent(self._steps(todo, keys, names, srcs))
-            except Exception as e:  # noqa: BLE001
-                self.failed("set", e)
-                return [False] * len(keys)
-        out = list(held)
-        for j, ok in zip(todo, stored, strict=True):
-            out[j] = ok
-        self.counts["pages_written"] += sum(stored)
-        self.counts["pages_deduplicated"] += sum(held)
+            out, written, held = save_missing(
+                self.port, names, lambda todo: self._steps(todo, keys, names, srcs), self.failed
+            )
+        self.counts["pages_written"] += written
+        self.counts["pages_deduplicated"] += held
         return out
 
     def _steps(
@@ -254,6 +247,30 @@ class PageIO:
             flat = torch.empty(0, dtype=torch.uint8).set_(storage)
             self._storage = (at, memoryview(flat.numpy()))  # type: ignore[arg-type]
         return self._storage[1]
+
+
+def save_missing(
+    port: EnginePort,
+    names: list[str],
+    steps: Callable[[list[int]], Iterator[list[tuple[str, Data]]]],
+    failed: Callable[[str, BaseException], None],
+    what: str = "set",
+) -> tuple[list[bool], int, int]:
+    """Store the objects ``names`` the store does not hold yet (``steps(todo)`` yields
+    theirs, a step at a time, as the port asks); returns once written through: per
+    name whether it is stored (held or written), how many were written and how many
+    held. A store error is ``failed(what, error)`` and nothing stored, never raised."""
+    try:
+        held = port.held_each(names)
+        todo = [j for j, h in enumerate(held) if not h]
+        stored = port.save_lent(steps(todo))
+    except Exception as e:  # noqa: BLE001 - not stored, never an error into the engine
+        failed(what, e)
+        return [False] * len(names), 0, 0
+    out = list(held)
+    for j, ok in zip(todo, stored, strict=True):
+        out[j] = ok
+    return out, sum(stored), sum(held)
 
 
 def _key(key: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import xxhash
 
-from hurray_store.adapters.sglang.page_io import _key
+from hurray_store.adapters.sglang.page_io import _key, save_missing
 from hurray_store.engine import EnginePort
 from hurray_store.format.records import check_state_object, state_layout, state_object
 from hurray_store.store.objects import Data
@@ -106,17 +106,14 @@ class StateIO:
         """Store each page ``slots[j]`` of the pool under ``keys[j]`` unless the store
         holds it; returns once written through every tier."""
         names = [self.name_of(k) for k in keys]
-        try:
-            held = self.port.held_each(names)
-            todo = [j for j in range(len(keys)) if not held[j]]
-            stored = self.port.save_lent(self._steps(todo, keys, names, slots))
-        except Exception as e:  # noqa: BLE001
-            self.failed("set (states)", e)
-            return [False] * len(keys)
-        out = list(held)
-        for j, ok in zip(todo, stored, strict=True):
-            out[j] = ok
-        self.counts["states_written"] += sum(stored)
+        out, written, _ = save_missing(
+            self.port,
+            names,
+            lambda todo: self._steps(todo, keys, names, slots),
+            self.failed,
+            "set (states)",
+        )
+        self.counts["states_written"] += written
         return out
 
     def _steps(

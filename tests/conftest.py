@@ -135,9 +135,11 @@ LONG_FILES = (
     "test_sglang.py",
     "test_vllm_keys.py",
     "test_portable_vllm.py",
+    "test_vllm_hybrid.py",
     "test_vllm_weights.py",
     "test_sglang_faults.py",
     "test_portable_sglang.py",
+    "test_sglang_hybrid.py",
 )
 
 

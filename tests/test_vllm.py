@@ -309,9 +309,11 @@ def test_greedy_output_is_the_same_with_the_connector_and_loaded_from_the_store(
     assert counts["load_errors"] > 0, counts
 
 
-def _events_of(tmp_path: Path, model: Path, prompts: list[list[int]], cfg: Path) -> tuple:
+def _events_of(
+    tmp_path: Path, model: Path, prompts: list[list[int]], cfg: Path, split: bool = True
+) -> tuple:
     """Run vLLM with its KV events on and the connector; (every event a subscriber
-    decoded, the run's results, the worker's counts)."""
+    decoded, the run's results, the worker's counts). ``split``: as ``_vllm``."""
     import threading
 
     from hurray_store.events.subscriber import Subscriber
@@ -328,7 +330,9 @@ def _events_of(tmp_path: Path, model: Path, prompts: list[list[int]], cfg: Path)
     t = threading.Thread(target=collect)
     t.start()
     try:
-        out, counts = _vllm(tmp_path, model, prompts, "--config", str(cfg), "--kv-events", ep)
+        out, counts = _vllm(
+            tmp_path, model, prompts, "--config", str(cfg), "--kv-events", ep, split=split
+        )
     finally:
         stop.set()
         t.join()
@@ -384,7 +388,7 @@ def test_saved_blocks_are_kv_events_keyed_by_vllms_block_hashes(
     cfg2.write_text(
         f"tiers:\n  - {{type: disk, path: {tmp_path / 'cache'}, capacity_bytes: 1073741824}}\n"
     )
-    again, _, counts2 = _events_of(tmp_path, fp32_model, [prompts[0], *filler], cfg2)
+    again, _, counts2 = _events_of(tmp_path, fp32_model, [prompts[0], *filler], cfg2, split=False)
     assert counts2["load_errors"] > 0, counts2
     removed = {
         h

@@ -90,9 +90,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "--config",
         str(cfg),
     )
-    # Tensor parallel 2 stores q (each rank its own heads) and loads it for the next
-    # request of q (vLLM's own prefix cache is off).
-    out["tp"] = _vllm(work, model, [q, q], "--tp", "2", *conn)
+    # Tensor parallel 2 stores q (each rank its own heads) and loads it for a later
+    # request of q (vLLM's own prefix cache is off). Saves are committed behind the
+    # engine: another prompt between the two gives q's time to land.
+    r = _prompts(200, [0], seed=7)[0]
+    out["tp"] = _vllm(work, model, [q, r, q], "--tp", "2", *conn)
     # A fresh TP=1 instance: who gets what.
     out["fresh"] = _vllm(
         work,
@@ -362,8 +364,8 @@ def test_tensor_parallel_ranks_each_store_their_heads_and_any_tp_size_loads_them
     the same folder loads it too, both heads assembled from the two ranks' pages, with
     the greedy tokens of TP=1 without the connector (the
     reverse, and other block sizes: tests/test_portable_vllm.py)."""
-    (cold, warm), counts = runs["tp"]
-    assert cold["cached"] == 0 and counts["blocks_saved"] == 6, counts
+    (cold, _, warm), counts = runs["tp"]
+    assert cold["cached"] == 0 and counts["blocks_saved"] == 6 + 6, counts  # q, r
     assert warm["cached"] == HIT and counts["blocks_loaded"] == 6, counts
     assert counts["load_errors"] == 0 and warm["tokens"] == cold["tokens"]
     fresh, _ = runs["fresh"]

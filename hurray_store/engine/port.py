@@ -215,12 +215,14 @@ class EnginePort:
         pool: PagedKVPool,
         token_ids: Sequence[Sequence[int]],
         salts: Sequence[bytes | str | None],
+        skip: Sequence[int] | None = None,
     ) -> AsyncIterator[RetrievedLayer]:
         """The longest stored prefix of each sequence, re-paged into ``pool`` a layer at
         a time (``TieredStore.retrieve_layers``; every page checked before it is in),
         from pages of the pool's own heads and page size, else from other head ranges
-        and page sizes (``engine/portable.py``)."""
-        return load_layers(self.store, pool, token_ids, list(salts), self.page_sizes)
+        and page sizes (``engine/portable.py``). ``skip[s]``: sequence ``s``'s leading
+        pages the engine holds (its own prefix cache, a window's freed blocks): not read."""
+        return load_layers(self.store, pool, token_ids, list(salts), self.page_sizes, skip)
 
     def lookup_tokens(
         self, specs: Sequence[KVSpec], token_ids: Sequence[int], salt: bytes | str | None

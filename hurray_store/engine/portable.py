@@ -235,16 +235,18 @@ async def load_layers(
     seqs: Sequence[Sequence[int]],
     salts: Sequence[Any],
     page_sizes: Sequence[int] = (),
+    skip: Sequence[int] | None = None,
 ) -> AsyncGenerator[RetrievedLayer, None]:
     """The longest prefix of each sequence a source delivers, into ``pool`` a layer at
     a time (``TieredStore.retrieve_layers``'s contract: the last item is the final
     word; closing early gives the pages back). Sequences whose best source is the
-    pool's own layout are retrieved straight into it, as ever."""
+    pool's own layout are retrieved straight into it, as ever; ``skip``: their leading
+    pages the caller holds, not read (another layout's pieces are read whole)."""
     spec = pool.spec
     P = spec.page_size
     chosen = await choose(store, spec, seqs, salts, page_sizes)
     if all(src.exact for _, src in chosen):
-        stream = store.retrieve_layers(pool, seqs, salt=list(salts))
+        stream = store.retrieve_layers(pool, seqs, salt=list(salts), skip=skip)
         try:
             async for layer in stream:
                 yield layer
@@ -262,7 +264,12 @@ async def load_layers(
     try:
         if own:
             streams.append(
-                store.retrieve_layers(pool, [seqs[i] for i in own], salt=[salts[i] for i in own])
+                store.retrieve_layers(
+                    pool,
+                    [seqs[i] for i in own],
+                    salt=[salts[i] for i in own],
+                    skip=None if skip is None else [skip[i] for i in own],
+                )
             )
         for src, idx in groups.items():
             toks = [list(seqs[i][: chosen[i][0]]) for i in idx]

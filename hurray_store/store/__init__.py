@@ -264,10 +264,12 @@ class TieredStore(ObjectLevel):
         token_ids: Sequence[Sequence[int]],
         *,
         salt: Salt = None,
+        skip: Sequence[int] | None = None,
     ) -> RetrieveResult:
-        """Re-page the longest stored prefix of each sequence into ``pool``."""
+        """Re-page the longest stored prefix of each sequence into ``pool`` (``skip``:
+        as ``retrieve_layers``)."""
         await self.sync()
-        run = self.reader.start(pool, token_ids, self._salts(salt, len(token_ids)))
+        run = self.reader.start(pool, token_ids, self._salts(salt, len(token_ids)), skip)
         stream = run.layers()
         try:
             async for _ in stream:
@@ -283,11 +285,16 @@ class TieredStore(ObjectLevel):
         token_ids: Sequence[Sequence[int]],
         *,
         salt: Salt = None,
+        skip: Sequence[int] | None = None,
     ) -> AsyncGenerator[RetrievedLayer, None]:
         """``retrieve``, one layer at a time: each item says that layer is in the pool.
-        Closing the iteration early gives every allocated page back to ``pool``."""
+        Closing the iteration early gives every allocated page back to ``pool``.
+        ``skip[s]``: sequence ``s``'s leading pages the caller holds: matched and
+        checked as the others, never read (their table entries name one page of the
+        pool, allocated and left unfilled)."""
         await self.sync()
-        stream = self.reader.start(pool, token_ids, self._salts(salt, len(token_ids))).layers()
+        salts = self._salts(salt, len(token_ids))
+        stream = self.reader.start(pool, token_ids, salts, skip).layers()
         try:
             async for layer in stream:
                 yield layer

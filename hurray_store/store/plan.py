@@ -114,6 +114,12 @@ class ReadPlan:
     num_pages: int  # distinct local pages: what the pool allocates
     segments: list[SegmentRead]  # those with pages to read, in order of first use
     rejected: dict[bytes, str]  # segments whose manifest disagrees with the request
+    skipped: int = -1  # the local page the skipped positions name (-1: none)
+
+
+# The local page every skipped position of a table names (``read_plan``'s ``skip``):
+# allocated, never read.
+SKIPPED = (b"", -1)
 
 
 def read_plan(
@@ -121,11 +127,14 @@ def read_plan(
     manifests: Mapping[bytes, Manifest | None],
     tokens: Sequence[np.ndarray],
     page_size: int,
+    skip: Sequence[int] | None = None,
 ) -> ReadPlan:
     """The pages to fill and to read. A sequence's match stops at a segment without a
     manifest, or at a page whose token ids differ from the request's (that segment is
     rejected, and every sequence's match stops at it). A stored page several sequences
-    reach (a shared prefix) gets one local page."""
+    reach (a shared prefix) gets one local page. ``skip[s]``: sequence ``s``'s leading
+    pages the caller does not want (the engine holds them): matched and checked as the
+    others, never read; their table entries name one local page that is never filled."""
     P = page_size
     usable = {s: m for s, m in manifests.items() if m is not None}
     rejected: dict[bytes, str] = {}
@@ -151,16 +160,22 @@ def read_plan(
         row[: next((i for i, (seg, _) in enumerate(row) if seg not in usable), len(row))]
         for row in refs
     ]
+    if skip is not None:  # the leading pages not wanted: matched and checked, not read
+        refs = [
+            [SKIPPED if i < n else r for i, r in enumerate(row)]
+            for row, n in zip(refs, skip, strict=True)
+        ]
     distinct: dict[tuple[bytes, int], int] = {}
     tables = [[distinct.setdefault(r, len(distinct)) for r in row] for row in refs]
     by_seg: dict[bytes, dict[int, int]] = {}
     for (seg, page), d in distinct.items():
-        by_seg.setdefault(seg, {})[page] = d
+        if (seg, page) != SKIPPED:
+            by_seg.setdefault(seg, {})[page] = d
     reads = []
     for seg, dest in by_seg.items():
         pages = sorted(dest)
         reads.append(SegmentRead(seg, usable[seg], pages, [dest[p] for p in pages], runs(pages)))
-    return ReadPlan(tables, len(distinct), reads, rejected)
+    return ReadPlan(tables, len(distinct), reads, rejected, distinct.get(SKIPPED, -1))
 
 
 def runs(pages: Sequence[int]) -> list[Run]:

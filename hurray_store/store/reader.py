@@ -93,9 +93,13 @@ class SegmentReader:
         return out
 
     def start(
-        self, pool: PagedKVPool, token_ids: Sequence[Sequence[int]], salts: Sequence[bytes]
+        self,
+        pool: PagedKVPool,
+        token_ids: Sequence[Sequence[int]],
+        salts: Sequence[bytes],
+        skip: Sequence[int] | None = None,
     ) -> RetrieveRun:
-        return RetrieveRun(self, pool, token_ids, salts)
+        return RetrieveRun(self, pool, token_ids, salts, skip)
 
 
 class RetrieveRun:
@@ -105,8 +109,10 @@ class RetrieveRun:
         pool: PagedKVPool,
         token_ids: Sequence[Sequence[int]],
         salts: Sequence[bytes],
+        skip: Sequence[int] | None = None,
     ) -> None:
         self.reader = reader
+        self.skip = skip  # per sequence, its leading pages not read (``read_plan``)
         self.cascade = reader.cascade
         self.pool = pool
         self.token_ids = token_ids
@@ -132,7 +138,7 @@ class RetrieveRun:
         seg_ids = list(dict.fromkeys(s for mt in matches for s in mt.segment_ids))
         with self.cascade.pinned([catalog.key(s) for s in seg_ids]):
             manifests = {s: await catalog.manifest(s, spec) for s in seg_ids}
-            plan = read_plan(matches, manifests, toks, spec.page_size)
+            plan = read_plan(matches, manifests, toks, spec.page_size, self.skip)
             for seg, why in plan.rejected.items():
                 catalog.reject(seg, why)
             load = self._load(plan)
@@ -193,7 +199,7 @@ class RetrieveRun:
             src = self.cascade.policy.promote_after_read(tiers)
             if src is not None:
                 self.cascade.promote(self.reader.catalog.key(seg), src)
-        delivered = len({d for t in tables for d in t})
+        delivered = len({d for t in tables for d in t} - {plan.skipped})
         out = [[new_ids[d] for d in t] for t in tables]
         self.result = RetrieveResult(
             out,

@@ -362,7 +362,8 @@ class BlockTransfers:
         try:
             pool = self._host_pool(sum(len(tr.token_ids) // bs for tr in loads))
             seqs = [tr.token_ids for tr in loads]
-            layers = self.port.load_pages(pool, seqs, [tr.salt for tr in loads])
+            skip = [tr.first_block for tr in loads]  # vLLM holds them, or needs none
+            layers = self.port.load_pages(pool, seqs, [tr.salt for tr in loads], skip)
             async for layer in layers:
                 li = layer.layer_index
                 with loading.lock:

@@ -58,6 +58,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from hurray_store.adapters.sglang.page_io import (
     PageIO,
     Piece,
+    page_starts,
     unsupported_mla_pool,
     unsupported_pool,
 )
@@ -291,14 +292,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
         pool = self.mem_pool_host if pool is None else pool
         P = int(pool.page_size)
         try:
-            if host_indices.dtype.is_floating_point or host_indices.dtype == torch.bool:
-                raise PageLayoutError(f"host indices of {host_indices.dtype}, not integers")
-            if host_indices.numel() != n * P:
-                raise PageLayoutError(f"{host_indices.numel()} host indices for {n} pages of {P}")
-            pages = host_indices.reshape(n, P).to(torch.int64)
-            if n and not torch.equal(pages - pages[:, :1], torch.arange(P).expand(n, P)):
-                raise PageLayoutError("a page's host indices are not consecutive")
-            starts = [int(i) for i in pages[:, 0].tolist()]
+            starts = page_starts(host_indices, n, P)
             mla = self.mla and pool is self.mem_pool_host
             return [page_view(pool.kv_buffer, str(pool.layout), P, s, mla) for s in starts]
         except PageLayoutError as e:
@@ -524,7 +518,7 @@ class HurrayHiCacheStorage(HiCacheStorage):
             if io is None:
                 ok = set()
                 break
-            present = self._held_each(io, keys[:kv])
+            present = self._held_each([io.name_of(k) for k in keys[:kv]])
             policy = t.hit_policy
             if policy == PoolHitPolicy.ALL_PAGES:
                 lead = next((i for i, h in enumerate(present) if not h), kv)
@@ -542,28 +536,19 @@ class HurrayHiCacheStorage(HiCacheStorage):
         final = max(ok, default=0)
         for io, n, every in asks:  # pin what the get will read of each pool
             want = keys[:final] if every else keys[max(0, final - n) : final]
-            self._lease(io, want)
+            if want:
+                try:
+                    self.port.lookup([io.name_of(k) for k in want], lease=True)
+                except Exception as e:  # noqa: BLE001
+                    self._failed("exists (v2)", e)
         return PoolTransferResult(final, hits, sorted(ok))
 
-    def _held_each(self, io: PageIO | StateIO, keys: list[str]) -> list[bool]:
+    def _held_each(self, names: list[str]) -> list[bool]:
         try:
-            if isinstance(io, StateIO):
-                return io.held_each(keys)
-            return self.port.held_each([io.name_of(k) for k in keys])
+            return self.port.held_each(names)
         except Exception as e:  # noqa: BLE001
             self._failed("exists (v2)", e)
-            return [False] * len(keys)
-
-    def _lease(self, io: PageIO | StateIO, keys: list[str]) -> None:
-        if not keys:
-            return
-        try:
-            if isinstance(io, StateIO):
-                io.lease(keys)
-            else:
-                io.held(keys)
-        except Exception as e:  # noqa: BLE001
-            self._failed("exists (v2)", e)
+            return [False] * len(names)
 
     def batch_get_v2(
         self,
@@ -592,7 +577,6 @@ class HurrayHiCacheStorage(HiCacheStorage):
             return out
         name = str(t.name)
         if name == str(PoolName.KV):
-            assert self.codec is not None
             if write:
                 return self.batch_set_v1(keys, t.host_indices)
             return self.batch_get_v1(keys, t.host_indices)
@@ -604,9 +588,10 @@ class HurrayHiCacheStorage(HiCacheStorage):
         if write and not self._distinct(keys, call):
             return out
         if isinstance(io, StateIO):
-            slots = io.slots(len(keys), t.host_indices)
-            if isinstance(slots, str):
-                log.error("HurrayHiCacheStorage: %s: pool %s: %s", call, name, slots)
+            try:
+                slots = page_starts(t.host_indices, len(keys), io.page_size)
+            except PageLayoutError as e:
+                log.error("HurrayHiCacheStorage: %s: pool %s: %s", call, name, e)
                 return out
             if write:
                 return io.write(keys, slots)

@@ -16,7 +16,13 @@ import numpy as np
 import torch
 import xxhash
 
-from hurray_store.adapters.sglang.pages import LAYOUTS, MLA_LAYOUTS, PageCodec, page_fingerprint
+from hurray_store.adapters.sglang.pages import (
+    LAYOUTS,
+    MLA_LAYOUTS,
+    PageCodec,
+    PageLayoutError,
+    page_fingerprint,
+)
 from hurray_store.engine import EnginePort
 from hurray_store.store.objects import Data
 
@@ -247,6 +253,23 @@ class PageIO:
             flat = torch.empty(0, dtype=torch.uint8).set_(storage)
             self._storage = (at, memoryview(flat.numpy()))  # type: ignore[arg-type]
         return self._storage[1]
+
+
+def page_starts(host_indices: Any, n: int, page_size: int) -> list[int]:
+    """The host index each of ``n`` pages starts at (page ``i`` at ``host_indices[i *
+    page_size]``, its indices consecutive), as SGLang hands a call's pages over; raises
+    PageLayoutError when the indices do not name ``n`` pages of ``page_size``."""
+    P = page_size
+    if not isinstance(host_indices, torch.Tensor):
+        raise PageLayoutError("no host indices")
+    if host_indices.dtype.is_floating_point or host_indices.dtype == torch.bool:
+        raise PageLayoutError(f"host indices of {host_indices.dtype}, not integers")
+    if host_indices.numel() != n * P:
+        raise PageLayoutError(f"{host_indices.numel()} host indices for {n} pages of {P}")
+    pages = host_indices.reshape(n, P).to(torch.int64)
+    if n and not torch.equal(pages - pages[:, :1], torch.arange(P).expand(n, P)):
+        raise PageLayoutError("a page's host indices are not consecutive")
+    return [int(i) for i in pages[:, 0].tolist()]
 
 
 def save_missing(

@@ -14,12 +14,10 @@ from typing import Any
 import torch
 import xxhash
 
-from hurray_store.adapters.sglang.page_io import _key, save_missing
+from hurray_store.adapters.sglang.page_io import SET_STEP, _key, save_missing
 from hurray_store.engine import EnginePort
 from hurray_store.format.records import check_state_object, state_layout, state_object
 from hurray_store.store.objects import Data
-
-SET_STEP = 16  # pages a set copies before their writes start
 
 
 class StateIO:
@@ -54,26 +52,6 @@ class StateIO:
 
     def fingerprint(self, key: str) -> bytes:
         return hashlib.sha256(f"{self.prefix}\0{key}".encode()).digest()
-
-    def held_each(self, keys: list[str]) -> list[bool]:
-        """Whether a get will find each of ``keys``' states."""
-        return self.port.held_each([self.name_of(k) for k in keys])
-
-    def lease(self, keys: list[str]) -> None:
-        """Pin ``keys``' states until a get takes them (or ``engine.lease_s``)."""
-        if keys:
-            self.port.lookup([self.name_of(k) for k in keys], lease=True)
-
-    def slots(self, n: int, host_indices: Any) -> list[int] | str:
-        """The pool index of each of ``n`` pages (page ``i`` at ``host_indices[i *
-        page_size]``), or why the indices do not name ``n`` pages."""
-        if not isinstance(host_indices, torch.Tensor):
-            return "no host indices"
-        if host_indices.dtype.is_floating_point or host_indices.dtype == torch.bool:
-            return f"host indices of {host_indices.dtype}, not integers"
-        if host_indices.numel() != n * self.page_size:
-            return f"{host_indices.numel()} host indices for {n} pages of {self.page_size}"
-        return [int(i) for i in host_indices.reshape(-1)[:: self.page_size].tolist()]
 
     def read(self, keys: list[str], slots: list[int]) -> int:
         """Read each key's state object, check it, and set the pool's page ``slots[j]``

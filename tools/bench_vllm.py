@@ -227,11 +227,7 @@ def concurrent_rows(a: argparse.Namespace, work: Path, model: Path) -> None:
     def prompts() -> list[list[int]]:
         return [[rnd.randrange(5, a.vocab) for _ in range(a.concurrent_tokens)] for _ in range(k)]
 
-    cfg = work / "concurrent.yaml"
-    cfg.write_text(
-        f"tiers:\n  - {{type: cpu, capacity_bytes: 2147483648}}\n"
-        f"  - {{type: disk, path: {work / 'concurrent'}, capacity_bytes: 17179869184}}\n"
-    )
+    cfg = disk_config(work, "concurrent")
     stats = work / "concurrent-stats.json"
     flight = ["--concurrent-instance", "--in-flight", str(k), "--out-tokens", str(a.out_tokens)]
     base = run(a, model, prompts(), None, work, "kv_both", *flight)
@@ -266,6 +262,16 @@ def concurrent_rows(a: argparse.Namespace, work: Path, model: Path) -> None:
     )
 
 
+def disk_config(work: Path, name: str) -> Path:
+    """A store config of a 2 GiB cpu tier over a disk folder ``work/name``."""
+    cfg = work / f"{name}.yaml"
+    cfg.write_text(
+        f"tiers:\n  - {{type: cpu, capacity_bytes: 2147483648}}\n"
+        f"  - {{type: disk, path: {work / name}, capacity_bytes: 17179869184}}\n"
+    )
+    return cfg
+
+
 def prompt_maker(a: argparse.Namespace) -> Callable[[], list[list[int]]]:
     """Prompt i of every configuration starts with prefix i; the tails are new each time.
     Within one configuration no two prompts share a prefix, so a cold run measures the
@@ -293,11 +299,7 @@ def ttft_table(rows: list[tuple[str, dict]]) -> None:
 
 def hybrid_rows(a: argparse.Namespace, work: Path, model: Path) -> None:
     prompts = prompt_maker(a)
-    disk = work / "hybrid.yaml"
-    disk.write_text(
-        f"tiers:\n  - {{type: cpu, capacity_bytes: 2147483648}}\n"
-        f"  - {{type: disk, path: {work / 'hybrid'}, capacity_bytes: 17179869184}}\n"
-    )
+    disk = disk_config(work, "hybrid")
     rows = [("no connector", run(a, model, prompts(), None, work))]
     rows.append(("connector, cold store", run(a, model, prompts(), disk, work)))
     rows.append(("connector, warm disk", run(a, model, prompts(), disk, work)))
@@ -314,11 +316,7 @@ def hybrid_rows(a: argparse.Namespace, work: Path, model: Path) -> None:
 def ttft_rows(a: argparse.Namespace, work: Path, model: Path) -> None:
     prompts = prompt_maker(a)
 
-    disk = work / "disk.yaml"
-    disk.write_text(
-        f"tiers:\n  - {{type: cpu, capacity_bytes: 2147483648}}\n"
-        f"  - {{type: disk, path: {work / 'cache'}, capacity_bytes: 17179869184}}\n"
-    )
+    disk = disk_config(work, "cache")
     port = free_port()
     srv_cfg = work / "server.yaml"
     srv_cfg.write_text(

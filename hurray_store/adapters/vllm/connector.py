@@ -207,14 +207,19 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
             hybrid=self.hybrid,
         )
         # worker
-        self.xfer: BlockTransfers | None = None  # the data path, once the KV is registered
-        self.xfers: list[BlockTransfers] = []  # per KV cache group (xfer: the first's)
+        self.xfers: list[BlockTransfers] = []  # the data path per KV cache group, once registered
         self._async_loads: list[list[Loading]] = []  # hybrid: loads vLLM waits for
         self._asleep: list[BlockTransfers] = []  # vLLM 0.33's sleep mode: KV released
         self._layer_index: dict[str, int] = {}
         self._loading: Loading | None = None  # this step's loads, while they run
         self._load_errors: set[int] = set()
         self._stats_lock = threading.Lock()
+
+    @property
+    def xfer(self) -> BlockTransfers | None:
+        """The first KV cache group's data path (a model's only one but a hybrid's), or
+        None before the KV is registered, while asleep or when the cache is off."""
+        return self.xfers[0] if self.xfers else None
 
     # ================================================================== scheduler
 
@@ -307,7 +312,6 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("HurrayConnector: serving without the cache: %s", self.disabled)
             self._dump_counts()
             return
-        self.xfer = self.xfers[0]
         self._layer_index = {name: i for i, (name, _) in enumerate(layers)}
         log.info(
             "HurrayConnector: %d KV layers in %d group(s) on %s in layout %s; a save "
@@ -365,7 +369,7 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         futures.wait([ld.future for b in self._async_loads for ld in b if ld.future], TIMEOUT_S)
         if not self.xfer.drain(TIMEOUT_S):
             log.warning("HurrayConnector: saves still queued when the KV caches went away")
-        self._asleep, self.xfers, self.xfer = self.xfers, [], None
+        self._asleep, self.xfers = self.xfers, []
 
     def restore_kv_caches(self) -> None:
         """vLLM 0.33, after wake-up: sleep mode maps the KV memory back at the same
@@ -373,7 +377,6 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         vLLM recomputes or reloads them). Idempotent."""
         if self._asleep:
             self.xfers, self._asleep = self._asleep, []
-            self.xfer = self.xfers[0]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Start this step's loads on the store's thread, one retrieve for all of them:

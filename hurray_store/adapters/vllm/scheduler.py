@@ -74,7 +74,8 @@ class SchedulerSide:
         self.windows = windows or [0]
         self.hybrid = hybrid
         self._local: dict[str, int] = {}  # req -> vLLM's own hit at its lookup (hybrid)
-        self._async: dict[str, Transfer] = {}  # req -> a load to hand the worker (hybrid)
+        # req -> a load to hand the worker, and the request's blocks per group (hybrid)
+        self._async: dict[str, tuple[Transfer, list[list[int]]]] = {}
         self._failed: set[str] = set()  # reqs whose load failed: not looked up again
         self.loads, self.saves, self.disabled, self.base_salt = loads, saves, disabled, base_salt
         self._loads: dict[str, int] = {}  # req -> tokens to load (past vLLM's own hit)
@@ -86,7 +87,6 @@ class SchedulerSide:
         self._refused: set[str] = set()  # the kinds of request refused, each logged once
         self._tracked: dict[str, _Tracked] = {}
         self._unconfirmed: set[str] = set()  # loads planned, their outcome not yet reported
-        self._async_groups: dict[str, list[list[int]]] = {}  # req -> its blocks per group
         # vLLM's KV events are on: saves carry their blocks' vLLM keys, and the workers'
         # events (the blocks stored and removed) wait here for ``take_events``.
         self.events = events
@@ -193,8 +193,8 @@ class SchedulerSide:
             return
         prompt = list(request.prompt_token_ids or [])[:end]
         groups = [list(b) for b in blocks.get_block_ids()]
-        self._async[rid] = Transfer(rid, prompt, groups[0], local // self.block_size, salt)
-        self._async_groups[rid] = groups
+        tr = Transfer(rid, prompt, groups[0], local // self.block_size, salt)
+        self._async[rid] = (tr, groups)
 
     def _group_transfers(self, tr: Transfer, groups: list[list[int]]) -> list[Transfer]:
         """``tr`` for each KV cache group, on the group's blocks: in a sliding-window
@@ -214,8 +214,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = HurrayMetadata()
         so = scheduler_output
-        for rid, tr in self._async.items():  # hybrid: loads vLLM waits for
-            meta.loads += self._group_transfers(tr, self._async_groups.pop(rid))
+        for tr, groups in self._async.values():  # hybrid: loads vLLM waits for
+            meta.loads += self._group_transfers(tr, groups)
         self._async.clear()
         for new in so.scheduled_new_reqs:
             salt = self._salts.get(new.req_id)
@@ -315,8 +315,8 @@ class SchedulerSide:
         self._stored.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
         self._unconfirmed.discard(request.request_id)
-        for d in (self._local, self._async, self._async_groups):
-            d.pop(request.request_id, None)
+        self._local.pop(request.request_id, None)
+        self._async.pop(request.request_id, None)
         self._failed.discard(request.request_id)
         return False, None
 

@@ -84,11 +84,13 @@ def cache_groups(vllm_config: Any, kv_cache_config: Any, tp_rank: int = 0) -> li
     model's layer indices (``KVSpec.group``)."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    spec = spec_for_vllm(vllm_config, kv_cache_config, tp_rank)
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if not is_hybrid(kv_cache_config):
         names = tuple(groups[0].layer_names) if groups else ()
-        return [CacheGroup(0, names, 0, spec)]
+        return [CacheGroup(0, names, 0, spec_for_vllm(vllm_config, kv_cache_config, tp_rank))]
+    why = unkeyable(vllm_config, kv_cache_config)
+    if why:
+        raise ValueError(why)
     out = []
     for gi, g in enumerate(groups):
         kv = g.kv_cache_spec

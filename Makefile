@@ -144,7 +144,7 @@ bench: setup redis sglang-env
 	PYTHONPATH=tests/sglang_env $(SGLANG_VENV)/bin/python tools/bench_sglang.py
 
 # The production-trace head-to-head (tools/bench_trace.py): vLLM's prefix cache alone,
-# hurray_store and LMCache multiprocess, replayed by vLLM's own client; about 25 minutes.
+# hurray_store and LMCache multiprocess, replayed by vLLM's own client; about 12 minutes.
 # BENCH_TRACE_ARGS passes options (--rows, --trace, --requests, ...).
 bench-trace: vllm-env lmcache-mp-env
 	LMCACHE_TRACK_USAGE=false $(VLLM_VENV)/bin/python tools/bench_trace.py $(BENCH_TRACE_ARGS)

@@ -35,6 +35,8 @@ Rows (``--rows``, in this order by default):
   then the second half by a fresh one over the same cache (vLLM's own cache is cold there,
   the disk tier is not); its figures are the second half's, beside the ``hurray`` row's
   figures for the same requests;
+- ``apc-restart``: the same split with vLLM's prefix cache alone (what a restart costs
+  vLLM without a persistent tier);
 - ``server``: hurray_store over the cache server (``hurray-store serve``, a cpu tier of
   ``--cpu-gib``; the engine's only tier is ``remote``): the fleet form;
 - ``lmcache``, ``lmcache-32``: LMCache 0.5.6 multiprocess (``lmcache server`` with an L1 of
@@ -362,13 +364,16 @@ ROWS = {
         Row("control", "connector as kv_consumer, empty store", "hurray", "kv_consumer", "empty"),
         Row("hurray", "hurray_store, cpu + disk", "hurray", store="tiers"),
         Row("restart", "hurray_store after a vLLM restart", "hurray", store="tiers", restart=True),
+        Row("apc-restart", "vLLM's prefix cache alone after a restart", restart=True),
         Row("server", "hurray_store over the cache server", "hurray", store="server"),
         Row("lmcache", "LMCache 0.5.6 multiprocess, chunk 256", "lmcache"),
         Row("lmcache-32", "LMCache 0.5.6 multiprocess, chunk 32", "lmcache", chunk=32),
         Row("lmcache-l2", "LMCache 0.5.6 multiprocess + HurrayL2Adapter", "lmcache", store="l2"),
     )
 }
-DEFAULT_ROWS = "apc,apc-reserved,control,hurray,restart,server,lmcache,lmcache-32,lmcache-l2"
+DEFAULT_ROWS = (
+    "apc,apc-reserved,control,hurray,restart,apc-restart,server,lmcache,lmcache-32,lmcache-l2"
+)
 
 
 @dataclass

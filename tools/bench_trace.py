@@ -65,6 +65,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 from _bench import free_port, table  # noqa: E402
@@ -576,13 +578,7 @@ class Bench:
 
 
 def pct(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
 @dataclass(frozen=True)

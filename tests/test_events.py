@@ -2,7 +2,8 @@
 
 - A batch we encode is read by vLLM's own msgspec classes (in the vLLM environment).
 - The publisher numbers its batches, replays a missed range through its ROUTER socket,
-  and never blocks on a subscriber that does not read.
+  and never blocks on a subscriber that does not read; one huge SUBSCRIBE or replay
+  request from a hostile peer costs it no memory (its sockets cut the peer off).
 - A store's port publishes what its tiers gain and lose, with each tier's medium; the
   cache server publishes each tenant's pages under that tenant's topic only; nothing is
   published without a config asking for it.
@@ -15,6 +16,7 @@ import asyncio
 import io
 import json
 import subprocess
+import sys
 import threading
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -188,6 +190,82 @@ def test_a_subscriber_that_does_not_read_never_blocks_the_publisher() -> None:
     finally:
         sub.close()
         pub.close()
+
+
+def _rss(field: str = "VmRSS") -> int:
+    """This process's resident set (``VmHWM``: its peak since ``_reset_peak``), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field}")
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from the current RSS on
+
+
+# A hostile peer in a process of its own (its 64 MiB frame is not in this process's
+# memory): ``kind`` sub sends one SUBSCRIBE of a 64 MiB topic to the PUB socket, ``replay``
+# one 64 MiB replay request to the ROUTER socket; then it waits to be cut off.
+_HOSTILE = """
+import sys, time, zmq
+kind, endpoint = sys.argv[1], sys.argv[2]
+ctx = zmq.Context()
+big = bytes(64 << 20)
+if kind == "sub":
+    s = ctx.socket(zmq.SUB); s.connect(endpoint); s.setsockopt(zmq.SUBSCRIBE, big)
+else:
+    s = ctx.socket(zmq.DEALER); s.connect(endpoint); s.send_multipart([b"", big])
+time.sleep(3)
+print("sent", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["sub", "replay"])
+def test_one_huge_message_to_the_events_ports_costs_the_publisher_nothing(kind: str) -> None:
+    """libzmq keeps a subscription as a trie node per byte (a 64 MiB SUBSCRIBE grew a
+    publisher by about 3 GiB) and reads a request whole before it is handled: the
+    publisher's sockets cut off a peer whose message part is longer than a topic or a
+    replay request may be, before storing it, and go on serving the others."""
+    pub = ZmqPublisher(_endpoint(), _endpoint(), buffer_batches=8)
+    sub = Subscriber(pub.endpoint, "t", pub.replay_endpoint)
+    try:
+        _joined(pub, sub)
+        _reset_peak()
+        before = _rss()
+        target = pub.endpoint if kind == "sub" else pub.replay_endpoint
+        p = subprocess.run(
+            [sys.executable, "-c", _HOSTILE, kind, target],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.stdout.strip() == "sent", p.stderr[-2000:]
+        # while the message came in too, not only after it was dropped
+        grown = _rss("VmHWM") - before
+        assert grown < 32 << 20, f"the publisher grew {grown >> 20} MiB"
+        # the others are served: the live stream and a replay
+        seq = _joined(pub, sub)
+        assert [r.seq for r in sub.replay(seq)][:1] == [seq]
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_a_topic_longer_than_a_subscription_may_be_is_said_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from hurray_store.config import EventsConfig
+    from hurray_store.events.publisher import MAX_TOPIC_BYTES
+    from hurray_store.events.relay import default_topic
+
+    with caplog.at_level("WARNING", logger="hurray_store.events.relay"):
+        short = default_topic(EventsConfig(instance="pod-1"), "m")
+        assert short == "kv@pod-1@m" and not caplog.records
+        long = default_topic(EventsConfig(instance="pod-1"), "m" * MAX_TOPIC_BYTES)
+    assert long.endswith("m" * MAX_TOPIC_BYTES)
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert msg.startswith("KV events: the topic 'kv@pod-1@mmm") and "set events.topic" in msg
 
 
 def _port(tmp_path: Path, events: dict[str, Any] | None) -> EnginePort:

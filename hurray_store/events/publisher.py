@@ -24,6 +24,13 @@ from hurray_store.events.wire import ENCODER, KVEventBatch
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# What a peer may send the publisher's sockets (ZMQ_MAXMSGSIZE: a peer that sends a longer
+# message part is disconnected before it is stored): a subscription is one byte and its
+# topic, and libzmq keeps a subscribed topic as a trie node per byte (a 64 MiB SUBSCRIBE
+# grew a publisher by about 3 GiB); a replay request's frames are an empty delimiter and
+# an 8-byte sequence number.
+MAX_TOPIC_BYTES = 1024
+MAX_REQUEST_BYTES = 64
 
 
 class ZmqPublisher:
@@ -40,6 +47,7 @@ class ZmqPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_TOPIC_BYTES + 1)
         self._replay: zmq.Socket[bytes] | None = None
         try:
             self._pub.bind(endpoint)
@@ -48,6 +56,7 @@ class ZmqPublisher:
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:

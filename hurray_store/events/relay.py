@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hurray_store.config import EventsConfig
-from hurray_store.events.publisher import ZmqPublisher
+from hurray_store.events.publisher import MAX_TOPIC_BYTES, ZmqPublisher
 from hurray_store.events.wire import (
     LOCAL,
     BlockHash,
@@ -59,8 +59,18 @@ BlocksOf = Callable[[Any], Sequence[Blocks] | None]
 
 def default_topic(cfg: EventsConfig, model: str) -> str:
     """``kv@<instance>@<model>``, the topic llm-d's and Dynamo's subscribers filter on,
-    unless the config names one."""
-    return cfg.topic or f"kv@{cfg.instance or socket.gethostname()}@{model}"
+    unless the config names one. One longer than a subscription may be is said once:
+    a subscriber asking for all of it is cut off (``MAX_TOPIC_BYTES``)."""
+    topic = cfg.topic or f"kv@{cfg.instance or socket.gethostname()}@{model}"
+    if len(topic.encode()) > MAX_TOPIC_BYTES:
+        log.warning(
+            "KV events: the topic %r is longer than a subscription may be (%d bytes); "
+            "subscribers can filter on its first %d bytes only (set events.topic)",
+            topic[:80],
+            MAX_TOPIC_BYTES,
+            MAX_TOPIC_BYTES,
+        )
+    return topic
 
 
 def segment_blocks(topic: str, m: Manifest) -> list[Blocks]:

@@ -252,6 +252,27 @@ def test_one_huge_message_to_the_events_ports_costs_the_publisher_nothing(kind: 
         pub.close()
 
 
+def test_a_subscription_to_a_topic_of_the_longest_length_is_served() -> None:
+    """The bound cuts off only what is past it: a topic of ``MAX_TOPIC_BYTES`` (sent
+    behind ZMTP's SUBSCRIBE command name) is subscribed to and served."""
+    from hurray_store.events.publisher import MAX_TOPIC_BYTES
+
+    topic = "k" * MAX_TOPIC_BYTES
+    pub = ZmqPublisher(_endpoint())
+    sub = Subscriber(pub.endpoint, topic)
+    try:
+        for _ in range(200):
+            pub.publish(topic, KVEventBatch(ts=0.0, events=[BlockRemoved([-1], "CPU")]))
+            if got := sub.recv(0.05):
+                assert got[-1].topic == topic
+                break
+        else:
+            raise AssertionError("the subscriber was cut off")
+    finally:
+        sub.close()
+        pub.close()
+
+
 def test_a_topic_longer_than_a_subscription_may_be_is_said_at_start(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

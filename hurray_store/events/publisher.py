@@ -20,15 +20,19 @@ from collections.abc import Sequence
 import zmq
 
 from hurray_store.events.wire import ENCODER, KVEventBatch
+from hurray_store.throttle import Every
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # What a peer may send the publisher's sockets (ZMQ_MAXMSGSIZE: a peer that sends a longer
-# message part is disconnected before it is stored): a subscription is one byte and its
-# topic, and libzmq keeps a subscribed topic as a trie node per byte (a 64 MiB SUBSCRIBE
-# grew a publisher by about 3 GiB); a replay request's frames are an empty delimiter and
-# an 8-byte sequence number.
+# message part is disconnected before it is stored): a subscription is its topic behind
+# ZMTP 3.1's SUBSCRIBE command name (10 bytes; 1 in ZMTP 3.0), and libzmq keeps a
+# subscribed topic as a trie node per byte (a 64 MiB SUBSCRIBE grew a publisher by about
+# 3 GiB); a replay request's frames are an empty delimiter and an 8-byte sequence number.
+# The number of subscriptions is not bounded here: libzmq keeps each one (in XPUB's manual
+# mode too, for the unsubscriptions it sends when the peer leaves), about 47 bytes a
+# topic byte, and names no peer a publisher could cut off.
 MAX_TOPIC_BYTES = 1024
 MAX_REQUEST_BYTES = 64
 
@@ -47,7 +51,7 @@ class ZmqPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_TOPIC_BYTES + 1)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_TOPIC_BYTES + len(b"\x09SUBSCRIBE"))
         self._replay: zmq.Socket[bytes] | None = None
         try:
             self._pub.bind(endpoint)
@@ -71,6 +75,8 @@ class ZmqPublisher:
         self._closed = False
         self.dropped = 0  # batches dropped before they were sent
         self.sent = 0
+        self.bad_requests = 0  # replay requests not of the form asked, ignored
+        self._warn_replay = Every(60.0)
         self._thread = threading.Thread(target=self._run, name="hurray-kv-events", daemon=True)
         self._thread.start()
 
@@ -149,7 +155,13 @@ class ZmqPublisher:
         assert self._replay is not None
         frames = self._replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
-            log.warning("KV events: a replay request of %d frames ignored", len(frames))
+            self.bad_requests += 1
+            if self._warn_replay.due():
+                log.warning(
+                    "KV events: a replay request of %d frames ignored (%d in all)",
+                    len(frames),
+                    self.bad_requests,
+                )
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")

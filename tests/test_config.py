@@ -42,6 +42,9 @@ def test_relative_paths_resolve_against_the_files_folder(tmp_path: Path) -> None
     assert isinstance(disk, DiskTierConfig) and disk.path == str(tmp_path / "sub/cache")
 
 
+_CPU = [{"type": "cpu", "capacity_bytes": 1}]
+
+
 @pytest.mark.parametrize(
     ("raw", "key"),
     [
@@ -116,6 +119,29 @@ def test_relative_paths_resolve_against_the_files_folder(tmp_path: Path) -> None
             {"tiers": [{"type": "cpu", "capacity_bytes": 1}, {"type": "cpu", "capacity_bytes": 1}]},
             "tiers.cpu.name",
         ),
+        # accepted once, then a core spun or a crash at start
+        ({"tiers": _CPU, "events": {"interval_ms": 0}}, "events.interval_ms"),
+        ({"tiers": _CPU, "events": {"buffer_batches": 2**63}}, "events.buffer_batches"),
+        ({"tiers": _CPU, "events": {"max_events": 0}}, "events.max_events"),
+        ({"tiers": _CPU, "engine": {"metrics_port": 70000}}, "engine.metrics_port"),
+        ({"tiers": _CPU, "server": {"port": -1}}, "server.port"),
+        (
+            {"tiers": [{"type": "remote", "url": "hurray://127.0.0.1:9", "backoff_initial_s": 0}]},
+            "tiers.remote.backoff_initial_s",
+        ),
+        (
+            {
+                "tiers": [
+                    {
+                        "type": "redis",
+                        "url": "redis://h",
+                        "backoff_initial_s": 5,
+                        "backoff_max_s": 1,
+                    }
+                ]
+            },
+            "tiers.redis.backoff_initial_s",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -132,6 +158,46 @@ def test_bad_yaml_and_missing_file_are_config_errors(tmp_path: Path) -> None:
         load_config(f, env={})
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "missing.yaml", env={})
+
+
+# 1.2 KB of YAML whose nine levels of aliases expand to 10**9 strings when walked
+_BOMB = (
+    "a: &a ["
+    + ",".join(["lol"] * 10)
+    + "]\n"
+    + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [" + ",".join([f"*{chr(97 + i)}"] * 10) + "]\n"
+        for i in range(8)
+    )
+)
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_short_line(tmp_path: Path) -> None:
+    f = tmp_path / "bomb.yaml"
+    f.write_text(_BOMB + "tiers: *i\n")
+    assert len(f.read_bytes()) < 1500
+    with pytest.raises(ConfigError) as e:
+        load_config(f, env={})
+    assert str(e.value) == f"{f}: not a config: its YAML aliases expand to more than 100,000 values"
+    with pytest.raises(ConfigError, match="HURRAY_STORE__NAMESPACE: not a config: its YAML alias"):
+        load_config({"tiers": _CPU}, env={"HURRAY_STORE__NAMESPACE": _BOMB})
+    # a few aliases, as configs use them, still load
+    f.write_text(
+        "tiers: [{type: cpu, name: a, capacity_bytes: &cap 1048576},\n"
+        "        {type: cpu, name: b, capacity_bytes: *cap}]\n"
+    )
+    assert [t.capacity_bytes for t in load_config(f, env={}).tiers] == [1 << 20, 1 << 20]
+
+
+def test_a_config_that_is_not_a_small_regular_file_is_refused_before_it_is_read(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="/dev/zero: not a regular file"):
+        load_config(Path("/dev/zero"), env={})
+    big = tmp_path / "big.yaml"
+    big.write_text("tiers: [{type: cpu, capacity_bytes: 1}]\n" + "#" * (1 << 20) + "\n")
+    with pytest.raises(ConfigError, match="larger than a config may be"):
+        load_config(big, env={})
 
 
 def test_env_overrides_by_tier_name_and_position() -> None:

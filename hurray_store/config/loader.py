@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import stat
 import types
 import typing
 from collections.abc import Mapping
@@ -66,17 +67,19 @@ def load_config(
     else:
         p = Path(source)
         try:
-            text = p.read_text(encoding="utf-8")
+            text = _read_config(p)
         except OSError as e:
             raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from e
         except UnicodeDecodeError as e:
             raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from e
         try:
-            raw = yaml.safe_load(text)
+            raw = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from e
         except RecursionError:
             raise ConfigError(f"{p}: not a config: nested too deeply") from None
+        except ConfigError as e:  # the loader's bounds
+            raise ConfigError(f"{p}: {e}") from None
         if raw is None:
             raw = {}
         base = p.resolve().parent
@@ -98,7 +101,71 @@ def load_config(
         raise ConfigError(
             f"engine.wait_s: expected a positive number of seconds, got {cfg.engine.wait_s}"
         )
+    _check_port(cfg.engine.metrics_port, "engine.metrics_port")
+    _check_events(cfg.events)
     return _resolve_paths(cfg, base)
+
+
+# A config file is a few KiB: a larger one, or one that is not a regular file (a device,
+# a FIFO), is refused before it is read. A YAML alias is a reference to the node it names,
+# but whatever walks or prints the value expands it (1.2 KB of nested aliases is 1.2 GiB in
+# an error message): a document is refused when it expands past ``MAX_YAML_NODES`` nodes.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_YAML_NODES = 100_000
+
+
+def _read_config(p: Path) -> str:
+    st = p.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{p}: not a regular file")
+    with open(p, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{p}: larger than a config may be ({MAX_CONFIG_BYTES} bytes)")
+    return data.decode("utf-8")
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, counting each node as the nodes it expands to (an alias as
+    the whole node it names) and refusing a document past ``MAX_YAML_NODES``."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        node: Any = super().compose_node(parent, index)
+        sizes: dict[int, int] = self.__dict__.setdefault("_sizes", {})
+        size = sizes.get(id(node))
+        if size is None:  # a node just composed (an alias's node has its size already)
+            if isinstance(node, yaml.ScalarNode):
+                size = 1
+            elif isinstance(node, yaml.SequenceNode):
+                size = 1 + sum(sizes.get(id(c), 1) for c in node.value)
+            else:
+                size = 1 + sum(sizes.get(id(k), 1) + sizes.get(id(v), 1) for k, v in node.value)
+            sizes[id(node)] = size
+        if size > MAX_YAML_NODES:
+            raise ConfigError(
+                f"not a config: its YAML aliases expand to more than {MAX_YAML_NODES:,} values"
+            )
+        return node
+
+
+def _check_port(v: int | None, where: str) -> None:
+    if v is not None and not 0 <= v <= 65535:
+        raise ConfigError(f"{where}: expected a TCP port (0-65535), got {v}")
+
+
+# events: what is kept and how often it is sent (0 ms would spin a core on an idle process)
+_EVENT_BOUNDS = {
+    "interval_ms": (1, 3_600_000),
+    "buffer_batches": (1, 1_000_000),
+    "max_events": (1, 100_000_000),
+}
+
+
+def _check_events(e: Any) -> None:
+    for key, (lo, hi) in _EVENT_BOUNDS.items():
+        v = getattr(e, key)
+        if not lo <= v <= hi:
+            raise ConfigError(f"events.{key}: expected {lo} to {hi:,}, got {v}")
 
 
 # A namespace is the first component of every stored key: no character the key scheme
@@ -149,9 +216,7 @@ def _check_tenants(s: ServerConfig, namespace: str) -> tuple[TenantConfig, ...]:
 
 def _check_server(s: ServerConfig, namespace: str) -> ServerConfig:
     for key in ("port", "metrics_port"):
-        v = getattr(s, key)
-        if v is not None and v > 65535:
-            raise ConfigError(f"server.{key}: expected a TCP port (0-65535), got {v}")
+        _check_port(getattr(s, key), f"server.{key}")
     if not (64 << 10) <= s.max_message_bytes <= 0xFFFFFFFF:
         raise ConfigError(
             "server.max_message_bytes: expected 65536 to 4294967295 (a u32 payload "
@@ -199,9 +264,11 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
         if not all(parts):
             raise ConfigError(f"{where}: empty key component")
         try:
-            value = yaml.safe_load(env[var])
+            value = yaml.load(env[var], Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as e:
             raise ConfigError(f"{where}: not a YAML value: {e}") from e
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
         node: Any = raw
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
@@ -327,6 +394,13 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
             raise ConfigError(
                 f"{label}.write_threads: expected a positive number or null, "
                 f"got {cfg.write_threads}"
+            )
+        if hasattr(cfg, "backoff_initial_s") and not (
+            0 < cfg.backoff_initial_s <= cfg.backoff_max_s  # 0 would retry in a busy loop
+        ):
+            raise ConfigError(
+                f"{label}.backoff_initial_s: expected seconds above 0 and up to backoff_max_s "
+                f"({cfg.backoff_max_s}), got {cfg.backoff_initial_s}"
             )
         if isinstance(cfg, RedisTierConfig) and cfg.wait_replicas < 0:
             raise ConfigError(f"{label}.wait_replicas: expected 0 or more, got {cfg.wait_replicas}")

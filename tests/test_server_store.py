@@ -4,6 +4,8 @@ server maps them. Each bad commit by name; nothing of a refused commit is stored
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from hurray_store import PagedKVPool
@@ -200,3 +202,36 @@ async def test_a_quota_evicts_by_the_stores_own_recency() -> None:
         assert me.evicted == 1
         held = {n: await s.key_size(key(n, "read")) for n in "abcd"}
         assert held == {"a": 1000, "b": None, "c": 1000, "d": 1000}
+
+
+@pytest.mark.parametrize(
+    ("host", "token", "warned"),
+    [("0.0.0.0", "", True), ("127.0.0.1", "", False), ("0.0.0.0", "s3cret", False)],
+    ids=["every_address_no_token", "loopback_no_token", "every_address_token"],
+)
+def test_a_server_reachable_by_others_with_no_token_says_so_at_start(
+    host: str, token: str, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With no token and no tenants every client is an admin: said once at start when
+    the server listens beyond the loopback (it listens for a moment only, nothing is sent)."""
+    from hurray_store.server.app import CacheServer, server_store
+
+    cfg = load_config(
+        {"tiers": [{"type": "cpu", "capacity_bytes": 1 << 20}], "server": {"token": token}},
+        env={},
+    )
+
+    async def main() -> None:
+        store = server_store(cfg)
+        await store.open()
+        server = CacheServer(store, cfg.server)
+        try:
+            await server.start(host, 0, None)
+        finally:
+            await server.shutdown()
+            await store.close()
+
+    with caplog.at_level("WARNING", logger="hurray_store.server.app"):
+        asyncio.run(main())
+    said = [r.getMessage() for r in caplog.records if "no token and no tenants" in r.getMessage()]
+    assert len(said) == int(warned), said

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import ipaddress
 import logging
 import signal
 import socket
@@ -76,11 +77,20 @@ def _has_bytes(sock: socket.socket) -> bool:
         return True  # broken: its own session sees to it
 
 
+def _loopback(addr: str) -> bool:
+    """Whether a bound address is reached from this host only."""
+    try:
+        return ipaddress.ip_address(addr.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 class CacheServer:
     def __init__(self, store: TieredStore, cfg: ServerConfig) -> None:
         """``store``: built by ``server_store`` (it keeps every tenant's namespace)."""
         tenants = Tenants(cfg, store.namespace, store.groups)
         tenants.count_held()  # what an opened store found at restart
+        self.open = tenants.open  # no auth: every client is admin
         self.store = ServedStore(store, tenants)
         self.cfg = cfg
         self.budget = PutBudget(cfg.max_inflight_put_bytes)
@@ -158,6 +168,14 @@ class CacheServer:
             self.port,
             ", ".join(self.store.tier_names),
         )
+        if self.open and not _loopback(sock.getsockname()[0]):
+            log.warning(
+                "the server listens on %s:%d with no token and no tenants: every client "
+                "that reaches it is an admin of every namespace (set server.token or "
+                "server.tenants, docs/server.md)",
+                host,
+                self.port,
+            )
         return self.port
 
     async def serve_forever(self) -> None:

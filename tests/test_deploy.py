@@ -105,6 +105,8 @@ def _drains(proc: subprocess.Popen[bytes]) -> int:
 def test_the_container_files_command_and_health_check_run_as_written(tmp_path: Path) -> None:
     cmd, health = _dockerfile()
     assert cmd[:2] == ["hurray-store", "serve"]
+    users = re.findall(r"^USER (\S+)$", (DEPLOY / "Dockerfile").read_text(), re.M)
+    assert users and users[-1] not in ("root", "0"), "the server does not run as root"
     load_config(DEPLOY / "server.yaml")  # the config it names is valid as shipped
     env = {"HURRAY_STORE__TIERS__DISK__PATH": str(tmp_path / "cache")}  # its volume
     proc, port, mport = _run(_local(cmd), env, tmp_path / "log")
@@ -128,6 +130,14 @@ def test_the_compose_files_server_runs_in_front_of_redis(
     assert hurray["build"]["dockerfile"] == "deploy/Dockerfile"
     cfg = load_config(DEPLOY / "compose-server.yaml")
     assert [t.kind for t in cfg.tiers] == ["cpu", "redis"]
+    # only the store evicts, by whole segment, within what Redis may hold (docs/config.md)
+    argv = redis["command"]
+    assert argv[argv.index("--maxmemory-policy") + 1] == "noeviction"
+    maxmemory = argv[argv.index("--maxmemory") + 1]
+    assert maxmemory.endswith("gb")
+    redis_tier = cfg.tiers[1]
+    assert redis_tier.capacity_bytes is not None
+    assert redis_tier.capacity_bytes < int(maxmemory[:-2]) << 30
     # The compose service `redis` is the test's redis-server.
     env = {"HURRAY_STORE__TIERS__REDIS__URL": redis_server.url}
     proc, port, _ = _run(_local(hurray["command"]), env, tmp_path / "log")
@@ -146,6 +156,7 @@ def test_the_service_units_command_runs_and_stops_on_its_signal(tmp_path: Path) 
     drain = load_config(DEPLOY / "server.yaml").server.shutdown_timeout_s
     assert float(fields["TimeoutStopSec"]) > drain, "systemd would kill it mid-drain"
     assert fields["StateDirectory"] == "hurray-store"  # /var/lib/hurray-store, the disk tier's
+    assert fields["DynamicUser"] == "yes", "not as root"
     cmd = _local(shlex.split(fields["ExecStart"]))
     proc, port, _ = _run(
         cmd, {"HURRAY_STORE__TIERS__DISK__PATH": str(tmp_path / "s")}, tmp_path / "log"

@@ -130,17 +130,8 @@ _CPU = [{"type": "cpu", "capacity_bytes": 1}]
             "tiers.remote.backoff_initial_s",
         ),
         (
-            {
-                "tiers": [
-                    {
-                        "type": "redis",
-                        "url": "redis://h",
-                        "backoff_initial_s": 5,
-                        "backoff_max_s": 1,
-                    }
-                ]
-            },
-            "tiers.redis.backoff_initial_s",
+            {"tiers": [{"type": "redis", "url": "redis://h", "backoff_max_s": 0}]},
+            "tiers.redis.backoff_max_s",
         ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",

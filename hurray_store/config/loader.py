@@ -395,13 +395,11 @@ def _tiers(raw: Any, where: str) -> tuple[TierConfig, ...]:
                 f"{label}.write_threads: expected a positive number or null, "
                 f"got {cfg.write_threads}"
             )
-        if hasattr(cfg, "backoff_initial_s") and not (
-            0 < cfg.backoff_initial_s <= cfg.backoff_max_s  # 0 would retry in a busy loop
-        ):
-            raise ConfigError(
-                f"{label}.backoff_initial_s: expected seconds above 0 and up to backoff_max_s "
-                f"({cfg.backoff_max_s}), got {cfg.backoff_initial_s}"
-            )
+        for key in ("backoff_initial_s", "backoff_max_s"):  # 0 would retry in a busy loop
+            if hasattr(cfg, key) and not getattr(cfg, key) > 0:
+                raise ConfigError(
+                    f"{label}.{key}: expected seconds above 0, got {getattr(cfg, key)}"
+                )
         if isinstance(cfg, RedisTierConfig) and cfg.wait_replicas < 0:
             raise ConfigError(f"{label}.wait_replicas: expected 0 or more, got {cfg.wait_replicas}")
         cap = getattr(cfg, "capacity_bytes", None)

@@ -178,6 +178,11 @@ def ideal_hits(
     return Ideal(blocks, block_hits, tokens, token_hits, len(seen))
 
 
+def restart_at(reqs: Sequence[Request]) -> int:
+    """Where a restart row's fresh vLLM takes over: the trace's second half."""
+    return len(reqs) // 2
+
+
 def write_trace(reqs: Iterable[Request], path: Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in reqs:
@@ -551,7 +556,7 @@ class Bench:
                         "lmcache.mp.port": lport,
                     },
                 }
-            first = len(reqs) // 2 if row.restart else 0
+            first = restart_at(reqs) if row.restart else 0
             if row.restart:
                 # the first half fills the cache; its vLLM stops (saves flushed at shutdown)
                 head = d / "first-half.jsonl"
@@ -742,8 +747,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     reqs = read_trace(a.trace, a.requests)
     ideal = ideal_hits(reqs, 32)
     seen: set[tuple[int, ...]] = set()
-    ideal_hits(reqs[: len(reqs) // 2], 32, seen)
-    ideal_tail = ideal_hits(reqs[len(reqs) // 2 :], 32, seen)
+    ideal_hits(reqs[: restart_at(reqs)], 32, seen)
+    ideal_tail = ideal_hits(reqs[restart_at(reqs) :], 32, seen)
 
     work = a.work or Path(tempfile.mkdtemp(prefix="bench-trace-"))
     work.mkdir(parents=True, exist_ok=True)

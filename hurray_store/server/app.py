@@ -90,7 +90,6 @@ class CacheServer:
         """``store``: built by ``server_store`` (it keeps every tenant's namespace)."""
         tenants = Tenants(cfg, store.namespace, store.groups)
         tenants.count_held()  # what an opened store found at restart
-        self.open = tenants.open  # no auth: every client is admin
         self.store = ServedStore(store, tenants)
         self.cfg = cfg
         self.budget = PutBudget(cfg.max_inflight_put_bytes)
@@ -168,7 +167,7 @@ class CacheServer:
             self.port,
             ", ".join(self.store.tier_names),
         )
-        if self.open and not _loopback(sock.getsockname()[0]):
+        if self.store.tenants.open and not _loopback(sock.getsockname()[0]):
             log.warning(
                 "the server listens on %s:%d with no token and no tenants: every client "
                 "that reaches it is an admin of every namespace (set server.token or "
